@@ -1,0 +1,79 @@
+"""Cross-entropy and token accuracy over vocabulary-parallel logits.
+
+Each rank holds logits for a contiguous slice of the (padded) vocabulary. Full logits are never
+gathered: the loss needs three [B, T]-sized reductions (max, then sum-of-exp and target logit packed
+into one tensor), and the accuracy one more (the smallest global index attaining the max, which is
+what ``argmax`` over the full vocabulary returns).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .utils import group_rank, group_size
+
+
+def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, ignore_index, group):
+        local_vocab = logits.shape[-1]
+        start = group_rank(group) * local_vocab
+        logits = logits.float()
+        padded_from = vocab_size - start  # local column where padding begins (may be <= 0 or > local)
+        if padded_from < local_vocab:
+            column = torch.arange(local_vocab, device=logits.device)
+            logits = logits.masked_fill(column >= padded_from, float("-inf"))
+
+        local_max, local_argmax = logits.max(dim=-1)
+        global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
+
+        ignored = target == ignore_index
+        in_range = (target >= start) & (target < start + local_vocab) & ~ignored
+        local_target = torch.where(in_range, target - start, torch.zeros_like(target))
+
+        exp_logits = (logits - global_max.unsqueeze(-1)).exp_()
+        target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1) - global_max
+        target_logit = torch.where(in_range, target_logit, torch.zeros_like(target_logit))
+        sums = torch.stack([exp_logits.sum(dim=-1), target_logit])
+        sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
+
+        loss = torch.log(sum_exp) - target_logit
+        loss = torch.where(ignored, torch.zeros_like(loss), loss)
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, in_range, local_target, ignored)
+
+        # Ties resolve to the lowest global index, as argmax over the full vocabulary does.
+        big = torch.iinfo(torch.int64).max
+        candidate = torch.where(local_max == global_max, local_argmax + start, torch.full_like(local_argmax, big))
+        prediction = _reduce(candidate, dist.ReduceOp.MIN, group)
+        correct = (prediction == target) & ~ignored
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        softmax, in_range, local_target, ignored = ctx.saved_tensors
+        grad = softmax  # reuse the saved buffer: backward runs once
+        rows = grad.view(-1, grad.shape[-1])
+        flat = torch.arange(rows.shape[0], device=grad.device)
+        rows[flat, local_target.view(-1)] -= in_range.view(-1).to(grad.dtype)
+        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss)
+        grad.mul_(scale.unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                 tp_group=None, ignore_index: int = -100):
+    """Per-token loss (float32, 0 where ignored) and a bool tensor of correct argmax predictions.
+
+    ``logits`` is this rank's slice ``[..., padded_vocab / tp]``; ``vocab_size`` is the true size:
+    columns at or beyond it are padding and get no probability.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group)

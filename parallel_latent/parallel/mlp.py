@@ -1,0 +1,29 @@
+"""The Megatron MLP of note 003: column-parallel h->4h, GELU and dropout on the slice,
+row-parallel 4h->h, dropout on the replicated output. The pre-LayerNorm belongs to the caller."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .random import DropoutRNG, ParallelDropout
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, dropout: float = 0.0,
+                 rng: DropoutRNG | None = None, tp_group=None, init_method: InitMethod | None = None,
+                 output_init_method: InitMethod | None = None):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp_group=tp_group,
+                                                  init_method=init_method)
+        self.hidden_dropout = ParallelDropout(dropout, rng, partition_dim=-1, tp_group=tp_group)
+        self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True,
+                                               tp_group=tp_group, init_method=output_init_method or init_method)
+        self.output_dropout = ParallelDropout(dropout, rng, partition_dim=None, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Exact (erf) GELU, not the tanh approximation of note 003: DESIGN.md section 2.
+        hidden = F.gelu(self.dense_h_to_4h(x))
+        hidden = self.hidden_dropout(hidden)
+        return self.output_dropout(self.dense_4h_to_h(hidden))

@@ -1,0 +1,130 @@
+"""Dropout whose mask is a pure function of (seed, step, layer, global element index).
+
+A stateful generator cannot give a TP=N run the masks of a TP=1 run: each rank would have to skip
+exactly the random numbers of the other ranks' slices. A counter-based hash can: every element
+computes its own keep/drop decision from its coordinates in the *full* (unsplit, un-sharded over
+DP) tensor. Consequences that the rules of DESIGN.md section 3 ask for fall out of it:
+
+* inside a TP region each rank draws exactly its slice of the TP=1 mask;
+* in replicated regions every rank of a TP group draws the same mask (same coordinates);
+* DP ranks hold different samples, so their masks differ (the batch coordinate is global);
+* activation recomputation and exact resume need no RNG state beyond ``(seed, step)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .utils import group_rank, group_size
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on uint32 values held in int64 (products wrap, the mask keeps 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x846CA68B) & _MASK32
+    return h ^ (h >> 16)
+
+
+@dataclass
+class DropoutRNG:
+    """The dropout key shared by every dropout site of one model.
+
+    ``step`` is advanced by the trainer once per micro-batch; ``sample_offset`` is the global index
+    of this rank's first sample (``dp_rank * micro_batch``) so DP ranks draw different masks and a
+    DP=2 run equals a DP=1 run with the doubled micro-batch.
+    """
+
+    seed: int = 0
+    step: int = 0
+    sample_offset: int = 0
+    _next_layer_id: int = field(default=0, repr=False)
+
+    def new_layer_id(self) -> int:
+        # Construction order is the same at every TP degree, so ids agree across runs.
+        layer_id = self._next_layer_id
+        self._next_layer_id += 1
+        return layer_id
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "step": self.step, "sample_offset": self.sample_offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.step, self.sample_offset = state["seed"], state["step"], state["sample_offset"]
+
+
+def keep_mask(shape: tuple[int, ...], p: float, key: tuple[int, int, int],
+              offsets: tuple[int, ...], full_shape: tuple[int, ...], device=None) -> torch.Tensor:
+    """Boolean keep-mask for the block ``[offsets, offsets + shape)`` of a ``full_shape`` tensor."""
+    seed, step, layer_id = key
+    k = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer_id)
+    k_lo, k_hi = k & _MASK32, k >> 32
+
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(len(shape))):
+        coord = torch.arange(offsets[dim], offsets[dim] + shape[dim], dtype=torch.int64, device=device)
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        index = index + coord.view(view) * stride
+        stride *= full_shape[dim]
+
+    h = _mix32((index & _MASK32) ^ k_lo)
+    h = _mix32(h ^ (index >> 32) ^ k_hi)
+    threshold = int(round(p * 2**32))
+    return h >= threshold
+
+
+class ParallelDropout(nn.Module):
+    """Dropout keyed on global coordinates.
+
+    ``partition_dim`` names the dimension that is split over ``tp_group`` (the slice of this rank
+    starts at ``tp_rank * local_size``); ``None`` means the activation is replicated over the group.
+    Dimension 0 is the batch, offset by ``rng.sample_offset``.
+    """
+
+    def __init__(self, p: float, rng: DropoutRNG | None, *, partition_dim: int | None = None,
+                 tp_group=None):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        if p > 0 and rng is None:
+            raise ValueError("dropout > 0 needs a DropoutRNG")
+        self.p = p
+        self.rng = rng
+        self.layer_id = rng.new_layer_id() if rng is not None else -1
+        self.partition_dim = partition_dim
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        shape = tuple(x.shape)
+        offsets = [0] * x.dim()
+        full_shape = list(shape)
+        offsets[0] = self.rng.sample_offset
+        full_shape[0] = self.rng.sample_offset + shape[0]
+        if self.partition_dim is not None:
+            dim = self.partition_dim % x.dim()
+            offsets[dim] = group_rank(self.tp_group) * shape[dim]
+            full_shape[dim] = group_size(self.tp_group) * shape[dim]
+        # The batch dim is outermost, so its full extent never enters the index: any value works.
+        mask = keep_mask(shape, self.p, (self.rng.seed, self.rng.step, self.layer_id),
+                         tuple(offsets), tuple(full_shape), device=x.device)
+        return x * mask.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, layer_id={self.layer_id}, partition_dim={self.partition_dim}"

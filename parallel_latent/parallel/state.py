@@ -1,0 +1,229 @@
+"""Process groups for world = TP x DP, and the ``mpu`` object DeepSpeed expects.
+
+This registry is the one piece of global mutable state in the project. TP groups are consecutive
+ranks (so they stay inside a node, where bandwidth is highest); DP groups take one rank of each
+TP group. Layers never read it: they receive their ``tp_group`` explicitly.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    tp_group: object
+    dp_group: object
+    backend: str
+    device: torch.device
+
+
+_STATE: ParallelState | None = None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """``gpu[03-05,9],cpu1`` -> ``gpu03``: the host that runs rank 0 under srun."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launcher_environment(env=None) -> dict:
+    """Rank facts from whichever launcher started us: torchrun, the deepspeed launcher and
+    ``accelerate launch`` set RANK/WORLD_SIZE/LOCAL_RANK; plain ``srun`` sets SLURM_*; ``mpirun``
+    sets OMPI_*. No launcher at all means a single process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
+        local_rank = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
+    else:
+        return {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": None, "master_port": None}
+    return {"rank": rank, "world_size": world, "local_rank": local_rank, "master_addr": addr,
+            "master_port": str(port)}
+
+
+def _choose_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl needs CUDA, and no CUDA device is visible")
+    return backend
+
+
+def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s: float = 600.0) -> ParallelState:
+    """Join (or create) the default process group from the launcher's environment, then build
+    the TP and DP groups. Safe to call when the default group already exists (tests, DeepSpeed)."""
+    if not dist.is_initialized():
+        env = launcher_environment()
+        backend = _choose_backend(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(env["local_rank"] % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if env["world_size"] == 1 and env["master_addr"] is None:
+            # No launcher: a private in-memory store, no port to pick.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", env["master_addr"])
+            os.environ.setdefault("MASTER_PORT", env["master_port"])
+            dist.init_process_group(backend, init_method="env://", rank=env["rank"],
+                                    world_size=env["world_size"], timeout=timeout)
+        os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
+    return initialize_model_parallel(tensor_parallel)
+
+
+def initialize_model_parallel(tensor_parallel: int) -> ParallelState:
+    """Build TP groups of consecutive ranks and DP groups across them (collective: all ranks call)."""
+    global _STATE
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tensor_parallel < 1 or world % tensor_parallel != 0:
+        raise ValueError(f"tensor_parallel={tensor_parallel} does not divide the world size {world}")
+    dp = world // tensor_parallel
+    tp_group = dp_group = None
+    tp_ranks = dp_ranks = ()
+    # new_group is collective over the whole world: every rank creates every group, in order.
+    for start in range(0, world, tensor_parallel):
+        ranks = tuple(range(start, start + tensor_parallel))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            tp_group, tp_ranks = group, ranks
+    for offset in range(tensor_parallel):
+        ranks = tuple(range(offset, world, tensor_parallel))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            dp_group, dp_ranks = group, ranks
+    backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    _STATE = ParallelState(rank=rank, world_size=world, local_rank=local_rank, tp_size=tensor_parallel,
+                           tp_rank=tp_ranks.index(rank), dp_size=dp, dp_rank=dp_ranks.index(rank),
+                           tp_ranks=tp_ranks, dp_ranks=dp_ranks, tp_group=tp_group, dp_group=dp_group,
+                           backend=backend, device=device)
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("process groups are not initialized: call init_distributed() first")
+    return _STATE
+
+
+def get_tp_group():
+    return get_parallel_state().tp_group
+
+
+def get_tp_size() -> int:
+    return _STATE.tp_size if _STATE else 1
+
+
+def get_tp_rank() -> int:
+    return _STATE.tp_rank if _STATE else 0
+
+
+def get_dp_group():
+    return get_parallel_state().dp_group
+
+
+def get_dp_size() -> int:
+    return _STATE.dp_size if _STATE else 1
+
+
+def get_dp_rank() -> int:
+    return _STATE.dp_rank if _STATE else 0
+
+
+class ModelParallelUnit:
+    """The ``mpu`` interface DeepSpeed calls (ZeRO's gradient norm, checkpoint naming, data
+    parallel sizing). Deliberately without ``initialize_sequence_parallel``: DeepSpeed takes the
+    presence of that method to mean a sequence-parallel mpu."""
+
+    def __init__(self, state: ParallelState | None = None):
+        self._state = state
+
+    @property
+    def state(self) -> ParallelState:
+        return self._state or get_parallel_state()
+
+    # tensor (model) parallel
+    def get_model_parallel_group(self):
+        return self.state.tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.state.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.state.tp_size
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_slice_parallel_group = get_model_parallel_group
+    get_slice_parallel_rank = get_model_parallel_rank
+    get_slice_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.state.tp_ranks[0]
+
+    # data parallel
+    def get_data_parallel_group(self):
+        return self.state.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.state.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.state.dp_size
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self.state.dp_ranks)
+
+    # no pipeline parallelism
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipe_parallel_rank(self) -> int:
+        return 0

@@ -1,0 +1,393 @@
+"""Corpus reading, tokenisation to fixed length, held-out split, DP-sharded sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_latent.config import Config, TokenizerConfig, config_from_dict
+from parallel_latent.data import (
+    DataError,
+    ShardedBatchSampler,
+    TokenizedDataset,
+    build_datasets,
+    bundled_corpus_path,
+    get_batch,
+    read_samples,
+    split_indices,
+    tokenize_samples,
+)
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+PAD = 50258
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TokenizerConfig(name_or_path="offline"))
+
+
+def data_error(*args, **kwargs) -> str:
+    """The message of the DataError that read_samples raises; asserts it is one line."""
+    with pytest.raises(DataError) as caught:
+        read_samples(*args, **kwargs)
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+# --------------------------------------------------------------------------- #
+# Reading.
+# --------------------------------------------------------------------------- #
+
+
+def test_text_lines(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("first line\n\n   \n  second line  \r\nthird\n")
+    assert read_samples(path) == ["first line", "second line", "third"]
+
+
+def test_text_paragraphs(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("one\ntwo\n\n\nthree\n  \nfour\nfive")
+    assert read_samples(path, sample_unit="paragraph") == ["one two", "three", "four five"]
+
+
+def test_jsonl(tmp_path):
+    path = tmp_path / "a.jsonl"
+    records = [{"text": "alpha", "id": 1}, {"text": "  "}, {"text": "beta"}]
+    path.write_text("\n".join(json.dumps(record) for record in records) + "\n\n")
+    assert read_samples(path) == ["alpha", "beta"]
+    assert read_samples(path, format="jsonl") == ["alpha", "beta"]
+    # format=text reads the same file as plain lines.
+    assert read_samples(path, format="text")[0] == '{"text": "alpha", "id": 1}'
+
+
+def test_jsonl_custom_field(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"body": "gamma"}) + "\n")
+    assert read_samples(path, text_field="body") == ["gamma"]
+
+
+def test_directory_is_read_recursively_in_sorted_order(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_text("from b/z\n")
+    (tmp_path / "a.txt").write_text("from a\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "from c"}) + "\n")
+    (tmp_path / "notes.md").write_text("ignored\n")
+    assert read_samples(tmp_path) == ["from a", "from b/z", "from c"]
+    assert read_samples(tmp_path, format="text") == ["from a", "from b/z"]
+    assert read_samples(tmp_path, format="jsonl") == ["from c"]
+
+
+def test_bundled_corpus():
+    assert bundled_corpus_path().is_file()
+    assert (bundled_corpus_path().parent / "SOURCE.md").is_file()
+    samples = read_samples("")
+    assert samples == read_samples(bundled_corpus_path())
+    assert len(samples) > 4000
+    assert samples[0].startswith("It is a truth universally acknowledged")
+
+
+# --------------------------------------------------------------------------- #
+# Errors: one line naming the path.
+# --------------------------------------------------------------------------- #
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope.txt"
+    assert data_error(missing) == f"{missing}: data path does not exist"
+
+
+def test_not_utf8_file(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"caf\xe9\n")
+    assert data_error(path) == f"{path}: not UTF-8 text (bad byte at offset 3)"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path):
+    path = tmp_path / "secret.txt"
+    path.write_text("hidden\n")
+    path.chmod(0)
+    try:
+        assert data_error(path) == f"{path}: cannot read file: Permission denied"
+    finally:
+        path.chmod(0o600)
+
+
+def test_read_error_is_one_line(tmp_path, monkeypatch):
+    # Runs even as root (who can read a chmod 000 file): simulate the OS refusing.
+    path = tmp_path / "locked.txt"
+    path.write_text("x\n")
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    assert data_error(path) == f"{path}: cannot read file: Permission denied"
+
+
+def test_empty_corpus(tmp_path):
+    path = tmp_path / "blank.txt"
+    path.write_text("\n  \n\n")
+    assert data_error(path) == f"{path}: corpus is empty (no non-empty samples)"
+    jsonl = tmp_path / "blank.jsonl"
+    jsonl.write_text(json.dumps({"text": ""}) + "\n")
+    assert data_error(jsonl) == f"{jsonl}: corpus is empty (no non-empty samples)"
+
+
+def test_directory_without_data_files(tmp_path):
+    (tmp_path / "readme.md").write_text("x")
+    assert data_error(tmp_path) == f"{tmp_path}: directory contains no *.txt or *.jsonl files"
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"text": "ok"', "invalid JSON: Expecting ',' delimiter"),
+        ("not json", "invalid JSON: Expecting value"),
+        ('{"body": "x"}', "missing text field 'text'"),
+        ('["text"]', "expected a JSON object, got list"),
+        ('{"text": 3}', "text field 'text' is int, not a string"),
+    ],
+)
+def test_bad_jsonl_line_names_file_and_line(tmp_path, line, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n\n" + line + "\n")
+    assert data_error(path) == f"{path}:3: {expected}"
+
+
+# --------------------------------------------------------------------------- #
+# Tokenisation.
+# --------------------------------------------------------------------------- #
+
+
+def test_pad_and_truncate(tokenizer):
+    long_text = " ".join(["word"] * 50)
+    dataset = tokenize_samples(
+        ["Hello world", long_text], tokenizer, max_length=8, pad_token_id=PAD
+    )
+    assert dataset.input_ids.dtype == torch.long and dataset.attention_mask.dtype == torch.long
+    assert dataset.input_ids.shape == dataset.attention_mask.shape == (2, 8)
+    assert dataset.input_ids[0].tolist() == [15496, 995] + [PAD] * 6
+    assert dataset.attention_mask[0].tolist() == [1, 1] + [0] * 6
+    assert dataset.input_ids[1].tolist() == tokenizer(long_text)["input_ids"][:8]
+    assert dataset.attention_mask[1].tolist() == [1] * 8
+    assert dataset.truncated.tolist() == [False, True] and dataset.num_truncated == 1
+    assert dataset.num_tokens == 10 and len(dataset) == 2
+    assert dataset.texts == ["Hello world", long_text]
+
+
+def test_exactly_max_length_is_not_truncated(tokenizer):
+    text = " ".join(["word"] * 8)
+    assert len(tokenizer(text)["input_ids"]) == 8
+    dataset = tokenize_samples([text], tokenizer, max_length=8, pad_token_id=PAD)
+    assert dataset.attention_mask.sum() == 8 and dataset.num_truncated == 0
+
+
+class _WordTokenizer:
+    """Stand-in tokenizer: one id per word, so a sample can tokenise to nothing."""
+
+    def __call__(self, texts, **kwargs):
+        return {
+            "input_ids": [[len(word) for word in text.split() if word != "~"] for text in texts]
+        }
+
+
+def test_samples_without_tokens_are_dropped():
+    dataset = tokenize_samples(["a bb", "~", "ccc"], _WordTokenizer(), max_length=4, pad_token_id=0)
+    assert dataset.texts == ["a bb", "ccc"]
+    assert dataset.input_ids.tolist() == [[1, 2, 0, 0], [3, 0, 0, 0]]
+
+
+def test_get_batch():
+    dataset = tokenize_samples(["a", "bb", "ccc"], _WordTokenizer(), max_length=2, pad_token_id=9)
+    batch = get_batch(dataset, [2, 0])
+    assert set(batch) == {"input_ids", "attention_mask"}
+    assert batch["input_ids"].tolist() == [[3, 9], [1, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 0], [1, 0]]
+    assert get_batch(dataset, torch.tensor([1]))["input_ids"].tolist() == [[2, 9]]
+    assert dataset[1]["input_ids"].tolist() == [2, 9]
+
+
+# --------------------------------------------------------------------------- #
+# Held-out split.
+# --------------------------------------------------------------------------- #
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    train, held_out = split_indices(1000, eval_fraction=0.05, min_eval_samples=16)
+    assert (train, held_out) == split_indices(1000, eval_fraction=0.05, min_eval_samples=16)
+    assert len(held_out) == 50 and len(train) == 950
+    assert sorted(train + held_out) == list(range(1000))
+    assert train == sorted(train) and held_out == sorted(held_out)
+    assert held_out != list(range(50))  # shuffled, not the head of the file
+
+
+def test_split_sizes():
+    assert len(split_indices(100, 0.02, 16)[1]) == 16  # the minimum wins
+    assert len(split_indices(101, 0.5, 0)[1]) == 51  # rounded up
+    assert split_indices(10, 0.0, 0) == (list(range(10)), [])
+    assert len(split_indices(17, 0.0, 16)[0]) == 1
+
+
+def test_split_too_small_is_a_clear_error():
+    with pytest.raises(DataError) as caught:
+        split_indices(16, 0.02, 16, source="tiny.txt")
+    assert str(caught.value) == (
+        "tiny.txt: corpus of 16 samples is too small to hold out 16 for evaluation and still "
+        "train (data.eval_fraction=0.02, data.min_eval_samples=16)"
+    )
+
+
+def test_build_datasets(tokenizer, tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"Sentence number {i} of the test corpus." for i in range(200)))
+    cfg = config_from_dict(
+        {
+            "data": {"path": str(path), "eval_fraction": 0.1, "min_eval_samples": 4},
+            "model": {"max_length": 6},
+        }
+    )
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    train, held_out = build_datasets(cfg, tokenizer)
+    assert isinstance(train, TokenizedDataset)
+    assert (len(train), len(held_out)) == (180, 20)
+    assert train.input_ids.shape == (180, 6) and held_out.input_ids.shape == (20, 6)
+    assert not set(train.texts) & set(held_out.texts)
+    assert build_datasets(cfg, tokenizer)[1].texts == held_out.texts  # deterministic
+    assert held_out.num_truncated == 20  # every sample is longer than 6 tokens
+
+    capped = config_from_dict({"data": {"path": str(path), "max_samples": 50}})
+    train, held_out = build_datasets(capped, tokenizer)
+    assert (len(train), len(held_out)) == (34, 16)
+    assert train.input_ids.shape[1] == 32
+
+
+def test_build_datasets_on_the_bundled_corpus(tokenizer):
+    cfg = apply_tokenizer_facts(Config(), tokenizer_facts(tokenizer))
+    train, held_out = build_datasets(cfg, tokenizer)
+    assert len(train) + len(held_out) == len(read_samples(""))
+    assert len(held_out) == max(16, math.ceil(0.02 * len(read_samples(""))))
+    assert (train.input_ids[train.attention_mask == 0] == cfg.model.pad_token_id).all()
+    # Most samples fit in T=32 tokens.
+    assert train.num_truncated < 0.3 * len(train)
+
+
+# --------------------------------------------------------------------------- #
+# Sharded sampler.
+# --------------------------------------------------------------------------- #
+
+
+def take(sampler: ShardedBatchSampler, count: int) -> list[list[int]]:
+    batches = sampler.iter_batches()
+    return [next(batches) for _ in range(count)]
+
+
+def test_dp_ranks_get_disjoint_batches_covering_the_epoch():
+    samplers = [ShardedBatchSampler(100, 8, dp_rank=r, dp_size=3, seed=5) for r in range(3)]
+    per_rank = [sum(sampler.epoch_batches(0), []) for sampler in samplers]
+    assert all(len(indices) == 4 * 8 for indices in per_rank)  # 100 // 24 = 4 batches each
+    flat = sum(per_rank, [])
+    assert len(set(flat)) == len(flat) == 96
+    epoch_order = torch.randperm(100, generator=torch.Generator().manual_seed(5)).tolist()
+    assert sorted(flat) == sorted(epoch_order[:96])
+
+
+def test_same_dp_rank_gets_identical_batches():
+    # Tensor-parallel ranks of one replica build their sampler from the same dp_rank.
+    first = ShardedBatchSampler(100, 8, dp_rank=1, dp_size=2, seed=3)
+    second = ShardedBatchSampler(100, 8, dp_rank=1, dp_size=2, seed=3)
+    assert take(first, 20) == take(second, 20)
+
+
+def test_order_is_a_function_of_seed_plus_epoch():
+    sampler = ShardedBatchSampler(64, 4, seed=10)
+    assert (
+        sum(sampler.epoch_batches(0), [])
+        == torch.randperm(64, generator=torch.Generator().manual_seed(10)).tolist()
+    )
+    assert sampler.epoch_batches(2) == ShardedBatchSampler(64, 4, seed=11).epoch_batches(1)
+    assert sampler.epoch_batches(0) != sampler.epoch_batches(1)
+    assert sampler.epoch_batches(0) != ShardedBatchSampler(64, 4, seed=99).epoch_batches(0)
+
+
+def test_global_batches_do_not_depend_on_the_dp_split():
+    whole = ShardedBatchSampler(96, 16, dp_rank=0, dp_size=1, seed=7)
+    halves = [ShardedBatchSampler(96, 8, dp_rank=r, dp_size=2, seed=7) for r in range(2)]
+    for step in range(6):
+        assert whole.batch_at(0, step) == halves[0].batch_at(0, step) + halves[1].batch_at(0, step)
+
+
+def test_iteration_runs_over_epochs_and_iter_gives_one_epoch():
+    sampler = ShardedBatchSampler(10, 3, seed=0)  # 3 batches per epoch, 1 sample dropped
+    assert len(sampler) == 3
+    endless = take(ShardedBatchSampler(10, 3, seed=0), 7)
+    assert endless[:3] == sampler.epoch_batches(0) and endless[3:6] == sampler.epoch_batches(1)
+    assert list(sampler) == sampler.epoch_batches(0)
+    assert list(sampler) == sampler.epoch_batches(1)
+    assert sampler.state_dict()["epoch"] == 1
+
+
+def test_resume_from_state_equals_uninterrupted_run():
+    uninterrupted = take(ShardedBatchSampler(50, 4, dp_rank=1, dp_size=2, seed=42), 30)
+    for stop_after in (0, 5, 6, 13):  # 6 batches per epoch: 6 is an epoch boundary
+        first = ShardedBatchSampler(50, 4, dp_rank=1, dp_size=2, seed=42)
+        before = take(first, stop_after)
+        state = first.state_dict()
+        resumed = ShardedBatchSampler(50, 4, dp_rank=1, dp_size=2, seed=42)
+        resumed.load_state_dict(state)
+        assert before + take(resumed, 30 - stop_after) == uninterrupted
+
+
+def test_set_position():
+    sampler = ShardedBatchSampler(50, 4, seed=1)
+    sampler.set_position(3, 2)
+    assert next(sampler.iter_batches()) == sampler.batch_at(3, 2)
+    assert sampler.state_dict()["epoch"] == 3 and sampler.state_dict()["batches_consumed"] == 3
+    with pytest.raises(ValueError):
+        sampler.set_position(0, sampler.batches_per_epoch + 1)
+
+
+def test_resume_with_the_same_global_batch_split_differently():
+    # A run at DP=1 x batch 8 resumed at DP=2 x batch 4 continues the same global batches.
+    single = ShardedBatchSampler(40, 8, seed=2)
+    take(single, 3)
+    pair = [ShardedBatchSampler(40, 4, dp_rank=r, dp_size=2, seed=2) for r in range(2)]
+    for sampler in pair:
+        sampler.load_state_dict(single.state_dict())
+    for _ in range(4):
+        assert next(single.iter_batches()) == pair[0].next_batch() + pair[1].next_batch()
+
+
+def test_resume_rejects_a_different_sequence():
+    state = ShardedBatchSampler(40, 8, seed=2).state_dict()
+    with pytest.raises(ValueError, match="seed=2 but this sampler has seed=3"):
+        ShardedBatchSampler(40, 8, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_samples=40"):
+        ShardedBatchSampler(41, 8, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="global_batch_size=8"):
+        ShardedBatchSampler(40, 4, seed=2).load_state_dict(state)
+
+
+def test_without_drop_last_every_sample_is_seen_and_batches_are_full():
+    samplers = [
+        ShardedBatchSampler(10, 3, dp_rank=r, dp_size=2, seed=0, drop_last=False, shuffle=False)
+        for r in range(2)
+    ]
+    assert [len(sampler) for sampler in samplers] == [2, 2]
+    batches = [sampler.epoch_batches(0) for sampler in samplers]
+    assert batches[0] == [[0, 1, 2], [6, 7, 8]] and batches[1] == [[3, 4, 5], [9, 0, 1]]
+
+
+def test_too_few_samples_for_one_global_batch():
+    with pytest.raises(DataError, match="10 samples cannot fill one global batch of 4 x 3"):
+        ShardedBatchSampler(10, 4, dp_rank=0, dp_size=3)
+    with pytest.raises(ValueError):
+        ShardedBatchSampler(10, 2, dp_rank=2, dp_size=2)
