@@ -19,16 +19,28 @@ def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
     return x
 
 
+def _mask_padding(logits: torch.Tensor, vocab_size: int, start: int) -> torch.Tensor:
+    local_vocab = logits.shape[-1]
+    padded_from = vocab_size - start  # local column where padding begins (may be <= 0 or > local)
+    if padded_from < local_vocab:
+        column = torch.arange(local_vocab, device=logits.device)
+        logits = logits.masked_fill(column >= padded_from, float("-inf"))
+    return logits
+
+
+def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> torch.Tensor:
+    # Ties resolve to the lowest global index, as argmax over the full vocabulary does.
+    big = torch.iinfo(torch.int64).max
+    candidate = torch.where(local_max == global_max, local_argmax + start, torch.full_like(local_argmax, big))
+    return _reduce(candidate, dist.ReduceOp.MIN, group)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, ignore_index, group):
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
-        logits = logits.float()
-        padded_from = vocab_size - start  # local column where padding begins (may be <= 0 or > local)
-        if padded_from < local_vocab:
-            column = torch.arange(local_vocab, device=logits.device)
-            logits = logits.masked_fill(column >= padded_from, float("-inf"))
+        logits = _mask_padding(logits.float(), vocab_size, start)
 
         local_max, local_argmax = logits.max(dim=-1)
         global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
@@ -49,10 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, in_range, local_target, ignored)
 
-        # Ties resolve to the lowest global index, as argmax over the full vocabulary does.
-        big = torch.iinfo(torch.int64).max
-        candidate = torch.where(local_max == global_max, local_argmax + start, torch.full_like(local_argmax, big))
-        prediction = _reduce(candidate, dist.ReduceOp.MIN, group)
+        prediction = _argmax_from_local(local_max, local_argmax, global_max, start, group)
         correct = (prediction == target) & ~ignored
         ctx.mark_non_differentiable(correct)
         return loss, correct
@@ -77,3 +86,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     columns at or beyond it are padding and get no probability.
     """
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group)
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+    """Global token ids of the argmax over the full (unpadded) vocabulary, from split logits:
+    two [B, T]-sized reductions instead of gathering [B, T, V]."""
+    start = group_rank(tp_group) * logits.shape[-1]
+    logits = _mask_padding(logits, vocab_size, start)
+    local_max, local_argmax = logits.max(dim=-1)
+    global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, tp_group)
+    return _argmax_from_local(local_max, local_argmax, global_max, start, tp_group)
