@@ -30,13 +30,35 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """lowbias32 integer hash on uint32 values held in int64 (products wrap, the mask keeps 32 bits)."""
+def _as_int32(value: int) -> int:
+    """The int32 whose bits are the uint32 ``value``."""
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+_M1, _M2 = _as_int32(0x7FEB352D), _as_int32(0x846CA68B)
+_INT32_MIN = -(1 << 31)
+
+
+def _mix32_int64(h: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on uint32 values held in int64 (products wrap; the mask keeps 32 bits)."""
     h = h ^ (h >> 16)
     h = (h * 0x7FEB352D) & _MASK32
     h = h ^ (h >> 15)
     h = (h * 0x846CA68B) & _MASK32
     return h ^ (h >> 16)
+
+
+def _mix32_(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """lowbias32 in place on int32 bits: products wrap, right shifts are made logical by masking.
+    int32, in place and with one scratch buffer because this runs over every element dropout
+    touches."""
+    for shift, keep_bits, multiplier in ((16, 0xFFFF, _M1), (15, 0x1FFFF, _M2)):
+        torch.bitwise_right_shift(h, shift, out=scratch)
+        h ^= scratch.bitwise_and_(keep_bits)
+        h *= multiplier
+    torch.bitwise_right_shift(h, 16, out=scratch)
+    h ^= scratch.bitwise_and_(0xFFFF)
+    return h
 
 
 @dataclass
@@ -68,24 +90,37 @@ class DropoutRNG:
 
 def keep_mask(shape: tuple[int, ...], p: float, key: tuple[int, int, int],
               offsets: tuple[int, ...], full_shape: tuple[int, ...], device=None) -> torch.Tensor:
-    """Boolean keep-mask for the block ``[offsets, offsets + shape)`` of a ``full_shape`` tensor."""
-    seed, step, layer_id = key
-    k = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer_id)
-    k_lo, k_hi = k & _MASK32, k >> 32
+    """Boolean keep-mask for the block ``[offsets, offsets + shape)`` of a ``full_shape`` tensor.
 
-    index = torch.zeros((), dtype=torch.int64, device=device)
+    Rows (all leading dims) get a well-mixed 32-bit hash computed in int64 on the small row
+    tensor; each element then hashes (column ^ row hash) with two int32 rounds.
+    """
+    seed, step, layer_id = key
+    k_row = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer_id)
+    k_col = _as_int32(_splitmix64(k_row) & _MASK32)
+
+    lead = len(shape) - 1
+    row_index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
-    for dim in reversed(range(len(shape))):
+    for dim in reversed(range(lead)):
         coord = torch.arange(offsets[dim], offsets[dim] + shape[dim], dtype=torch.int64, device=device)
         view = [1] * len(shape)
         view[dim] = shape[dim]
-        index = index + coord.view(view) * stride
+        row_index = row_index + coord.view(view) * stride
         stride *= full_shape[dim]
+    row_hash = _mix32_int64((row_index & _MASK32) ^ (k_row & _MASK32))
+    row_hash = _mix32_int64(row_hash ^ (row_index >> 32) ^ (k_row >> 32))
+    row_hash = torch.where(row_hash >= (1 << 31), row_hash - (1 << 32), row_hash).to(torch.int32)
 
-    h = _mix32((index & _MASK32) ^ k_lo)
-    h = _mix32(h ^ (index >> 32) ^ k_hi)
+    columns = torch.arange(offsets[-1], offsets[-1] + shape[-1], dtype=torch.int32, device=device)
+    h = columns ^ row_hash  # broadcast: one fresh int32 tensor of the full shape
+    scratch = torch.empty_like(h)
+    _mix32_(h, scratch)
+    h ^= k_col
+    _mix32_(h, scratch)
+    # Compare as unsigned: flipping the sign bit maps uint32 order onto int32 order.
     threshold = int(round(p * 2**32))
-    return h >= threshold
+    return (h ^ _INT32_MIN) >= threshold + _INT32_MIN
 
 
 class ParallelDropout(nn.Module):
@@ -124,7 +159,7 @@ class ParallelDropout(nn.Module):
         # The batch dim is outermost, so its full extent never enters the index: any value works.
         mask = keep_mask(shape, self.p, (self.rng.seed, self.rng.step, self.layer_id),
                          tuple(offsets), tuple(full_shape), device=x.device)
-        return x * mask.to(x.dtype) * (1.0 / (1.0 - self.p))
+        return x * torch.where(mask, 1.0 / (1.0 - self.p), 0.0).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer_id={self.layer_id}, partition_dim={self.partition_dim}"

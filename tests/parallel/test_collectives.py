@@ -1,0 +1,103 @@
+"""Collectives are counted by wrapping torch.distributed itself, not by trusting the layers.
+
+A pre-LayerNorm transformer block (attention + MLP) must cost exactly the Megatron minimum: two
+all-reduces of B*T*d forward (attention output, MLP output) and two backward (the two region
+entries). The vocabulary-parallel loss adds only [B, T]-sized reductions."""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel_latent.parallel import (DropoutRNG, ParallelAttention, ParallelMLP, VocabParallelHead,
+                                      initialize_model_parallel, vocab_parallel_cross_entropy)
+from tests.tp_compare import count_collectives
+
+B, T, S, D, HEADS, VOCAB = 2, 8, 6, 32, 4, 500
+
+
+class Block(nn.Module):
+    def __init__(self, tp_group):
+        super().__init__()
+        rng = DropoutRNG(seed=1)
+        self.ln_attn, self.ln_context, self.ln_mlp = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attention = ParallelAttention(D, HEADS, dropout=0.1, rng=rng, tp_group=tp_group)
+        self.mlp = ParallelMLP(D, 4 * D, dropout=0.1, rng=rng, tp_group=tp_group)
+
+    def forward(self, x, context=None):
+        if context is not None and context.requires_grad:
+            context = self.ln_context(context)  # a trained norm makes the context need a gradient
+        x = x + self.attention(self.ln_attn(x), context=context)
+        return x + self.mlp(self.ln_mlp(x))
+
+
+def count_block(tp: int, context_kind: str) -> dict:
+    state = initialize_model_parallel(tp)
+    torch.manual_seed(0)
+    block = Block(state.tp_group)
+    x = torch.randn(B, T, D, requires_grad=True)
+    context = None
+    if context_kind == "frozen":
+        context = torch.randn(B, S, D)
+    elif context_kind == "trained":
+        context = torch.randn(B, S, D, requires_grad=True)
+    log, restore = count_collectives()
+    try:
+        out = block(x, context)
+        forward = list(log)
+        log.clear()
+        out.sum().backward()
+        backward = list(log)
+    finally:
+        restore()
+    return {"forward": forward, "backward": backward}
+
+
+def count_head_and_loss(tp: int) -> dict:
+    state = initialize_model_parallel(tp)
+    torch.manual_seed(0)
+    head = VocabParallelHead(D, VOCAB, tp_group=state.tp_group)
+    hidden = torch.randn(B, T, D, requires_grad=True)
+    target = torch.randint(0, VOCAB, (B, T))
+    log, restore = count_collectives()
+    try:
+        logits = head(hidden)
+        after_head = list(log)
+        loss, correct = vocab_parallel_cross_entropy(logits, target, VOCAB, state.tp_group)
+        forward = list(log)[len(after_head):]
+        log.clear()
+        loss.mean().backward()
+        backward = list(log)
+    finally:
+        restore()
+    return {"head_forward": after_head, "loss_forward": forward, "backward": backward}
+
+
+def test_block_costs_two_all_reduces_each_way(pool4):
+    for tp in (2, 4):
+        for kind in ("none", "frozen"):
+            res = pool4.run(count_block, tp, kind)[0]
+            assert res["forward"] == [("all_reduce", B * T * D, "SUM")] * 2, (tp, kind, res)
+            assert res["backward"] == [("all_reduce", B * T * D, "SUM")] * 2, (tp, kind, res)
+
+
+def test_trained_context_enters_the_region_once(pool4):
+    # The context needs a gradient too (a trained LayerNorm on it, or a trained producer): keys and
+    # values read cat(context, x), entered as one tensor, so still one all-reduce for the attention.
+    res = pool4.run(count_block, 2, "trained")[0]
+    assert res["forward"] == [("all_reduce", B * T * D, "SUM")] * 2
+    assert sorted(res["backward"]) == sorted([("all_reduce", B * (S + T) * D, "SUM"),
+                                              ("all_reduce", B * T * D, "SUM")])
+
+
+def test_tp1_in_a_multi_rank_world_communicates_nothing(pool4):
+    res = pool4.run(count_block, 1, "frozen")[0]
+    assert res == {"forward": [], "backward": []}
+
+
+def test_loss_adds_only_bt_sized_reductions(pool4):
+    res = pool4.run(count_head_and_loss, 2)[0]
+    assert res["head_forward"] == []  # logits are never gathered
+    assert res["loss_forward"] == [("all_reduce", B * T, str(dist.ReduceOp.MAX)),
+                                   ("all_reduce", 2 * B * T, str(dist.ReduceOp.SUM)),
+                                   ("all_reduce", B * T, str(dist.ReduceOp.MIN))]
+    # Backward: only the head's region entry (the gradient of the hidden state).
+    assert res["backward"] == [("all_reduce", B * T * D, "SUM")]

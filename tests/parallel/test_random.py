@@ -1,0 +1,124 @@
+"""Coordinate-keyed dropout: the mask is a pure function of (seed, step, layer, global index)."""
+import torch
+import torch.distributed as dist
+
+from parallel_latent.parallel import DropoutRNG, ParallelDropout, initialize_model_parallel
+from parallel_latent.parallel.random import keep_mask
+from tests.parallel.test_collectives import B, D, T, Block
+
+
+def test_keep_rate_and_independence():
+    mask = keep_mask((64, 64, 64), 0.1, (0, 0, 0), (0, 0, 0), (64, 64, 64))
+    assert abs(mask.float().mean().item() - 0.9) < 0.005
+    other_step = keep_mask((64, 64, 64), 0.1, (0, 1, 0), (0, 0, 0), (64, 64, 64))
+    other_layer = keep_mask((64, 64, 64), 0.1, (0, 0, 1), (0, 0, 0), (64, 64, 64))
+    other_seed = keep_mask((64, 64, 64), 0.1, (1, 0, 0), (0, 0, 0), (64, 64, 64))
+    for other in (other_step, other_layer, other_seed):
+        agree = (mask == other).float().mean().item()
+        assert abs(agree - (0.9 ** 2 + 0.1 ** 2)) < 0.01  # independent masks agree by chance only
+
+
+def test_slice_of_full_mask_equals_mask_of_slice():
+    full = keep_mask((4, 6, 16), 0.3, (7, 3, 2), (0, 0, 0), (4, 6, 16))
+    for rank in range(4):
+        part = keep_mask((4, 6, 4), 0.3, (7, 3, 2), (0, 0, 4 * rank), (4, 6, 16))
+        assert torch.equal(part, full[..., 4 * rank:4 * rank + 4])
+    second_half_batch = keep_mask((2, 6, 16), 0.3, (7, 3, 2), (2, 0, 0), (4, 6, 16))
+    assert torch.equal(second_half_batch, full[2:])
+
+
+def test_dropout_scales_and_is_identity_in_eval():
+    rng = DropoutRNG(seed=5)
+    drop = ParallelDropout(0.25, rng)
+    x = torch.ones(8, 8, 8)
+    y = drop(x)
+    assert torch.equal(y.unique(), torch.tensor([0.0, 1.0 / 0.75]))
+    rng.step += 1
+    assert not torch.equal(drop(x), y)
+    drop.eval()
+    assert torch.equal(drop(x), x)
+
+
+def test_sample_offset_makes_dp_ranks_differ_and_halves_equal_whole():
+    rng = DropoutRNG(seed=3)
+    drop = ParallelDropout(0.5, rng)
+    x = torch.ones(4, 5, 6)
+    whole = drop(x)
+    first = drop(x[:2])
+    rng.sample_offset = 2
+    second = drop(x[2:])
+    assert torch.equal(torch.cat([first, second]), whole)
+    assert not torch.equal(first, second)
+
+
+def replicated_params_after_steps(tp: int) -> dict:
+    state = initialize_model_parallel(tp)
+    torch.manual_seed(0)
+    block = Block(state.tp_group)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
+    rng = block.attention.output_dropout.rng
+    for step in range(5):
+        rng.step = step
+        x = torch.randn(B, T, D, generator=torch.Generator().manual_seed(step))
+        block(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    replicated = {n: p.detach().clone() for n, p in block.named_parameters() if not getattr(p, "tensor_model_parallel", False)}
+    # Compare with TP rank 0 bit for bit: all_reduce MAX and MIN must both equal our own copy.
+    worst = 0.0
+    for name, value in replicated.items():
+        hi, lo = value.clone(), value.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
+        worst = max(worst, (hi - lo).abs().max().item())
+    return {"names": sorted(replicated), "spread": worst}
+
+
+def test_replicated_parameters_stay_bit_identical_with_dropout(pool4):
+    for tp in (2, 4):
+        for res in pool4.run(replicated_params_after_steps, tp):
+            assert res["spread"] == 0.0
+            assert "mlp.dense_4h_to_h.bias" in res["names"] and "ln_mlp.weight" in res["names"]
+
+
+def dp_masks(tp: int) -> list:
+    state = initialize_model_parallel(tp)
+    rng = DropoutRNG(seed=11, sample_offset=state.dp_rank * B)
+    drop = ParallelDropout(0.5, rng)
+    return drop(torch.ones(B, T, D)).tolist()
+
+
+def test_masks_differ_across_dp_and_agree_within_tp(pool4):
+    masks = pool4.run(dp_masks, 2)  # ranks (0,1) and (2,3) are TP groups; DP pairs are (0,2), (1,3)
+    assert masks[0] == masks[1] and masks[2] == masks[3]
+    assert masks[0] != masks[2]
+
+
+def _reference_keep(row: int, column: int, p: float, key: tuple[int, int, int]) -> bool:
+    """The same hash in plain Python integers: guards the int32 wrap-around arithmetic."""
+    from parallel_latent.parallel.random import _splitmix64
+
+    def mix(h):
+        h ^= h >> 16
+        h = (h * 0x7FEB352D) & 0xFFFFFFFF
+        h ^= h >> 15
+        h = (h * 0x846CA68B) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+    seed, step, layer = key
+    k_row = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer)
+    k_col = _splitmix64(k_row) & 0xFFFFFFFF
+    row_hash = mix(mix((row & 0xFFFFFFFF) ^ (k_row & 0xFFFFFFFF)) ^ (row >> 32) ^ (k_row >> 32))
+    return mix(mix(column ^ row_hash) ^ k_col) >= round(p * 2**32)
+
+
+def test_int32_hash_matches_python_reference():
+    key, p = (123, 45, 6), 0.3
+    shape = (3, 5, 7)
+    offsets = (2**31, 1, 9)  # a row index beyond 2**32 exercises the high word
+    full = (2**31 + 3, 6, 20)
+    mask = keep_mask(shape, p, key, offsets, full)
+    for b in range(3):
+        for t in range(5):
+            for c in range(7):
+                row = (offsets[0] + b) * full[1] + offsets[1] + t
+                assert bool(mask[b, t, c]) == _reference_keep(row, offsets[2] + c, p, key)
