@@ -1,0 +1,254 @@
+"""Model benchmarks. Prints ratios against a baseline timed in the same process.
+
+1. The autoencoder at TP=1 vs a plain single-process PyTorch implementation of the same model written
+   here (nn.Linear, SDPA attention, nn.LayerNorm, F.cross_entropy), loaded with the same weights and
+   checked to give the same loss first. Forward + backward + zero_grad per step. Both read the same
+   frozen, truncated GPT-2 features, so the ratio measures the Perceiver and the head.
+   Goal: <= 1.05 with dropout 0. With dropout 0.1 (ours: coordinate-keyed masks; plain: F.dropout's
+   stateful RNG) the ratio is printed for information.
+2. Feature extraction: the truncated GPT-2 (first n_layer - 2 blocks, no final LayerNorm) vs the full
+   model's ``output_hidden_states`` element -3, on a 12-layer, 768-wide GPT-2. Goal: <= 0.87.
+
+Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
+Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 15 --threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from parallel_latent.config import FeatureModelConfig, ModelConfig  # noqa: E402
+from parallel_latent.model import FeatureModel, LatentAutoencoder  # noqa: E402
+from parallel_latent.model.features import load_gpt2  # noqa: E402
+
+GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
+
+
+# --------------------------------------------------------------------------- #
+# The plain implementation. Module names mirror ours so one state_dict loads into both.
+# --------------------------------------------------------------------------- #
+
+class PlainAttention(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d, bias=False), nn.Linear(d, d)
+        self.dense = nn.Linear(d, d)
+
+    def forward(self, x, context, context_mask=None):
+        kv = torch.cat([context, x], dim=1)
+        split = lambda t: t.view(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(kv)), split(self.value(kv))
+        mask = None
+        if context_mask is not None:
+            mask = torch.cat([context_mask.bool(), context_mask.new_ones(x.shape[:2], dtype=torch.bool)], dim=1)
+            mask = mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+        return F.dropout(self.dense(out), self.dropout, self.training)
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, d: int, hidden: int, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+        self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        hidden = F.dropout(F.gelu(self.dense_h_to_4h(x)), self.dropout, self.training)
+        return F.dropout(self.dense_4h_to_h(hidden), self.dropout, self.training)
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.ln_query, self.ln_context, self.ln_mlp = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = PlainAttention(d, cfg.n_heads, cfg.dropout)
+        self.mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
+
+    def forward(self, x, context, context_mask=None):
+        x = x + self.attn(self.ln_query(x), self.ln_context(context), context_mask)
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class PlainStack(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(PlainBlock(cfg) for _ in range(layers))
+
+    def forward(self, x, context, context_mask=None):
+        for block in self.blocks:
+            x = block(x, context, context_mask)
+        return x
+
+
+class PlainEncoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.latents = nn.Parameter(torch.empty(cfg.max_length, cfg.d_model))
+        self.positions = nn.Parameter(torch.empty(cfg.max_length, cfg.d_model))
+        self.stack, self.ln_f = PlainStack(cfg, cfg.n_encoder_layers), nn.LayerNorm(cfg.d_model)
+
+    def forward(self, features, mask):
+        x = (self.latents + self.positions).expand(features.shape[0], -1, -1)
+        return self.ln_f(self.stack(x, features, mask))
+
+
+class PlainDecoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.positions = nn.Parameter(torch.empty(cfg.max_length, d))
+        self.register_buffer("mask_vector", torch.empty(d))
+        self.query_mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
+        self.query_scale = nn.Parameter(torch.ones(1))
+        self.stack, self.ln_f = PlainStack(cfg, cfg.n_decoder_layers), nn.LayerNorm(d)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+
+    def forward(self, latents):
+        b, t, d = latents.shape
+        if self.training and self.query_mlp.dropout > 0:
+            queries = self.query_mlp(self.mask_vector.expand(b, t, d))
+        else:
+            queries = self.query_mlp(self.mask_vector.view(1, 1, d)).expand(b, t, d)
+        queries = queries * self.query_scale + self.positions
+        return self.head(self.ln_f(self.stack(queries, latents + self.positions)))
+
+
+class PlainAutoencoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, feature_model: FeatureModel):
+        super().__init__()
+        self.feature_model = feature_model  # the very same frozen module as ours
+        self.encoder, self.decoder = PlainEncoder(cfg), PlainDecoder(cfg)
+
+    def forward(self, ids, mask):
+        with torch.no_grad():
+            features = self.feature_model.gpt2(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        logits = self.decoder(self.encoder(features, mask))
+        return F.cross_entropy(logits.flatten(0, 1), ids.masked_fill(mask == 0, -100).flatten())
+
+
+def plain_twin(ours: LatentAutoencoder) -> PlainAutoencoder:
+    plain = PlainAutoencoder(ours.model_cfg, ours.feature_model)
+    state = {k: v for k, v in ours.state_dict().items() if not k.startswith("feature_model.")}
+    state["decoder.head.weight"] = state["decoder.head.weight"][: ours.model_cfg.vocab_size]  # drop padding
+    missing, unexpected = plain.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("feature_model.") for k in missing), (missing, unexpected)
+    return plain
+
+
+# --------------------------------------------------------------------------- #
+# Timing.
+# --------------------------------------------------------------------------- #
+
+def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
+    times = {name: [] for name in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab - 2, (args.batch, args.seq), generator=gen)
+    lengths = torch.randint(args.seq // 2, args.seq + 1, (args.batch,), generator=gen)
+    mask = (torch.arange(args.seq) < lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, args.vocab - 1), mask
+
+
+def model_vs_plain(args) -> None:
+    ids, mask = batch(args)
+    feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
+    for dropout in args.dropouts:
+        model_cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_encoder_layers=args.layers,
+                                n_decoder_layers=args.layers, max_length=args.seq, dropout=dropout,
+                                vocab_size=args.vocab, mask_token_id=args.vocab - 2, pad_token_id=args.vocab - 1)
+        ours = LatentAutoencoder(model_cfg, feature_cfg, seed=0).train()
+        plain = plain_twin(ours).train()
+        if dropout == 0.0:
+            ours_loss, plain_loss = ours(ids, mask).loss.item(), plain(ids, mask).item()
+            assert abs(ours_loss - plain_loss) <= 1e-4 * abs(plain_loss), (ours_loss, plain_loss)
+            print(f"same weights, same loss: ours {ours_loss:.6f}, plain {plain_loss:.6f}")
+
+        def ours_step():
+            ours.dropout_rng.step += 1
+            ours(ids, mask).loss.backward()
+            ours.zero_grad(set_to_none=True)
+
+        def plain_step():
+            plain(ids, mask).backward()
+            plain.zero_grad(set_to_none=True)
+
+        med = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats)
+        goal = " (goal <= 1.05)" if dropout == 0.0 else " (information)"
+        print(f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {med['ours'] * 1e3:.1f} ms, plain PyTorch "
+              f"{med['plain'] * 1e3:.1f} ms, ratio {med['ours'] / med['plain']:.3f}{goal}")
+
+
+def features_vs_full(args) -> None:
+    cfg = FeatureModelConfig(n_layer=12, n_head=12, n_embd=768)
+    torch.manual_seed(0)
+    full = load_gpt2(cfg, GPT2_VOCAB).eval()
+    torch.manual_seed(0)
+    truncated = FeatureModel(cfg, GPT2_VOCAB)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50257, (args.feature_batch, args.seq), generator=gen)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
+        assert torch.equal(truncated(ids, mask), want)
+
+    def run_full():
+        with torch.no_grad():
+            full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
+
+    def run_truncated():
+        truncated(ids, mask)
+
+    med = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats)
+    held = sum(p.numel() for p in truncated.parameters()) / sum(p.numel() for p in full.parameters())
+    print(f"features, 12-layer GPT-2, batch {args.feature_batch}x{args.seq}: truncated "
+          f"{med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms, ratio "
+          f"{med['truncated'] / med['full']:.3f} (goal <= 0.87); weights held {held:.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=GPT2_VOCAB,
+                        help="50304 (a multiple of 128) gives the plain head the shape of our padded one")
+    parser.add_argument("--layers", type=int, default=2, help="Perceiver blocks in the encoder and in the decoder")
+    parser.add_argument("--feature-layers", type=int, default=4)
+    parser.add_argument("--feature-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
+    parser.add_argument("--only", choices=["model", "features"], default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    if args.only in (None, "model"):
+        model_vs_plain(args)
+    if args.only in (None, "features"):
+        features_vs_full(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The latent autoencoder in one process: API, loss, the query-MLP shortcut, activation
+checkpointing, DP sample offsets, deterministic construction, and that it learns."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, TokenizerConfig
+from parallel_latent.model import LatentAutoencoder, build_model, reconstruct_texts
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+B, T, D, VOCAB, MASK, PAD = 4, 8, 32, 300, 298, 299
+
+
+def tiny_configs(dropout: float = 0.1, **model_overrides) -> tuple[ModelConfig, FeatureModelConfig]:
+    """The test model: d=32, 4 heads, 2+2 Perceiver blocks, T=8, a 3-layer random GPT-2, and a
+    small tokenizer-free vocabulary (ids 298 and 299 play mask and pad)."""
+    model_cfg = ModelConfig(d_model=D, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, mlp_ratio=4,
+                            max_length=T, dropout=dropout, vocab_size=VOCAB, mask_token_id=MASK,
+                            pad_token_id=PAD)
+    model_cfg = dataclasses.replace(model_cfg, **model_overrides)
+    return model_cfg, FeatureModelConfig(n_layer=3, n_head=4, n_embd=D, n_positions=64)
+
+
+def tiny_batch(batch: int = B, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids with right padding of varied lengths (one full row)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK, (batch, T), generator=gen)
+    lengths = torch.randint(2, T + 1, (batch,), generator=gen)
+    lengths[0] = T
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def overfit(model: LatentAutoencoder, ids, mask, max_steps: int, lr: float = 3e-3) -> int:
+    """Train on one batch until eval-mode token accuracy is 100%; the number of steps it took."""
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=0.0)
+    for step in range(1, max_steps + 1):
+        model.train()
+        model.dropout_rng.step = step
+        model(ids, mask).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 10 == 0:
+            model.eval()
+            with torch.no_grad():
+                if model(ids, mask).token_accuracy.item() == 1.0:
+                    return step
+    return -1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LatentAutoencoder(*tiny_configs(), seed=7)
+
+
+def test_forward_api_and_loss_against_torch(model):
+    ids, mask = tiny_batch()
+    model.eval()
+    out = model(ids, mask, return_latents=True)
+    assert out.latents.shape == (B, T, D)
+    assert torch.equal(out.latents, model.encode(ids, mask))
+
+    logits = model.decoder(out.latents)[..., :VOCAB]  # TP=1 holds every (padded) vocabulary column
+    real = mask.bool()
+    want_sum = F.cross_entropy(logits[real], ids[real], reduction="sum")
+    assert out.num_tokens.item() == real.sum().item() and out.num_tokens.dtype == torch.int64
+    torch.testing.assert_close(out.loss_sum, want_sum)
+    torch.testing.assert_close(out.loss, want_sum / real.sum())
+    right = logits.argmax(-1) == ids
+    assert out.num_correct.item() == (right & real).sum().item()
+    torch.testing.assert_close(out.token_accuracy, (right & real).sum() / real.sum())
+    exact = (right | ~real).all(dim=1)
+    assert out.num_exact.item() == exact.sum().item()
+    torch.testing.assert_close(out.exact_match, exact.float().mean())
+    assert model(ids, mask).latents is None
+
+
+def test_pad_positions_are_ignored(model):
+    """Loss and accuracy do not depend on what the pad positions hold (GPT-2 is causal, the encoder
+    masks padded features, and the loss ignores them)."""
+    ids, mask = tiny_batch()
+    model.eval()
+    other = ids.masked_fill(mask == 0, 5)
+    a, b = model(ids, mask), model(other, mask)
+    torch.testing.assert_close(a.loss_sum, b.loss_sum, rtol=0, atol=1e-5)
+    assert a.num_tokens == b.num_tokens == mask.sum()
+
+
+def test_decode_returns_ids_with_pad_where_masked(model):
+    ids, mask = tiny_batch()
+    model.eval()
+    latents = model.encode(ids, mask)
+    decoded = model.decode(latents, mask)
+    assert decoded.shape == (B, T) and decoded.dtype == torch.int64
+    assert (decoded[mask == 0] == PAD).all()
+    assert torch.equal(decoded[mask == 1], model.decoder(latents)[..., :VOCAB].argmax(-1)[mask == 1])
+    with pytest.raises(ValueError, match="exceeds model.max_length=8"):
+        model.encode(torch.zeros(1, T + 1, dtype=torch.long), torch.ones(1, T + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train_p0"])
+def test_query_mlp_computed_once_equals_per_position(mode):
+    """Without dropout the query MLP runs on [1, 1, d] and is broadcast: same queries and grads as
+    running it on the [B, T, d] tensor of mask vectors."""
+    model = LatentAutoencoder(*tiny_configs(dropout=0.1 if mode == "eval" else 0.0), seed=3)
+    model.train(mode != "eval")
+    decoder = model.decoder
+
+    fast = decoder.queries(B, T)
+    full = decoder.query_mlp(decoder.mask_vector.expand(B, T, D)) * decoder.query_scale + decoder.positions
+    torch.testing.assert_close(fast, full, rtol=1e-6, atol=1e-7)
+
+    weight = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0))
+    params = list(decoder.query_mlp.parameters()) + [decoder.query_scale]
+    grads_fast = torch.autograd.grad((fast * weight).sum(), params)
+    grads_full = torch.autograd.grad((full * weight).sum(), params)
+    for g_fast, g_full in zip(grads_fast, grads_full):
+        torch.testing.assert_close(g_fast, g_full, rtol=1e-5, atol=1e-6)
+
+
+def test_query_mlp_sees_every_position_when_dropout_is_on():
+    model = LatentAutoencoder(*tiny_configs(dropout=0.1), seed=3).train()
+    queries = model.decoder.queries(B, T) - model.decoder.positions
+    assert not torch.allclose(queries[0, 0], queries[1, 1])  # different dropout masks per position
+
+
+def _loss_and_grads(model_cfg, feature_cfg, ids, mask, step: int = 3, sample_offset: int = 0):
+    model = LatentAutoencoder(model_cfg, feature_cfg, seed=11).train()
+    model.dropout_rng.step, model.dropout_rng.sample_offset = step, sample_offset
+    out = model(ids, mask, return_latents=True)
+    out.loss_sum.backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_activation_checkpointing_gives_the_same_grads_with_dropout():
+    ids, mask = tiny_batch()
+    plain, plain_grads = _loss_and_grads(*tiny_configs(dropout=0.1), ids, mask)
+    ckpt, ckpt_grads = _loss_and_grads(*tiny_configs(dropout=0.1, activation_checkpointing=True), ids, mask)
+    assert torch.equal(plain.loss_sum, ckpt.loss_sum)
+    assert plain_grads.keys() == ckpt_grads.keys()
+    for name in plain_grads:
+        assert torch.equal(plain_grads[name], ckpt_grads[name]), name
+
+
+def test_dp_sample_offsets_give_different_masks_and_split_a_batch_exactly():
+    ids, mask = tiny_batch(2 * B)
+    cfgs = tiny_configs(dropout=0.1)
+    first, first_grads = _loss_and_grads(*cfgs, ids[:B], mask[:B], sample_offset=0)
+    shifted, _ = _loss_and_grads(*cfgs, ids[:B], mask[:B], sample_offset=B)
+    assert not torch.allclose(first.latents, shifted.latents)  # another DP rank, other masks
+
+    # DP=2 with micro-batch B (rank 1 at offset B) is DP=1 with micro-batch 2B.
+    whole, whole_grads = _loss_and_grads(*cfgs, ids, mask)
+    second, second_grads = _loss_and_grads(*cfgs, ids[B:], mask[B:], sample_offset=B)
+    torch.testing.assert_close(whole.latents, torch.cat([first.latents, second.latents]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(whole.loss_sum, first.loss_sum + second.loss_sum, rtol=1e-6, atol=1e-5)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(grad, first_grads[name] + second_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_construction_is_deterministic_flagged_and_leaves_the_caller_rng_alone():
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    a = LatentAutoencoder(*tiny_configs(), seed=5)
+    assert torch.equal(torch.rand(1), before)  # construction used its own RNG state
+    b = LatentAutoencoder(*tiny_configs(), seed=5)
+    c = LatentAutoencoder(*tiny_configs(), seed=6)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["encoder.latents"], sc["encoder.latents"])
+    for name, p in a.named_parameters():
+        assert hasattr(p, "tensor_model_parallel") and hasattr(p, "partition_stride"), name
+    assert a.decoder.query_scale.item() == 1.0
+    # Dropout sites numbered in construction order: 3 per block (4 blocks), 2 in the query MLP.
+    assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2))
+
+
+def test_build_model_from_config_takes_the_training_seed():
+    model_cfg, feature_cfg = tiny_configs()
+    cfg = Config(model=model_cfg, feature_model=feature_cfg)
+    cfg.training.seed = 5
+    built = build_model(cfg)
+    direct = LatentAutoencoder(model_cfg, feature_cfg, seed=5)
+    assert torch.equal(built.encoder.latents, direct.encoder.latents)
+    assert built.dropout_rng.seed == 5 and built.model_cfg is model_cfg
+
+
+def test_overfits_a_small_batch():
+    torch.manual_seed(0)
+    model = LatentAutoencoder(*tiny_configs(dropout=0.1), seed=1)
+    ids, mask = tiny_batch()
+    # 50-60 steps over 6 seeds x 2 batches (1-2 s on one free core); no wall-clock assert on a shared box.
+    assert overfit(model, ids, mask, max_steps=150) > 0, "token accuracy did not reach 100% in 150 steps"
+
+
+def test_reconstruct_texts_after_overfitting_with_the_real_tokenizer():
+    tokenizer = load_tokenizer(TokenizerConfig())
+    model_cfg, feature_cfg = tiny_configs(dropout=0.0)
+    cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=feature_cfg), tokenizer_facts(tokenizer))
+    model = build_model(cfg)
+    texts = ["Hello world", "It is a truth universally acknowledged"]
+    from parallel_latent.data import tokenize_samples
+    batch = tokenize_samples(texts, tokenizer, T, cfg.model.pad_token_id)
+    assert overfit(model, batch.input_ids, batch.attention_mask, max_steps=150) > 0  # 40-50 steps seen
+    model.train()
+    assert reconstruct_texts(model, tokenizer, texts + [""]) == texts + [""]
+    assert model.training  # the mode is restored
