@@ -56,6 +56,14 @@ class LatentAutoencoder(nn.Module):
                                          train_mask_vector=not feature_cfg.frozen)
         mark_replicated(self)
 
+    @classmethod
+    def from_checkpoint(cls, path, tp_group=None) -> "LatentAutoencoder":
+        """Build the model from a portable or training checkpoint's manifest and load its weights,
+        at any TP degree (``tp_group=None``: one process, no process group needed)."""
+        from parallel_latent.checkpoint import load_autoencoder  # the checkpoint code imports us
+
+        return load_autoencoder(path, tp_group)
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the optimizer gets: the frozen GPT-2 and the frozen mask vector are not in it."""
         return [p for p in self.parameters() if p.requires_grad]

@@ -1,0 +1,81 @@
+"""DeepSpeed engines over the core-layer Stack, for checkpoint tests that need no trainer."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parallel_latent.checkpoint.portable import module_tensors, placement_of
+from parallel_latent.checkpoint.zero_access import ADAM_MOMENTS, gathered, get_master, get_moment
+from parallel_latent.parallel import (ModelParallelUnit, get_parallel_state, initialize_model_parallel,
+                                      vocab_parallel_cross_entropy)
+from tests.checkpoint.stack import T, VOCAB, Stack, batch
+
+GLOBAL_BATCH = 4
+
+
+def make_engine(tp: int, zero_stage: int, seed: int = 0, dropout: float = 0.1, lr: float = 1e-2):
+    import deepspeed
+
+    state = initialize_model_parallel(tp)
+    model = Stack(state.tp_group, seed=seed, dropout=dropout)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
+    # Warmup: the LR changes every step, so a scheduler that is not restored shows.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // state.dp_size, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+                                      mpu=ModelParallelUnit(state))
+    return engine, model
+
+
+def train_step(engine, model, step: int, noise: bool = False) -> float:
+    """One optimizer step on this DP rank's share of the step's fixed global batch; the DP-mean loss."""
+    state = get_parallel_state()
+    micro = GLOBAL_BATCH // state.dp_size
+    first = state.dp_rank * micro
+    model.dropout_rng.step = step
+    model.dropout_rng.sample_offset = first
+    x = batch(step, micro, first)
+    if noise:
+        # Draws from every stateful RNG (same on all ranks), so an RNG that is not restored shows.
+        x = x + 0.01 * torch.randn(x.shape) * random.random() * float(np.random.rand())
+    gen = torch.Generator().manual_seed(2000 + step)
+    target = torch.randint(0, VOCAB, (first + micro, T), generator=gen)[first:]
+    loss, _ = vocab_parallel_cross_entropy(engine(x), target, VOCAB, state.tp_group)
+    loss = loss.mean()
+    engine.backward(loss)
+    engine.step()
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=state.dp_group)
+    return (reported / state.dp_size).item()
+
+
+def _tp_whole(value: torch.Tensor, place, group) -> torch.Tensor:
+    if place.partition_dim is not None and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, value.contiguous(), group=group)
+        value = torch.cat(parts, dim=place.partition_dim)
+    if place.partition_dim is not None:
+        value = value.narrow(place.partition_dim, 0, place.full_shape[place.partition_dim])
+    return value
+
+
+def full_state(engine, model, moments: bool = True) -> dict[str, torch.Tensor]:
+    """Model weights, fp32 masters and Adam moments, whole over TP and DP (collective)."""
+    state = get_parallel_state()
+    tensors, _ = module_tensors(model)
+    out = {}
+    for name, tensor in tensors.items():
+        place = placement_of(tensor, state.tp_size, name)
+        with gathered([tensor]):
+            out[f"model/{name}"] = _tp_whole(tensor.detach().clone(), place, state.tp_group)
+        if isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad:
+            out[f"fp32/{name}"] = _tp_whole(get_master(engine, tensor), place, state.tp_group)
+            if moments:
+                for key in ADAM_MOMENTS:
+                    out[f"{key}/{name}"] = _tp_whole(get_moment(engine, tensor, key), place, state.tp_group)
+    return out
