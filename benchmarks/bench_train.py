@@ -1,0 +1,263 @@
+"""Trainer benchmarks (CPU or GPU), ratios printed.
+
+1. **Step time**: one training step at TP=1 through the real trainer (DeepSpeed ZeRO-2 engine,
+   token-normalised loss, the per-step statistics all-reduce) against the same model trained by a
+   plain PyTorch loop (torch.optim.AdamW, clip_grad_norm_, the same schedule), in one process, in
+   the same invocation, measured in interleaved rounds.  Goal: ratio <= 1.10.
+
+2. **Memory**: bytes per rank of parameters + gradients + optimizer state of the trainable part,
+   read from the real engine's tensors (the module's parameters, ZeRO's fp32 master partition, its
+   partitioned gradients right before the optimizer step, AdamW's moments), at TP=2 x DP=2 with
+   ZeRO-2 against TP=1 x DP=1 (the same engine).  Ranks are real processes (torchrun).
+   Goal: ratio <= 0.30.
+
+    python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
+    python benchmarks/bench_train.py --part step --steps 40 model.d_model=128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# A small model whose step is dominated by real work, not launch overhead.
+DEFAULT_OVERRIDES = [
+    "model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
+    "model.max_length=32", "model.dropout=0.1", "feature_model.n_embd=64", "feature_model.n_layer=4",
+    "data.max_samples=2000", "training.micro_batch_size=32", "logging.progress_bar=false",
+    "logging.tensorboard=false", "checkpoint.export_portable=false", "checkpoint.save_every=0",
+    "training.eval_every=0",
+]
+
+
+def load(overrides: list[str], run_dir: str):
+    from parallel_latent.config import load_config
+
+    return load_config(REPO / "configs" / "tiny.yaml",
+                       [*DEFAULT_OVERRIDES, *overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=never"])
+
+
+# --------------------------------------------------------------------------- #
+# 1. Step time: trainer (DeepSpeed ZeRO-2) vs a plain PyTorch loop.
+# --------------------------------------------------------------------------- #
+
+
+def bench_step_time(args) -> dict:
+    import torch
+
+    from parallel_latent.data import ShardedBatchSampler, get_batch
+    from parallel_latent.engine import build_lr_scheduler, parameter_groups
+    from parallel_latent.model import build_model
+    from parallel_latent.train import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = load([*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"], run_dir)
+        trainer = Trainer(cfg, source="bench")
+        cfg = trainer.cfg  # with the tokenizer's facts
+        device = trainer.device
+
+        plain_model = build_model(cfg).to(device).train()
+        trainable = plain_model.trainable_parameters()
+        optimizer = torch.optim.AdamW(parameter_groups(trainable, cfg.optimizer.weight_decay), lr=cfg.optimizer.lr,
+                                      betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
+                                      fused=device.type == "cuda")
+        scheduler = build_lr_scheduler(optimizer, cfg)
+        sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size,
+                                      seed=cfg.training.seed)
+        plain_step_count = 0
+
+        def plain_step() -> None:
+            nonlocal plain_step_count
+            batch = get_batch(trainer.train_set, sampler.next_batch())
+            input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            plain_model.dropout_rng.step = plain_step_count
+            out = plain_model(input_ids, attention_mask)
+            (out.loss_sum / out.num_tokens.clamp(min=1)).backward()
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            float(out.loss_sum)  # the trainer reads its statistics every step too
+            plain_step_count += 1
+
+        def trainer_step() -> None:
+            stats, _ = trainer.train_step()
+            trainer._reduce_stats(stats)
+            trainer.step += 1
+
+        def timed(step_fn, count: int) -> list[float]:
+            times = []
+            for _ in range(count):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                step_fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            return times
+
+        timed(plain_step, args.warmup)
+        timed(trainer_step, args.warmup)
+        plain_times, trainer_times = [], []
+        per_round = max(1, args.steps // args.rounds)
+        for _ in range(args.rounds):  # interleaved, so machine noise hits both alike
+            plain_times += timed(plain_step, per_round)
+            trainer_times += timed(trainer_step, per_round)
+        trainer.logger.close()
+    plain, ds = statistics.median(plain_times), statistics.median(trainer_times)
+    return {"plain_pytorch_step_s": plain, "trainer_zero2_step_s": ds, "ratio": ds / plain,
+            "steps_each": len(plain_times), "device": str(device), "threads": torch.get_num_threads()}
+
+
+# --------------------------------------------------------------------------- #
+# 2. Memory per rank, from the engine's tensors.
+# --------------------------------------------------------------------------- #
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def measure_engine_memory(trainer) -> dict:
+    """Parameters + gradients + optimizer state of the trainable part on this rank, in bytes,
+    measured on a training step right before the optimizer step (when the gradients exist)."""
+    import torch
+
+    engine = trainer.engine
+    optimizer = engine.optimizer
+    # Take one step first so AdamW's state exists, then measure a second one before its step.
+    trainer.train_step()
+    from parallel_latent.data import get_batch
+
+    batch = get_batch(trainer.train_set, trainer.sampler.next_batch())
+    out = engine(batch["input_ids"].to(trainer.device), batch["attention_mask"].to(trainer.device))
+    engine.backward(out.loss_sum.float() / out.num_tokens.clamp(min=1))
+
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    frozen = [p for p in engine.module.parameters() if not p.requires_grad]
+    parameters = _bytes(trainable)
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO 1/2
+        master = _bytes(optimizer.single_partition_of_fp32_groups)
+        # Stage 2 keeps this rank's partition of the reduced gradients (stage 1 the full ones).
+        gradients = sum(_bytes(group) for group in optimizer.averaged_gradients.values()
+                        if isinstance(group, list))
+        if not gradients:
+            gradients = _bytes(p.grad for p in trainable)
+        base = optimizer.optimizer
+    else:  # no ZeRO wrapper: the module's own parameters are the master copy
+        master = 0
+        gradients = _bytes(p.grad for p in trainable)
+        base = optimizer
+    optimizer_state = sum(_bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+                          for state in base.state.values())
+    engine.step()
+    return {"parameters": parameters, "master_weights": master, "gradients": gradients,
+            "optimizer_state": optimizer_state, "total": parameters + master + gradients + optimizer_state,
+            "frozen_parameters": _bytes(frozen)}
+
+
+def memory_worker(output: str, overrides: list[str]) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
+    import torch.distributed as dist
+
+    from parallel_latent.train import Trainer
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        cfg = load(overrides, run_dir)
+        trainer = Trainer(cfg, source="bench")
+        numbers = measure_engine_memory(trainer)
+        trainer.logger.close()
+        numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
+        gathered = [None] * trainer.state.world_size
+        dist.all_gather_object(gathered, numbers)
+        if trainer.state.rank == 0:
+            Path(output).write_text(json.dumps(gathered))
+        dist.barrier()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as scratch:
+        output = Path(scratch) / "memory.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if not _has_cuda():
+            env["DS_ACCELERATOR"] = "cpu"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   str(Path(__file__).resolve()), "--memory-worker", str(output), *overrides]
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"memory worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        return json.loads(output.read_text())
+
+
+def bench_memory(args, precision: str) -> dict:
+    common = [*args.overrides, "parallel.zero_stage=2", f"training.precision={precision}"]
+    single = run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
+    sharded = run_memory_layout(4, [*common, "parallel.tensor_parallel=2"])
+    worst = max(sharded, key=lambda r: r["total"])
+    return {"precision": precision, "tp1_dp1": single, "tp2_dp2_worst_rank": worst,
+            "ratio": worst["total"] / single["total"]}
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:8.2f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["step", "memory", "all"], default="all")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--precisions", default=None,
+                        help="memory benchmark precisions, comma-separated (default: bf16,fp32)")
+    parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
+    args = parser.parse_args()
+
+    if args.memory_worker:
+        memory_worker(args.memory_worker, args.overrides)
+        return
+    if not _has_cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    report = {}
+    if args.part in ("step", "all"):
+        step = bench_step_time(args)
+        report["step_time"] = step
+        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), median of {step['steps_each']}:")
+        print(f"  plain PyTorch loop (AdamW)      {step['plain_pytorch_step_s'] * 1e3:8.1f} ms")
+        print(f"  parallel-latent trainer, ZeRO-2 {step['trainer_zero2_step_s'] * 1e3:8.1f} ms")
+        print(f"  ratio trainer / plain = {step['ratio']:.3f}x   (goal <= 1.10x)")
+    if args.part in ("memory", "all"):
+        precisions = (args.precisions or ("bf16,fp32")).split(",")
+        for precision in precisions:
+            memory = bench_memory(args, precision)
+            report[f"memory_{precision}"] = memory
+            single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
+            print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
+                  "AdamW moments):")
+            for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
+                print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
+            print(f"  ratio TP2xDP2 / TP1xDP1 = {memory['ratio']:.3f}x   (goal <= 0.30x; frozen GPT-2 not "
+                  f"included: {mib(single['frozen_parameters'])} per rank, replicated)")
+    print(json.dumps(report, indent=None, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Training metrics: the FLOP count behind MFU, peak device throughput, peak memory, and the
+run's metric sinks (``metrics.jsonl``, TensorBoard, the progress bar).
+
+Only rank 0 writes; every number it writes is already agreed on by all ranks (the trainer
+reduces counts over the data-parallel group before logging).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parallel_latent.config import Config
+
+__all__ = [
+    "model_flops_per_sample",
+    "PEAK_FLOPS_ENV",
+    "peak_flops_per_device",
+    "peak_memory_bytes",
+    "MetricsLogger",
+    "read_metrics",
+    "finite_or_none",
+]
+
+PEAK_FLOPS_ENV = "PARALLEL_LATENT_PEAK_FLOPS"
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs.
+# --------------------------------------------------------------------------- #
+
+
+def model_flops_per_sample(cfg: Config) -> dict[str, float]:
+    """Model FLOPs of one training sample (T positions), from the config.
+
+    Conventions (those of the PaLM / Megatron "model FLOPs utilisation"):
+
+    * a multiply-add is 2 FLOPs; only matrix products are counted (norms, GELU, softmax,
+      dropout, the loss are noise at these widths);
+    * training costs **3x the forward** for trainable parts (forward 2N, backward 4N per token:
+      the "6N" rule) and **1x the forward** for the frozen GPT-2, which runs without an autograd
+      graph; activation recomputation is *not* counted (it is overhead, not model work);
+    * padding positions are counted: the model computes on all T positions.
+
+    Per sample, with d = model.d_model, T = model.max_length, r = model.mlp_ratio, V the
+    tokenizer's vocabulary, f = feature_model.n_embd, and n = feature_model.n_layer - 2 GPT-2
+    blocks actually run (hidden state -3):
+
+    * one Perceiver block (queries: T positions, keys/values: the T context positions
+      concatenated with the T stream positions, so 2T):
+      q and output projections 2 * 2*T*d^2, k and v projections 2 * 2*(2T)*d^2,
+      scores and weighted sum 2 * 2*T*(2T)*d, MLP 2 * 2*T*d*(r*d)
+      = (12 + 4r) * T * d^2 + 8 * T^2 * d;
+    * the query MLP (d -> r*d -> d on [T, d]): 4r * T * d^2;
+    * the vocabulary head: 2 * T * d * V;
+    * one GPT-2 block (width f, MLP ratio 4, causal attention counted in full):
+      24 * T * f^2 + 4 * T^2 * f.
+
+    ``train = 3 * trainable_forward + frozen_forward`` (if the feature model is configured
+    trainable, it moves to the first term).  The returned dict also holds the parts.
+    """
+    model, feature = cfg.model, cfg.feature_model
+    d, t, r = model.d_model, model.max_length, model.mlp_ratio
+    blocks = model.n_encoder_layers + model.n_decoder_layers
+    f, gpt2_blocks = feature.n_embd, max(0, feature.n_layer - 2)
+    parts = {
+        "perceiver_linear": float(blocks * (12 + 4 * r) * t * d * d),
+        "perceiver_attention": float(blocks * 8 * t * t * d),
+        "query_mlp": float(4 * r * t * d * d),
+        "head": float(2 * t * d * model.vocab_size),
+        "gpt2_linear": float(gpt2_blocks * 24 * t * f * f),
+        "gpt2_attention": float(gpt2_blocks * 4 * t * t * f),
+    }
+    perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["query_mlp"] + parts["head"]
+    gpt2 = parts["gpt2_linear"] + parts["gpt2_attention"]
+    if feature.frozen:
+        trainable_forward, frozen_forward = perceiver, gpt2
+    else:
+        trainable_forward, frozen_forward = perceiver + gpt2, 0.0
+    return {**parts, "trainable_forward": trainable_forward, "frozen_forward": frozen_forward,
+            "train": 3 * trainable_forward + frozen_forward}
+
+
+# Dense (no sparsity) peak FLOP/s per device, by dtype.  fp32 means plain fp32 (PyTorch does not
+# use TF32 for matmuls by default).  Matched by substring of torch.cuda.get_device_name().
+PEAK_FLOPS_TABLE: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("GH200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("A10G", {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    ("V100", {"bf16": 15.7e12, "fp16": 125e12, "fp32": 15.7e12}),
+    ("MI300X", {"bf16": 1307e12, "fp16": 1307e12, "fp32": 163e12}),
+]
+# CPU assumption: 32 fp32 FLOP per cycle per core (two 256-bit FMA units, AVX2) at 3 GHz, times
+# the threads the rank computes with.  A rough upper bound for a modern x86 core, stated so the
+# MFU figure can be read; set PARALLEL_LATENT_PEAK_FLOPS for a measured or vendor figure.
+CPU_FLOPS_PER_CORE = 32 * 3.0e9
+
+
+def peak_flops_per_device(device: str, precision: str, env: dict | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one rank's device, where the number comes from).
+
+    ``PARALLEL_LATENT_PEAK_FLOPS`` (FLOP/s per device) overrides everything.  Returns
+    ``(nan, reason)`` for an unknown GPU, so MFU is reported as null rather than invented.
+    """
+    env = os.environ if env is None else env
+    if env.get(PEAK_FLOPS_ENV):
+        return float(env[PEAK_FLOPS_ENV]), f"${PEAK_FLOPS_ENV}"
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, by_dtype in PEAK_FLOPS_TABLE:
+            if key in name:
+                return by_dtype[precision], f"table: {key} {precision}"
+        return math.nan, f"unknown GPU {name!r}: set ${PEAK_FLOPS_ENV}"
+    threads = torch.get_num_threads()
+    return CPU_FLOPS_PER_CORE * threads, f"CPU assumption: {threads} thread(s) x 32 FLOP/cycle x 3 GHz"
+
+
+def peak_memory_bytes(device: str) -> tuple[int, str]:
+    """(peak memory of this process so far, what was measured): the CUDA caching allocator's
+    peak of allocated bytes on a GPU, the peak resident set size on CPU."""
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(max_rss if sys.platform == "darwin" else max_rss * 1024), "cpu_max_rss"
+
+
+def finite_or_none(value: Any) -> Any:
+    """JSON has no NaN/inf: non-finite floats (and tensors) become null."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Sinks.
+# --------------------------------------------------------------------------- #
+
+
+class MetricsLogger:
+    """``<run_dir>/metrics.jsonl`` (one JSON object per line, flushed as written), TensorBoard
+    events under ``<run_dir>/tensorboard`` when ``tensorboard`` is importable, and a tqdm bar.
+
+    Lines are ``{"kind": "train", "step": ..., ...}`` and ``{"kind": "eval", "step": ..., ...}``.
+    On resume, lines of steps after the resumed step (written by the interrupted run after its
+    last checkpoint) are dropped, so every step appears once.
+    """
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress_bar: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tensorboard = None
+        self.bar = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        self.file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # optional extra `tensorboard` not installed
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= step]
+        temporary = self.path.with_suffix(".jsonl.tmp")
+        with open(temporary, "w", encoding="utf-8") as handle:
+            for record in kept:
+                handle.write(json.dumps(record) + "\n")
+        os.replace(temporary, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {key: finite_or_none(value) for key, value in record.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            kind, step = record.get("kind", "train"), int(record["step"])
+            for key, value in clean.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(f"{kind}/{key}", value, step)
+
+    def advance(self, steps: int = 1, **postfix: Any) -> None:
+        if self.bar is not None:
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(steps)
+
+    def print(self, message: str) -> None:
+        """A console line that does not break the progress bar (rank 0 only)."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        self.file.close()
+        self.enabled = False
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a torn last line, from a killed run, is ignored)."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records

@@ -1,0 +1,509 @@
+"""The trainer: DeepSpeed ZeRO over the tensor/data-parallel process groups.
+
+One process per rank, started by a launcher (``torchrun``, ``deepspeed``, ``accelerate launch``,
+``srun``) or by ``parallel-latent train --nproc N``; a single process with no launcher also works.
+
+Per optimizer step, every rank:
+
+1. draws its ``grad_accum_steps`` micro-batches from a :class:`ShardedBatchSampler` keyed on
+   (dp_rank, dp_size), so the ranks of a tensor-parallel group see the same samples;
+2. all-reduces its non-pad token count over the data-parallel group (the step's global token
+   count ``N``), then for each micro-batch sets the dropout key (global micro-step, sample
+   offset), runs forward, and back-propagates ``loss_sum * dp_size * grad_accum / N``.
+   DeepSpeed divides by ``grad_accum`` and averages over data-parallel ranks, so the gradient is
+   that of the mean loss over all N tokens of the step: DP=2 equals DP=1 with the doubled
+   micro-batch even when the ranks hold different numbers of padding positions;
+3. calls ``engine.step()`` (clipping by the model-parallel-aware global norm; a step whose
+   gradient norm is not finite is skipped by DeepSpeed's optimizer wrapper, or by our guard at
+   ZeRO stage 0 in fp32);
+4. all-reduces one small vector over the world: loss sum, token / correct / exact-match /
+   sample counts, and "a stop signal arrived here".  All ranks therefore log the same numbers
+   and stop at the same step.
+
+A SIGTERM or SIGINT (SLURM preemption, Ctrl-C) finishes the current step, writes a checkpoint
+and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive skipped steps write
+a checkpoint (the weights are those before the first skipped step) and raise
+:class:`NonFiniteTrainingError`.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from parallel_latent.config import Config, ConfigError, save_config, validate_world
+from parallel_latent.data import ShardedBatchSampler, build_datasets, get_batch, list_data_files
+from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
+from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+
+__all__ = ["train", "preflight", "TrainResult", "NonFiniteTrainingError", "CHECKPOINTS_DIRNAME", "checkpoints_dir"]
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+NUM_RECONSTRUCTION_EXAMPLES = 3
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # optimizer steps taken (applied or skipped)
+    stopped_by: str  # "max_steps" | "signal"
+    final_eval: dict[str, float] | None
+    checkpoint: Path | None
+    skipped_steps: int
+    wall_time_s: float
+    reconstructions: list[tuple[str, str]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- #
+# Checks that need no process group (the CLI runs them before launching ranks).
+# --------------------------------------------------------------------------- #
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIRNAME
+
+
+def preflight(cfg: Config, world_size: int, source: str = "<config>") -> None:
+    """Everything about ``cfg`` that can be checked without building anything: the world size
+    against TP and the batch sizes, the device, the data path, the checkpoint to resume.
+    Raises ConfigError / DataError with one line; writes nothing."""
+    validate_world(cfg, world_size, source)
+    device = resolve_device(cfg)
+    if cfg.training.precision == "fp16" and device != "cuda":
+        raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+    if cfg.data.path:
+        list_data_files(cfg.data.path, cfg.data.format)  # DataError if missing or empty
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        existing = checkpoints_dir(cfg.logging.run_dir)
+        if existing.is_dir() and any(p.name.startswith("step_") for p in existing.iterdir()):
+            raise ConfigError(
+                f"{source}: checkpoint.resume=never but {existing} already holds checkpoints; "
+                "choose another logging.run_dir or resume with checkpoint.resume=auto")
+    elif resume != "auto" and not Path(resume).exists():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
+
+
+# --------------------------------------------------------------------------- #
+# Signals.
+# --------------------------------------------------------------------------- #
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag that the training loop polls once per step (a second SIGINT
+    interrupts at once, as usual)."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    @contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[signum] = signal.signal(signum, self._handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        try:
+            yield self
+        finally:
+            for signum, previous in self._previous.items():
+                signal.signal(signum, previous)
+
+
+# --------------------------------------------------------------------------- #
+# The trainer.
+# --------------------------------------------------------------------------- #
+
+
+# Layout of the per-step statistics vector (float64: exact integer counts up to 2**53).
+LOSS_SUM, TOKENS, CORRECT, EXACT, SAMPLES, STOP = range(6)
+NUM_STATS = 6
+
+
+class Trainer:
+    def __init__(self, cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>"):
+        self.source = source
+        self.deepspeed_overrides = deepspeed_overrides
+        self.start_time = time.perf_counter()
+        world = launcher_environment()["world_size"]
+        preflight(cfg, world, source)
+        self.state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend)
+
+        from parallel_latent.model import build_model
+        from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tokenizer_facts = tokenizer_facts(self.tokenizer)
+        self.cfg = cfg = apply_tokenizer_facts(cfg, self.tokenizer_facts)
+        self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
+        self.micro_batch = cfg.training.micro_batch_size
+        self.grad_accum = cfg.training.grad_accum_steps
+        self.sampler = ShardedBatchSampler(len(self.train_set), self.micro_batch, self.state.dp_rank,
+                                           self.state.dp_size, seed=cfg.training.seed, drop_last=True)
+        model = build_model(cfg, self.state.tp_group)
+        self.bundle: EngineBundle = initialize_engine(model, cfg, self.state.world_size, deepspeed_overrides)
+        self.engine = self.bundle.engine
+        self.model = self.engine.module
+        self.device = self.engine.device
+        self.device_kind = resolve_device(cfg)
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.is_main = self.state.rank == 0
+
+        self.step = 0
+        self.step_lr = math.nan
+        self.skipped_steps = 0
+        self.consecutive_nonfinite = 0
+        self.last_saved_step: int | None = None
+        self.last_checkpoint: Path | None = None
+        self.flops_per_sample = model_flops_per_sample(cfg)["train"]
+        self.peak_flops, self.peak_flops_source = peak_flops_per_device(self.device_kind, cfg.training.precision)
+
+        # Everything above may still fail on bad input; only now is anything written.
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir / "config.yaml")
+            (self.run_dir / "deepspeed_config.json").write_text(dump_deepspeed_config(self.bundle.config) + "\n")
+        self._resume()
+        if self.is_main:
+            self._print_banner()
+        self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=cfg.training.max_steps,
+                                    start_step=self.step, tensorboard=cfg.logging.tensorboard,
+                                    progress_bar=cfg.logging.progress_bar)
+
+    # -- resume ------------------------------------------------------------ #
+
+    def _resume(self) -> None:
+        """Continue from ``checkpoint.resume``: ``auto`` = this run directory's latest complete
+        checkpoint if any; a path = that checkpoint (a step directory, a checkpoints directory
+        or a run directory).  The checkpoint package restores weights, optimizer, schedule,
+        engine counters and every RNG, also at another TP x DP layout; the data position and
+        our counters come back from the client state saved by :meth:`save`."""
+        from parallel_latent.checkpoint import find_latest_checkpoint, load_training_checkpoint
+
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            return
+        if resume == "auto":
+            path = find_latest_checkpoint(checkpoints_dir(self.run_dir))
+            if path is None:
+                return
+        else:
+            path = Path(resume)
+            if (path / CHECKPOINTS_DIRNAME).is_dir():  # a run directory
+                path = checkpoints_dir(path)
+        loaded = load_training_checkpoint(self.engine, path, model=self.model, tp_group=self.state.tp_group)
+        client = loaded.client_state
+        self.step = int(client.get("step", loaded.step))
+        self.skipped_steps = int(client.get("skipped_steps", 0))
+        if "sampler" in client:
+            self.sampler.load_state_dict(client["sampler"])
+        self.last_saved_step, self.last_checkpoint = self.step, loaded.path
+        if self.is_main:
+            layout = " (resharded from another layout)" if loaded.resharded else ""
+            print(f"resumed from {loaded.path} at step {self.step}{layout}", flush=True)
+
+    def save(self) -> Path:
+        """A training checkpoint of this step (collective), with the portable weights if
+        ``checkpoint.export_portable``; ``latest`` moves only once it is complete."""
+        from parallel_latent.checkpoint import save_training_checkpoint
+
+        client_state = {"step": self.step, "skipped_steps": self.skipped_steps,
+                        "sampler": self.sampler.state_dict()}
+        path = save_training_checkpoint(
+            self.engine, checkpoints_dir(self.run_dir), self.step, client_state, model=self.model, cfg=self.cfg,
+            tokenizer_facts=self.tokenizer_facts, keep_last=self.cfg.checkpoint.keep_last,
+            export_portable=self.cfg.checkpoint.export_portable, tp_group=self.state.tp_group)
+        self.last_saved_step, self.last_checkpoint = self.step, path
+        return path
+
+    # -- one step ------------------------------------------------------------ #
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+
+    def train_step(self) -> tuple[torch.Tensor, bool]:
+        """One optimizer step: (this rank's statistics vector, whether the update was applied)."""
+        state, engine, rng = self.state, self.engine, self.model.dropout_rng
+        self.step_lr = self.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
+        micro_batches = [get_batch(self.train_set, self.sampler.next_batch()) for _ in range(self.grad_accum)]
+        step_tokens = torch.tensor([sum(int(b["attention_mask"].sum()) for b in micro_batches)],
+                                   dtype=torch.float64, device=self.device)
+        dist.all_reduce(step_tokens, group=state.dp_group)
+        # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
+        # dp_size data-parallel ranks; this weight undoes both and normalises by the step's
+        # global token count instead.
+        weight_per_token = state.dp_size * self.grad_accum / max(step_tokens.item(), 1.0)
+        stats = torch.zeros(NUM_STATS, dtype=torch.float64)
+        for micro_step, batch in enumerate(micro_batches):
+            input_ids, attention_mask = self._to_device(batch)
+            rng.step = self.step * self.grad_accum + micro_step  # global micro-step: same on all ranks
+            rng.sample_offset = state.dp_rank * self.micro_batch
+            out = engine(input_ids, attention_mask)
+            engine.backward(out.loss_sum.float() * weight_per_token)
+            engine.step()
+            stats[LOSS_SUM] += out.loss_sum.detach().double().cpu()
+            stats[TOKENS] += float(out.num_tokens)
+            stats[CORRECT] += float(out.num_correct)
+            stats[EXACT] += float(out.num_exact)
+            stats[SAMPLES] += input_ids.shape[0]
+        return stats, bool(engine.was_step_applied())
+
+    def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics
+        (same samples, the loss is reduced over the vocabulary slices), so this is the sum over
+        the data-parallel group, plus the stop votes of every rank."""
+        reduced = stats.to(self.device)
+        dist.all_reduce(reduced)
+        return reduced.cpu() / self.state.tp_size  # STOP > 0 iff any rank voted to stop
+
+    # -- evaluation ------------------------------------------------------------ #
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Loss, token accuracy and exact-match rate on the held-out split (the same numbers on
+        every rank).  Uses the first ``eval_batches * micro_batch * dp_size`` held-out samples,
+        rounded down to a multiple of dp_size; DP rank r takes the r-th contiguous share, so
+        every rank runs the same number of forwards (ZeRO-3 gathers parameters over DP)."""
+        cfg, state = self.cfg, self.state
+        limit = cfg.training.eval_batches * self.micro_batch * state.dp_size
+        total = min(len(self.eval_set), limit) // state.dp_size * state.dp_size
+        if total == 0:
+            return None
+        share = total // state.dp_size
+        start = state.dp_rank * share
+        stats = torch.zeros(NUM_STATS, dtype=torch.float64)
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                for offset in range(0, share, self.micro_batch):
+                    indices = list(range(start + offset, start + min(offset + self.micro_batch, share)))
+                    input_ids, attention_mask = self._to_device(get_batch(self.eval_set, indices))
+                    out = self.engine(input_ids, attention_mask)
+                    stats[LOSS_SUM] += out.loss_sum.double().cpu()
+                    stats[TOKENS] += float(out.num_tokens)
+                    stats[CORRECT] += float(out.num_correct)
+                    stats[EXACT] += float(out.num_exact)
+                    stats[SAMPLES] += len(indices)
+        finally:
+            self.engine.train()
+        totals = self._reduce_stats(stats)
+        tokens = max(totals[TOKENS].item(), 1.0)
+        return {
+            "eval_loss": totals[LOSS_SUM].item() / tokens,
+            "eval_token_accuracy": totals[CORRECT].item() / tokens,
+            "eval_exact_match": totals[EXACT].item() / max(totals[SAMPLES].item(), 1.0),
+            "eval_samples": int(totals[SAMPLES].item()),
+        }
+
+    def reconstructions(self, count: int = NUM_RECONSTRUCTION_EXAMPLES) -> list[tuple[str, str]]:
+        """A few held-out sentences and what the model makes of them (collective: all ranks)."""
+        from parallel_latent.model import reconstruct_texts
+
+        texts = self.eval_set.texts[:count]
+        with self._gathered_parameters():
+            decoded = reconstruct_texts(self.model, self.tokenizer, texts)
+        return list(zip(texts, decoded))
+
+    @contextmanager
+    def _gathered_parameters(self):
+        """ZeRO-3 keeps each parameter partitioned over DP; gather them for code that runs the
+        model outside the engine's forward (reconstruction, portable export)."""
+        if self.cfg.parallel.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+    # -- the loop ------------------------------------------------------------ #
+
+    def run(self, stop: StopRequest) -> TrainResult:
+        cfg, training = self.cfg, self.cfg.training
+        max_steps = training.max_steps
+        window = _Window()
+        final_eval: dict[str, float] | None = None
+        eval_step = -1
+        stopped_by = "max_steps"
+        while self.step < max_steps:
+            started = time.perf_counter()
+            stats, applied = self.train_step()
+            stats[STOP] = 1.0 if stop.requested else 0.0
+            totals = self._reduce_stats(stats)
+            self.step += 1
+            elapsed = time.perf_counter() - started
+
+            finite = applied and math.isfinite(totals[LOSS_SUM].item())
+            if finite:
+                self.consecutive_nonfinite = 0
+            else:
+                self.consecutive_nonfinite += 1
+                self.skipped_steps += 1
+            window.add(totals, elapsed, finite)
+
+            postfix = {}
+            if self.step % training.log_every == 0 or self.step == max_steps:
+                postfix = self._log(window)
+                window = _Window()
+            self.logger.advance(1, **postfix)
+            if training.eval_every and self.step % training.eval_every == 0:
+                final_eval, eval_step = self._evaluate_and_log(), self.step
+
+            limit = training.max_nonfinite_steps
+            if limit and self.consecutive_nonfinite >= limit:
+                self.logger.close()
+                raise NonFiniteTrainingError(self._nonfinite_message(limit))
+            if totals[STOP].item() > 0:
+                stopped_by = "signal"
+                break
+            # No checkpoint in the middle of a non-finite streak: `latest` keeps pointing at
+            # weights from before the trouble.
+            if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
+                    and self.consecutive_nonfinite == 0):
+                self.save()
+
+        if stopped_by == "max_steps" and eval_step != self.step and training.eval_every:
+            final_eval = self._evaluate_and_log()
+        if self.last_saved_step != self.step:
+            self.save()
+        if stopped_by == "signal":
+            self.logger.print(f"stop requested ({stop.signal_name or 'signal on another rank'}): "
+                              f"checkpoint {self.last_checkpoint} written at step {self.step}")
+        examples: list[tuple[str, str]] = []
+        if stopped_by == "max_steps":
+            examples = self.reconstructions()
+        self.logger.close()
+        result = TrainResult(run_dir=self.run_dir, step=self.step, stopped_by=stopped_by, final_eval=final_eval,
+                             checkpoint=self.last_checkpoint, skipped_steps=self.skipped_steps,
+                             wall_time_s=time.perf_counter() - self.start_time, reconstructions=examples)
+        if self.is_main:
+            self._print_summary(result)
+        return result
+
+    def _nonfinite_message(self, limit: int) -> str:
+        where = (f"the last checkpoint, {self.last_checkpoint} (step {self.last_saved_step}), is from before them"
+                 if self.last_checkpoint else "no checkpoint had been written yet")
+        return (f"stopped at step {self.step}: {self.consecutive_nonfinite} consecutive steps with a non-finite "
+                f"loss or gradient (training.max_nonfinite_steps={limit}); they were skipped and {where}; "
+                "try a lower optimizer.lr, optimizer.grad_clip > 0, or fp32/bf16 instead of fp16")
+
+    def _evaluate_and_log(self) -> dict[str, float] | None:
+        result = self.evaluate()
+        if result is not None:
+            self.logger.write({"kind": "eval", "step": self.step, **result})
+            self.logger.print(f"step {self.step}: held-out loss {result['eval_loss']:.4f}, token accuracy "
+                              f"{result['eval_token_accuracy']:.4f}, exact match {result['eval_exact_match']:.4f} "
+                              f"({result['eval_samples']} samples)")
+        return result
+
+    def _log(self, window: _Window) -> dict[str, str]:
+        """Write the window's metrics line; return the progress bar's new postfix."""
+        seconds = max(window.seconds, 1e-9)
+        samples_per_s = window.samples_processed / seconds
+        model_flops_per_s = self.flops_per_sample * samples_per_s
+        memory, _ = peak_memory_bytes(self.device_kind)
+        grad_norm = self.engine.get_global_grad_norm()
+        finite = window.tokens > 0
+        record = {
+            "kind": "train",
+            "step": self.step,
+            "loss": window.loss_sum / window.tokens if finite else math.nan,
+            "token_accuracy": window.correct / window.tokens if finite else math.nan,
+            "exact_match": window.exact / window.samples if finite else math.nan,
+            "lr": self.step_lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": window.tokens_processed / seconds,  # non-pad tokens, all ranks
+            "samples_per_s": samples_per_s,
+            "step_time_s": seconds / window.steps,
+            "mfu": model_flops_per_s / (self.state.world_size * self.peak_flops),
+            "model_tflops_per_device": model_flops_per_s / self.state.world_size / 1e12,
+            "peak_memory_gb": memory / 2**30,  # this rank (rank 0)
+            "skipped_steps": self.skipped_steps,
+            "steps_in_window": window.steps,
+        }
+        self.logger.write(record)
+        return {"loss": f"{record['loss']:.4f}", "acc": f"{record['token_accuracy']:.3f}",
+                "tok/s": f"{record['tokens_per_s']:.0f}"}
+
+    def _print_banner(self) -> None:
+        s, cfg = self.state, self.cfg
+        # This rank's TP slices (ZeRO-3 partitions them further; ds_numel is the unpartitioned size).
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.trainable_parameters())
+        print(f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
+              f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {self.device_kind}; "
+              f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
+              f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
+              f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}", flush=True)
+        if self.device_kind == "cpu":
+            print(f"MFU peak: {self.peak_flops_source}", flush=True)
+
+    def _print_summary(self, result: TrainResult) -> None:
+        lines = [f"done: {result.step} steps in {result.wall_time_s:.0f} s ({result.skipped_steps} skipped)"]
+        if result.final_eval:
+            e = result.final_eval
+            lines.append(f"held-out: loss {e['eval_loss']:.4f}, token accuracy {e['eval_token_accuracy']:.4f}, "
+                         f"exact match {e['eval_exact_match']:.4f}")
+        for original, reconstructed in result.reconstructions:
+            lines.append(f"  text:          {original}")
+            lines.append(f"  reconstructed: {reconstructed}")
+        if result.checkpoint:
+            lines.append(f"checkpoint: {result.checkpoint}")
+        print("\n".join(lines), flush=True)
+
+
+@dataclass
+class _Window:
+    """Statistics accumulated between two log lines.  Throughput counts every step; loss,
+    accuracy and exact match count only the steps whose loss was finite (the others were
+    skipped and would turn the window's means into NaN)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens_processed: float = 0.0
+    samples_processed: float = 0.0
+    loss_sum: float = 0.0
+    tokens: float = 0.0
+    correct: float = 0.0
+    exact: float = 0.0
+    samples: float = 0.0
+
+    def add(self, totals: torch.Tensor, seconds: float, finite: bool) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens_processed += totals[TOKENS].item()
+        self.samples_processed += totals[SAMPLES].item()
+        if finite:
+            self.loss_sum += totals[LOSS_SUM].item()
+            self.tokens += totals[TOKENS].item()
+            self.correct += totals[CORRECT].item()
+            self.exact += totals[EXACT].item()
+            self.samples += totals[SAMPLES].item()
+
+
+def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> TrainResult:
+    """Train ``cfg`` on this rank (every rank calls it).  See the module docstring."""
+    stop = StopRequest()
+    with stop.installed():
+        trainer = Trainer(cfg, deepspeed_overrides, source)
+        return trainer.run(stop)

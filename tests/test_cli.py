@@ -1,0 +1,130 @@
+"""The command line: bad input is one line on stderr, a non-zero exit and nothing written."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parallel_latent import cli
+from tests.trainer_runs import REPO, TINY, TINY_CONFIG, rank_env
+
+
+def train_argv(run_dir, *overrides, nproc=None):
+    argv = ["train", "--config", str(TINY_CONFIG), *TINY, f"logging.run_dir={run_dir}", *overrides]
+    return argv + ([f"--nproc={nproc}"] if nproc else [])
+
+
+def assert_one_line_error(capsys, expected: str) -> None:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("parallel-latent: error: ") and expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("nproc, overrides, expected", [
+    (2, ["model.n_headz=3"], "unknown key model.n_headz, did you mean 'n_heads'?"),
+    (3, ["parallel.tensor_parallel=2"], "world size 3 is not divisible by parallel.tensor_parallel=2"),
+    (None, ["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.n_heads=4"),
+    (2, ["parallel.tensor_parallel=1", "training.global_batch_size=12"],
+     "training.global_batch_size=12 != training.micro_batch_size=4 x training.grad_accum_steps=1 x "
+     "data-parallel size 2"),
+    (2, ["data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt: data path does not exist"),
+    (None, ["parallel.tensor_parallel=1", "data.path=/nonexistent/corpus.txt"],
+     "/nonexistent/corpus.txt: data path does not exist"),
+    (None, ["parallel.tensor_parallel=1", "training.precision=fp16"], "training.precision=fp16 needs a CUDA device"),
+    (None, [], "parallel.tensor_parallel=2 needs 2 processes: add --nproc 2"),
+], ids=["unknown-key", "tp-vs-world", "tp-vs-heads", "global-batch-vs-dp", "missing-corpus-launch",
+        "missing-corpus-single", "fp16-on-cpu", "tp2-without-nproc"])
+def test_bad_train_input_is_one_line_and_writes_nothing(tmp_path, capsys, nproc, overrides, expected):
+    if expected.startswith("training.precision=fp16"):
+        pytest.importorskip("torch")
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("fp16 is valid with CUDA")
+    run_dir = tmp_path / "run"
+    assert cli.main(train_argv(run_dir, *overrides, nproc=nproc)) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, expected)
+    assert not run_dir.exists()
+
+
+def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
+    """The installed entry point, as a user runs it: exit 2, one line naming file and key, no
+    traceback, no run directory."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(TINY_CONFIG.read_text().replace("  dropout: 0.1", "  dropout: 0.1\n  dropuot: 0.2"))
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "parallel_latent", "train", "--config", str(config), "--nproc", "2",
+                             f"logging.run_dir={run_dir}"], cwd=REPO, env=rank_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"parallel-latent: error: {config}: model.dropuot: unknown key, did you mean 'dropout'? (known: d_model, "
+        "n_heads, n_encoder_layers, n_decoder_layers, mlp_ratio, max_length, dropout, init_std, vocab_size, "
+        "mask_token_id, pad_token_id, activation_checkpointing)"]
+    assert not run_dir.exists()
+
+
+def test_resume_never_refuses_to_overwrite_existing_checkpoints(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000010").mkdir(parents=True)
+    assert cli.main(train_argv(run_dir, "checkpoint.resume=never", nproc=2)) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "checkpoint.resume=never but")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010"]
+
+
+def test_missing_resume_checkpoint(tmp_path, capsys):
+    argv = train_argv(tmp_path / "run", f"checkpoint.resume={tmp_path / 'nope'}", nproc=2)
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "no such checkpoint")
+
+
+def test_deepspeed_overrides_must_be_a_json_object(tmp_path, capsys):
+    argv = train_argv(tmp_path / "run", nproc=2) + ["--deepspeed-overrides", "{not json"]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "--deepspeed-overrides: invalid JSON")
+
+
+def test_nproc_must_be_positive(tmp_path, capsys):
+    assert cli.main(train_argv(tmp_path / "run", nproc=0) + ["--nproc=0"]) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "--nproc=0 must be >= 1")
+
+
+def test_ranks_run_the_command_without_nproc():
+    args = cli.build_parser().parse_args(["train", "--config", "c.yaml", "--nproc", "4", "a.b=1",
+                                          "--deepspeed-overrides", "{}"])
+    assert cli._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
+    command = cli._torchrun_command(4, cli._rank_argv(args))
+    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
+
+
+def test_deepspeed_launchers_local_rank_argument_is_accepted():
+    args = cli.build_parser().parse_args(["--local_rank=1", "train", "--config", "c.yaml"])
+    assert args.command == "train" and args.local_rank == 1
+
+
+def test_deepspeed_overrides_from_a_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    assert cli._parse_overrides_json(str(path)) == {"zero_optimization": {"reduce_bucket_size": 1000}}
+    assert cli._parse_overrides_json('{"a": 1}') == {"a": 1}
+
+
+def test_plot_of_a_missing_run_is_one_line(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path / "nothing")]) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "no metrics.jsonl")
+
+
+def test_reconstruct_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert cli.main(["reconstruct", "--checkpoint", str(tmp_path / "nothing"), "hello"]) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "no such checkpoint or run directory")
+
+
+def test_help_is_instant_and_lists_the_commands():
+    result = subprocess.run([sys.executable, "-m", "parallel_latent", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    for command in ("train", "reconstruct", "plot"):
+        assert command in result.stdout

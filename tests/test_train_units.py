@@ -1,0 +1,208 @@
+"""Fast checks of the trainer's pieces: the DeepSpeed config, the schedule, parameter groups,
+the FLOP count behind MFU, the metric sinks and the plots.  No process groups, no launches."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from parallel_latent.config import ConfigError, config_from_dict, load_config
+from parallel_latent.engine import deepspeed_config, lr_factor, merge_overrides, parameter_groups, uses_stage0_guard
+from parallel_latent.metrics import (PEAK_FLOPS_ENV, MetricsLogger, model_flops_per_sample, peak_flops_per_device,
+                                     read_metrics)
+from tests.trainer_runs import TINY_CONFIG
+
+
+def cfg_with(**sections):
+    return config_from_dict(sections)
+
+
+# --------------------------------------------------------------------------- #
+# DeepSpeed config
+# --------------------------------------------------------------------------- #
+
+
+def test_deepspeed_batch_sizes_count_data_parallel_ranks_only():
+    cfg = cfg_with(parallel={"tensor_parallel": 2, "zero_stage": 3},
+                   training={"micro_batch_size": 4, "grad_accum_steps": 3})
+    ds = deepspeed_config(cfg, world_size=8)  # TP 2 x DP 4
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 4 * 3 * 4
+    assert ds["zero_optimization"]["stage"] == 3
+
+
+def test_deepspeed_world_not_divisible_by_tp_is_a_config_error():
+    cfg = cfg_with(parallel={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by parallel.tensor_parallel=2"):
+        deepspeed_config(cfg, world_size=3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_deepspeed_precision_sections(precision):
+    ds = deepspeed_config(cfg_with(training={"precision": precision}), world_size=1)
+    assert ds["bf16"]["enabled"] is (precision == "bf16")
+    assert ds["fp16"]["enabled"] is (precision == "fp16")
+    if precision == "fp16":
+        assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling by DeepSpeed
+
+
+def test_clipping_goes_to_deepspeed_except_at_stage0_fp32_where_our_guard_clips():
+    stage2 = cfg_with(optimizer={"grad_clip": 0.5}, parallel={"zero_stage": 2})
+    stage0 = cfg_with(optimizer={"grad_clip": 0.5}, parallel={"zero_stage": 0})
+    stage0_bf16 = cfg_with(optimizer={"grad_clip": 0.5}, parallel={"zero_stage": 0}, training={"precision": "bf16"})
+    assert deepspeed_config(stage2, 1)["gradient_clipping"] == 0.5 and not uses_stage0_guard(stage2)
+    assert deepspeed_config(stage0, 1)["gradient_clipping"] == 0.0 and uses_stage0_guard(stage0)
+    assert deepspeed_config(stage0_bf16, 1)["gradient_clipping"] == 0.5 and not uses_stage0_guard(stage0_bf16)
+
+
+def test_deepspeed_overrides_merge_deeply():
+    ds = deepspeed_config(cfg_with(), 1, overrides={"zero_optimization": {"reduce_bucket_size": 123},
+                                                    "steps_per_print": 5})
+    assert ds["zero_optimization"] == {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
+                                       "reduce_bucket_size": 123}
+    assert ds["steps_per_print"] == 5
+    base = {"a": {"b": 1}}
+    assert merge_overrides(base, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}} and base == {"a": {"b": 1}}
+
+
+# --------------------------------------------------------------------------- #
+# Schedule and optimizer groups
+# --------------------------------------------------------------------------- #
+
+
+def test_warmup_then_cosine_to_the_floor():
+    schedule = cfg_with(schedule={"warmup_steps": 10, "decay": "cosine", "min_lr_ratio": 0.1}).schedule
+    assert lr_factor(0, schedule, 110) == pytest.approx(0.1)
+    assert lr_factor(9, schedule, 110) == pytest.approx(1.0)
+    assert lr_factor(10, schedule, 110) == pytest.approx(1.0)
+    assert lr_factor(60, schedule, 110) == pytest.approx(0.55)  # half way: mean of 1 and 0.1
+    assert lr_factor(110, schedule, 110) == pytest.approx(0.1)
+    assert lr_factor(500, schedule, 110) == pytest.approx(0.1)
+    factors = [lr_factor(s, schedule, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+def test_linear_and_constant_decay():
+    linear = cfg_with(schedule={"warmup_steps": 0, "decay": "linear", "min_lr_ratio": 0.0}).schedule
+    constant = cfg_with(schedule={"warmup_steps": 0, "decay": "constant"}).schedule
+    assert [lr_factor(s, linear, 4) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert {lr_factor(s, constant, 4) for s in range(5)} == {1.0}
+
+
+def test_weight_decay_only_on_matrices():
+    layer, norm = torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)
+    params = [layer.weight, layer.bias, norm.weight, norm.bias]
+    decay, no_decay = parameter_groups(params, 0.1)
+    assert decay == {"params": [layer.weight], "weight_decay": 0.1}
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+
+
+# --------------------------------------------------------------------------- #
+# FLOPs and MFU inputs
+# --------------------------------------------------------------------------- #
+
+
+def test_flop_formula_matches_the_real_models_forward_matmuls():
+    """The docstring formula counts the linear-layer FLOPs that torch's FlopCounterMode measures
+    on the real model (TP=1, train mode so the query MLP runs on [B, T, d]).  The counter does not
+    see the fused CPU attention kernel, and the model's head is padded to 1024 rows here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel_latent.model import build_model
+
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "n_heads": 4, "n_encoder_layers": 2, "n_decoder_layers": 1, "max_length": 8,
+                  "vocab_size": 1000, "mask_token_id": 998, "pad_token_id": 999, "dropout": 0.1},
+        "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32}})
+    model = build_model(cfg).train()
+    batch = 3
+    ids = torch.randint(0, 990, (batch, 8))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, torch.ones_like(ids))
+    parts = model_flops_per_sample(cfg)
+    linear = (parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * 1024 / 1000
+              + parts["gpt2_linear"])
+    assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
+    assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"]
+    assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
+
+
+def test_flops_trainable_feature_model_costs_backward_too():
+    frozen = model_flops_per_sample(cfg_with())
+    trainable = model_flops_per_sample(cfg_with(feature_model={"frozen": False}))
+    assert trainable["train"] == 3 * (frozen["trainable_forward"] + frozen["frozen_forward"])
+
+
+def test_peak_flops_env_override_and_cpu_assumption(monkeypatch):
+    assert peak_flops_per_device("cpu", "fp32", env={PEAK_FLOPS_ENV: "1.5e12"}) == (1.5e12, f"${PEAK_FLOPS_ENV}")
+    peak, source = peak_flops_per_device("cpu", "fp32", env={})
+    assert peak == pytest.approx(torch.get_num_threads() * 96e9) and "CPU assumption" in source
+
+
+# --------------------------------------------------------------------------- #
+# Metric sinks and plots
+# --------------------------------------------------------------------------- #
+
+
+def test_metrics_jsonl_is_strict_json_and_resume_drops_lines_after_the_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=5, tensorboard=False, progress_bar=False)
+    for step in range(1, 5):
+        logger.write({"kind": "train", "step": step, "loss": math.nan if step == 3 else 1.0 / step})
+    logger.write({"kind": "eval", "step": 4, "eval_loss": 0.5})
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # strict JSON: no NaN literal
+    assert records[2] == {"kind": "train", "step": 3, "loss": None}
+    assert "NaN" not in "".join(lines)
+
+    resumed = MetricsLogger(tmp_path, enabled=True, total_steps=5, start_step=2, tensorboard=False,
+                            progress_bar=False)
+    resumed.write({"kind": "train", "step": 3, "loss": 0.3})
+    resumed.close()
+    assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        ("train", 1), ("train", 2), ("train", 3)]
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    logger = MetricsLogger(tmp_path / "run", enabled=False, total_steps=5)
+    logger.write({"kind": "train", "step": 1, "loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_torn_last_line_is_ignored(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "tra')
+    assert read_metrics(path) == [{"kind": "train", "step": 1, "loss": 2.0}]
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from parallel_latent.plot import plot_run
+
+    records = [{"kind": "train", "step": s, "loss": 5.0 / s, "token_accuracy": s / 10, "lr": 1e-3,
+                "grad_norm": 1.0, "tokens_per_s": 100.0 + s} for s in range(1, 6)]
+    records.append({"kind": "eval", "step": 5, "eval_loss": 1.2, "eval_token_accuracy": 0.4,
+                    "eval_exact_match": 0.1})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = plot_run(tmp_path)
+    assert sorted(p.name for p in written) == ["accuracy.png", "loss.png", "lr.png", "throughput.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_directory_without_metrics_is_a_one_line_error(tmp_path):
+    from parallel_latent.plot import PlotError, plot_run
+
+    with pytest.raises(PlotError, match=re.escape(f"{tmp_path}: no metrics.jsonl")):
+        plot_run(tmp_path)
+
+
+def test_tiny_config_is_the_documented_demo():
+    cfg = load_config(TINY_CONFIG)
+    assert cfg.parallel.tensor_parallel == 2 and cfg.data.path == ""
+    assert not cfg.feature_model.pretrained
