@@ -114,7 +114,7 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
     torchrun runs in its own session so a terminal's Ctrl-C reaches only this process, which
     forwards SIGTERM to the ranks themselves (not to the torchrun agent): they finish the step,
     write a checkpoint and exit 0, and torchrun then exits 0 as well.  (Signalling the agent
-    instead makes it tear the ranks down and exit non-zero.)  A second Ctrl-C stops the agent.
+    instead makes it tear the ranks down and exit non-zero.)  A second Ctrl-C kills the ranks.
     """
     env = dict(os.environ)
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
@@ -126,16 +126,13 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
     def forward(signum, frame):
         nonlocal signals_seen
         signals_seen += 1
-        if signals_seen == 1:
-            ranks = _children(process.pid)
-            for pid in ranks:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            if not ranks:  # not Linux, or ranks not started yet: the agent handles it
-                process.send_signal(signal.SIGTERM)
-        else:
+        ranks = _children(process.pid)
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM if signals_seen == 1 else signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not ranks:  # not Linux, or the ranks have not started yet: the agent handles it
             process.send_signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -166,19 +163,16 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     deepspeed_overrides = _parse_overrides_json(args.deepspeed_overrides)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
-    if args.nproc and args.nproc > 1 and not _under_launcher():
-        # Validate here, in one process, so bad input costs one line and no launch.
-        from parallel_latent.train import preflight
-
-        cfg = _load_train_config(args)
-        preflight(cfg, args.nproc, args.config)
-        return _launch_local(args.nproc, _rank_argv(args))
-
+    cfg = _load_train_config(args)
     if not _under_launcher():
-        # One process started from a shell: say how to get the processes the config needs.
-        cfg = _load_train_config(args)
+        if args.nproc and args.nproc > 1:
+            # Validate here, in one process, so bad input costs one line and no launch.
+            from parallel_latent.train import preflight
+
+            preflight(cfg, args.nproc, args.config)
+            return _launch_local(args.nproc, _rank_argv(args))
         tp = cfg.parallel.tensor_parallel
-        if tp > 1:
+        if tp > 1:  # one process from a shell: say how to get the processes the config needs
             raise UsageError(f"{args.config}: parallel.tensor_parallel={tp} needs {tp} processes: add --nproc {tp} "
                              "(or a multiple of it), or set parallel.tensor_parallel=1")
 
@@ -186,7 +180,6 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from parallel_latent.train import NonFiniteTrainingError, train
 
     try:
-        cfg = _load_train_config(args)
         train(cfg, deepspeed_overrides, source=args.config)
     except NonFiniteTrainingError as error:
         if _is_rank_zero():

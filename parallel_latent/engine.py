@@ -236,6 +236,28 @@ def quiet_deepspeed_logs(level: int = logging.WARNING) -> None:
     ds_logger.setLevel(level)
 
 
+def skip_unused_cpu_comm_kernel() -> None:
+    """On the CPU accelerator, keep DeepSpeed from JIT-compiling its shared-memory all-reduce
+    kernel (``deepspeed_shm_comm``).
+
+    DeepSpeed builds it when its communication backend starts, but only its *inference*
+    all-reduce calls it; training collectives go through torch.distributed (gloo).  The build
+    needs a C++ toolchain, takes tens of seconds on a small machine, holds a machine-wide lock
+    that serialises every starting rank, and is redone whenever another environment sharing
+    ~/.cache/torch_extensions builds it with other paths.  Marking the op incompatible makes
+    DeepSpeed skip it, exactly as on a machine without a compiler.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def initialize_engine(model: torch.nn.Module, cfg: Config, world_size: int,
                       overrides: dict | None = None, mpu=None) -> EngineBundle:
     """``deepspeed.initialize`` with the trainable parameters only, our AdamW and schedule, the
@@ -249,6 +271,7 @@ def initialize_engine(model: torch.nn.Module, cfg: Config, world_size: int,
     from parallel_latent.parallel import ModelParallelUnit
 
     quiet_deepspeed_logs()
+    skip_unused_cpu_comm_kernel()
     device = resolve_device(cfg)
     if cfg.training.precision == "fp16" and device != "cuda":
         raise ConfigError("<runtime>: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")

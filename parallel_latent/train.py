@@ -21,9 +21,9 @@ Per optimizer step, every rank:
    and stop at the same step.
 
 A SIGTERM or SIGINT (SLURM preemption, Ctrl-C) finishes the current step, writes a checkpoint
-and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive skipped steps write
-a checkpoint (the weights are those before the first skipped step) and raise
-:class:`NonFiniteTrainingError`.
+and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive skipped steps raise
+:class:`NonFiniteTrainingError`; no checkpoint is published during such a streak, so ``latest``
+names weights from before it.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from parallel_latent.config import Config, ConfigError, save_config, validate_wo
 from parallel_latent.data import ShardedBatchSampler, build_datasets, get_batch, list_data_files
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
-from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+from parallel_latent.parallel import init_distributed, launcher_environment
 
 __all__ = ["train", "preflight", "TrainResult", "NonFiniteTrainingError", "CHECKPOINTS_DIRNAME", "checkpoints_dir"]
 

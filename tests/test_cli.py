@@ -54,7 +54,9 @@ def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
     """The installed entry point, as a user runs it: exit 2, one line naming file and key, no
     traceback, no run directory."""
     config = tmp_path / "bad.yaml"
-    config.write_text(TINY_CONFIG.read_text().replace("  dropout: 0.1", "  dropout: 0.1\n  dropuot: 0.2"))
+    text = TINY_CONFIG.read_text()
+    assert "\nmodel:\n" in text
+    config.write_text(text.replace("\nmodel:\n", "\nmodel:\n  dropuot: 0.2\n"))
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "parallel_latent", "train", "--config", str(config), "--nproc", "2",
                              f"logging.run_dir={run_dir}"], cwd=REPO, env=rank_env(), capture_output=True, text=True,

@@ -10,6 +10,7 @@ equivalence checks: every layout must reproduce the single-process loss curve.
 | C   | ``torchrun --nproc_per_node 2``      | TP=1 x DP=2     | 2    | 4           |
 | D   | launch/torchrun_multi_node.sh x 2    | TP=2 x DP=2     | 3    | 4           |
 | E   | ``torchrun`` 4 ranks, one killed     | TP=2 x DP=2     | 1    | 4           |
+| F   | ``python -m parallel_latent`` (1)    | TP=1 x DP=1     | 2    | 4 x 2 accumulated |
 
 Tolerance for "equal" curves: relative 2e-5 on the loss and on DeepSpeed's reported gradient
 norm.  The layouts differ only in float summation order (TP splits the GEMMs and reduces the
@@ -97,6 +98,16 @@ def test_tp2_via_nproc_matches_tp1(run_a, tmp_path):
                              "training.micro_batch_size=8", nproc=2), timeout=300)
     assert result.returncode == 0, describe(result)
     assert_trained(run_dir)
+    assert_same_curve(run_dir, run_a)
+
+
+def test_gradient_accumulation_matches_the_doubled_micro_batch(run_a, tmp_path):
+    """Two accumulated micro-batches of 4 = one of 8: the loss is normalised by the tokens of
+    the whole step, not averaged per micro-batch."""
+    run_dir = tmp_path / "accumulate"
+    result = run(cli_command(run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2",
+                             "training.micro_batch_size=4", "training.grad_accum_steps=2"), timeout=300)
+    assert result.returncode == 0, describe(result)
     assert_same_curve(run_dir, run_a)
 
 

@@ -92,14 +92,16 @@ def test_deepspeed_launcher_on_cpu(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
-def test_accelerate_launch_runs_the_same_entry_point(tmp_path):
+def test_accelerate_launch_runs_the_same_entry_point_in_bf16(tmp_path):
+    """accelerate launch with launch/accelerate_config.yaml (2 processes); bf16 through DeepSpeed's
+    bf16 optimizer on CPU, buffers cast along with the parameters."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "launch" / "accelerate_config.yaml"), "--num_processes", "2",
                "--main_process_port", str(free_port()), "-m", "parallel_latent",
                *train_args(run_dir, "parallel.tensor_parallel=1", "parallel.zero_stage=1", "training.max_steps=4",
-                           "checkpoint.save_every=0")]
+                           "checkpoint.save_every=0", "training.precision=bf16")]
     result = run(command, timeout=300)
     assert result.returncode == 0, describe(result)
-    assert "TP 1 x DP 2, ZeRO stage 1" in result.stdout
+    assert "TP 1 x DP 2, ZeRO stage 1, bf16" in result.stdout
     assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4]

@@ -206,3 +206,18 @@ def test_tiny_config_is_the_documented_demo():
     cfg = load_config(TINY_CONFIG)
     assert cfg.parallel.tensor_parallel == 2 and cfg.data.path == ""
     assert not cfg.feature_model.pretrained
+
+
+def test_tensorboard_events_when_installed(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, enabled=True, total_steps=3, tensorboard=True, progress_bar=False)
+    for step in (1, 2, 3):
+        logger.write({"kind": "train", "step": step, "loss": 1.0 / step, "grad_norm": None})
+    logger.write({"kind": "eval", "step": 3, "eval_loss": 0.5})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"train/loss", "eval/eval_loss"}
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (3, 0.333)]
