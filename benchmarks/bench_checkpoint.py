@@ -18,6 +18,7 @@ dropping the cache would need root and disturb other users of the machine.
 
     python benchmarks/bench_checkpoint.py [--repeats 5] [--dir /tmp/x] [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,14 +72,17 @@ def main() -> None:
     cfg, model, feature_cfg = build_model()
     target = LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed + 1)
     n_params = sum(t.numel() for t in model.state_dict().values())
-    print(f"model: {n_params / 1e6:.1f}M elements in the state dict "
-          f"({sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20:.0f} MiB), "
-          f"built in {time.perf_counter() - started:.1f}s")
+    print(
+        f"model: {n_params / 1e6:.1f}M elements in the state dict "
+        f"({sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20:.0f} MiB), "
+        f"built in {time.perf_counter() - started:.1f}s"
+    )
 
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="bench-checkpoint-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    times: dict[str, list[float]] = {k: [] for k in ("portable_save", "torch_save", "portable_load",
-                                                      "portable_load_unverified", "torch_load")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("portable_save", "torch_save", "portable_load", "portable_load_unverified", "torch_load")
+    }
     sizes = {}
     try:
         for repeat in range(args.repeats):
@@ -109,29 +113,44 @@ def main() -> None:
             shutil.rmtree(portable_dir)
             torch_file.unlink()
         # The last load must have produced the saved weights exactly.
-        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+        pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
     finally:
         if args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)
 
     medians = {k: statistics.median(v) for k, v in times.items()}
     figures = {
-        "repeats": args.repeats, "elements": n_params, "median_s": medians, "all_s": times, "bytes": sizes,
-        "ratios": {"save": medians["portable_save"] / medians["torch_save"],
-                   "load": medians["portable_load"] / medians["torch_load"],
-                   "load_unverified": medians["portable_load_unverified"] / medians["torch_load"],
-                   "bytes": sizes["portable"] / sizes["torch_save"]},
+        "repeats": args.repeats,
+        "elements": n_params,
+        "median_s": medians,
+        "all_s": times,
+        "bytes": sizes,
+        "ratios": {
+            "save": medians["portable_save"] / medians["torch_save"],
+            "load": medians["portable_load"] / medians["torch_load"],
+            "load_unverified": medians["portable_load_unverified"] / medians["torch_load"],
+            "bytes": sizes["portable"] / sizes["torch_save"],
+        },
     }
     print(f"{'':28}{'portable':>12}{'torch.save':>12}{'ratio':>8}")
-    print(f"{'save (s, median)':28}{medians['portable_save']:12.3f}{medians['torch_save']:12.3f}"
-          f"{figures['ratios']['save']:8.2f}")
-    print(f"{'load (s, median, verified)':28}{medians['portable_load']:12.3f}{medians['torch_load']:12.3f}"
-          f"{figures['ratios']['load']:8.2f}")
-    print(f"{'load (s, median, no sha256)':28}{medians['portable_load_unverified']:12.3f}"
-          f"{medians['torch_load']:12.3f}{figures['ratios']['load_unverified']:8.2f}")
+    print(
+        f"{'save (s, median)':28}{medians['portable_save']:12.3f}{medians['torch_save']:12.3f}"
+        f"{figures['ratios']['save']:8.2f}"
+    )
+    print(
+        f"{'load (s, median, verified)':28}{medians['portable_load']:12.3f}{medians['torch_load']:12.3f}"
+        f"{figures['ratios']['load']:8.2f}"
+    )
+    print(
+        f"{'load (s, median, no sha256)':28}{medians['portable_load_unverified']:12.3f}"
+        f"{medians['torch_load']:12.3f}{figures['ratios']['load_unverified']:8.2f}"
+    )
     print(f"{'bytes on disk':28}{sizes['portable']:12,d}{sizes['torch_save']:12,d}{figures['ratios']['bytes']:8.4f}")
-    print("goals: load <= 1.0x, bytes <= 1.02x:",
-          "met" if figures["ratios"]["load"] <= 1.0 and figures["ratios"]["bytes"] <= 1.02 else "NOT met")
+    print(
+        "goals: load <= 1.0x, bytes <= 1.02x:",
+        "met" if figures["ratios"]["load"] <= 1.0 and figures["ratios"]["bytes"] <= 1.02 else "NOT met",
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 

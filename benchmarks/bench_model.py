@@ -12,6 +12,7 @@
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 15 --threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from parallel_latent.config import FeatureModelConfig, ModelConfig  # noqa: E402
-from parallel_latent.model import FeatureModel, LatentAutoencoder  # noqa: E402
-from parallel_latent.model.features import load_gpt2  # noqa: E402
+from parallel_latent.config import FeatureModelConfig, ModelConfig
+from parallel_latent.model import FeatureModel, LatentAutoencoder
+from parallel_latent.model.features import load_gpt2
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -36,6 +37,7 @@ GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab
 # --------------------------------------------------------------------------- #
 # The plain implementation. Module names mirror ours so one state_dict loads into both.
 # --------------------------------------------------------------------------- #
+
 
 class PlainAttention(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float):
@@ -150,6 +152,7 @@ def plain_twin(ours: LatentAutoencoder) -> PlainAutoencoder:
 # Timing.
 # --------------------------------------------------------------------------- #
 
+
 def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
     times = {name: [] for name in fns}
     for i in range(warmup + repeats):
@@ -173,9 +176,17 @@ def model_vs_plain(args) -> None:
     ids, mask = batch(args)
     feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
     for dropout in args.dropouts:
-        model_cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_encoder_layers=args.layers,
-                                n_decoder_layers=args.layers, max_length=args.seq, dropout=dropout,
-                                vocab_size=args.vocab, mask_token_id=args.vocab - 2, pad_token_id=args.vocab - 1)
+        model_cfg = ModelConfig(
+            d_model=args.d_model,
+            n_heads=args.heads,
+            n_encoder_layers=args.layers,
+            n_decoder_layers=args.layers,
+            max_length=args.seq,
+            dropout=dropout,
+            vocab_size=args.vocab,
+            mask_token_id=args.vocab - 2,
+            pad_token_id=args.vocab - 1,
+        )
         ours = LatentAutoencoder(model_cfg, feature_cfg, seed=0).train()
         plain = plain_twin(ours).train()
         if dropout == 0.0:
@@ -183,19 +194,22 @@ def model_vs_plain(args) -> None:
             assert abs(ours_loss - plain_loss) <= 1e-4 * abs(plain_loss), (ours_loss, plain_loss)
             print(f"same weights, same loss: ours {ours_loss:.6f}, plain {plain_loss:.6f}")
 
-        def ours_step():
+        def ours_step(ours=ours):
             ours.dropout_rng.step += 1
             ours(ids, mask).loss.backward()
             ours.zero_grad(set_to_none=True)
 
-        def plain_step():
+        def plain_step(plain=plain):
             plain(ids, mask).backward()
             plain.zero_grad(set_to_none=True)
 
         med = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats)
         goal = " (goal <= 1.05)" if dropout == 0.0 else " (information)"
-        print(f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {med['ours'] * 1e3:.1f} ms, plain PyTorch "
-              f"{med['plain'] * 1e3:.1f} ms, ratio {med['ours'] / med['plain']:.3f}{goal}")
+        print(
+            f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {med['ours'] * 1e3:.1f} ms, "
+            f"plain PyTorch "
+            f"{med['plain'] * 1e3:.1f} ms, ratio {med['ours'] / med['plain']:.3f}{goal}"
+        )
 
 
 def features_vs_full(args) -> None:
@@ -220,9 +234,11 @@ def features_vs_full(args) -> None:
 
     med = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats)
     held = sum(p.numel() for p in truncated.parameters()) / sum(p.numel() for p in full.parameters())
-    print(f"features, 12-layer GPT-2, batch {args.feature_batch}x{args.seq}: truncated "
-          f"{med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms, ratio "
-          f"{med['truncated'] / med['full']:.3f} (goal <= 0.87); weights held {held:.3f}x")
+    print(
+        f"features, 12-layer GPT-2, batch {args.feature_batch}x{args.seq}: truncated "
+        f"{med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms, ratio "
+        f"{med['truncated'] / med['full']:.3f} (goal <= 0.87); weights held {held:.3f}x"
+    )
 
 
 def main() -> None:
@@ -231,8 +247,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=GPT2_VOCAB,
-                        help="50304 (a multiple of 128) gives the plain head the shape of our padded one")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=GPT2_VOCAB,
+        help="50304 (a multiple of 128) gives the plain head the shape of our padded one",
+    )
     parser.add_argument("--layers", type=int, default=2, help="Perceiver blocks in the encoder and in the decoder")
     parser.add_argument("--feature-layers", type=int, default=4)
     parser.add_argument("--feature-batch", type=int, default=8)

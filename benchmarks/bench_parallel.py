@@ -7,6 +7,7 @@
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 30]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,16 +17,20 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from parallel_latent.parallel import DropoutRNG, ParallelMLP  # noqa: E402
+from parallel_latent.parallel import DropoutRNG, ParallelMLP
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
-    return nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Dropout(dropout),
-                         nn.Linear(4 * hidden, hidden), nn.Dropout(dropout))
+    return nn.Sequential(
+        nn.Linear(hidden, 4 * hidden),
+        nn.GELU(),
+        nn.Dropout(dropout),
+        nn.Linear(4 * hidden, hidden),
+        nn.Dropout(dropout),
+    )
 
 
 def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
@@ -56,12 +61,21 @@ def tp1_overhead(args) -> None:
         with torch.no_grad():
             plain[0].weight.copy_(ours.dense_h_to_4h.weight)
             plain[3].weight.copy_(ours.dense_4h_to_h.weight)
-        def advance():
+
+        def advance(rng=rng):
             rng.step += 1
-        med = interleaved({"ours": lambda: step_time(ours, x, advance), "plain": lambda: step_time(plain, x)},
-                          args.repeats)
-        print(f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {med['ours'] * 1e3:.2f} ms, nn.Sequential "
-              f"{med['plain'] * 1e3:.2f} ms, ratio {med['ours'] / med['plain']:.3f} (goal <= 1.02)")
+
+        med = interleaved(
+            {
+                "ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
+                "plain": lambda plain=plain: step_time(plain, x),
+            },
+            args.repeats,
+        )
+        print(
+            f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {med['ours'] * 1e3:.2f} ms, nn.Sequential "
+            f"{med['plain'] * 1e3:.2f} ms, ratio {med['ours'] / med['plain']:.3f} (goal <= 1.02)"
+        )
 
 
 def _tp2_worker(rank: int, port: int, args) -> None:
@@ -70,6 +84,7 @@ def _tp2_worker(rank: int, port: int, args) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from parallel_latent.parallel import initialize_model_parallel
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -86,18 +101,24 @@ def _tp2_worker(rank: int, port: int, args) -> None:
         def run():
             dist.barrier()
             return step_time(module, x)
+
         return run
+
     med = interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats)
     if rank == 0:
-        print(f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {med['ours'] * 1e3:.2f} ms, "
-              f"torch.distributed.tensor.parallel {med['torch'] * 1e3:.2f} ms, ratio "
-              f"{med['ours'] / med['torch']:.3f} (goal <= 1.0)")
+        print(
+            f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {med['ours'] * 1e3:.2f} ms, "
+            f"torch.distributed.tensor.parallel {med['torch'] * 1e3:.2f} ms, ratio "
+            f"{med['ours'] / med['torch']:.3f} (goal <= 1.0)"
+        )
     dist.destroy_process_group()
 
 
 def tp2_vs_torch(args) -> None:
     import torch.multiprocessing as mp
+
     from tests.distributed import free_port
+
     mp.spawn(_tp2_worker, args=(free_port(), args), nprocs=2, join=True)
 
 

@@ -14,6 +14,7 @@
     python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
     python benchmarks/bench_train.py --part step --steps 40 model.d_model=128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,20 @@ sys.path.insert(0, str(REPO))
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = [
-    "model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
-    "model.max_length=32", "model.dropout=0.1", "feature_model.n_embd=64", "feature_model.n_layer=4",
-    "data.max_samples=2000", "training.micro_batch_size=32", "logging.progress_bar=false",
-    "logging.tensorboard=false", "checkpoint.export_portable=false", "checkpoint.save_every=0",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_encoder_layers=2",
+    "model.n_decoder_layers=2",
+    "model.max_length=32",
+    "model.dropout=0.1",
+    "feature_model.n_embd=64",
+    "feature_model.n_layer=4",
+    "data.max_samples=2000",
+    "training.micro_batch_size=32",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "checkpoint.export_portable=false",
+    "checkpoint.save_every=0",
     "training.eval_every=0",
 ]
 
@@ -42,8 +53,10 @@ DEFAULT_OVERRIDES = [
 def load(overrides: list[str], run_dir: str):
     from parallel_latent.config import load_config
 
-    return load_config(REPO / "configs" / "tiny.yaml",
-                       [*DEFAULT_OVERRIDES, *overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=never"])
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [*DEFAULT_OVERRIDES, *overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=never"],
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -67,12 +80,15 @@ def bench_step_time(args) -> dict:
 
         plain_model = build_model(cfg).to(device).train()
         trainable = plain_model.trainable_parameters()
-        optimizer = torch.optim.AdamW(parameter_groups(trainable, cfg.optimizer.weight_decay), lr=cfg.optimizer.lr,
-                                      betas=tuple(cfg.optimizer.betas), eps=cfg.optimizer.eps,
-                                      fused=device.type == "cuda")
+        optimizer = torch.optim.AdamW(
+            parameter_groups(trainable, cfg.optimizer.weight_decay),
+            lr=cfg.optimizer.lr,
+            betas=tuple(cfg.optimizer.betas),
+            eps=cfg.optimizer.eps,
+            fused=device.type == "cuda",
+        )
         scheduler = build_lr_scheduler(optimizer, cfg)
-        sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size,
-                                      seed=cfg.training.seed)
+        sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size, seed=cfg.training.seed)
         plain_step_count = 0
 
         def plain_step() -> None:
@@ -115,8 +131,14 @@ def bench_step_time(args) -> dict:
             trainer_times += timed(trainer_step, per_round)
         trainer.logger.close()
     plain, ds = statistics.median(plain_times), statistics.median(trainer_times)
-    return {"plain_pytorch_step_s": plain, "trainer_zero2_step_s": ds, "ratio": ds / plain,
-            "steps_each": len(plain_times), "device": str(device), "threads": torch.get_num_threads()}
+    return {
+        "plain_pytorch_step_s": plain,
+        "trainer_zero2_step_s": ds,
+        "ratio": ds / plain,
+        "steps_each": len(plain_times),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -149,8 +171,7 @@ def measure_engine_memory(trainer) -> dict:
     if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO 1/2
         master = _bytes(optimizer.single_partition_of_fp32_groups)
         # Stage 2 keeps this rank's partition of the reduced gradients (stage 1 the full ones).
-        gradients = sum(_bytes(group) for group in optimizer.averaged_gradients.values()
-                        if isinstance(group, list))
+        gradients = sum(_bytes(group) for group in optimizer.averaged_gradients.values() if isinstance(group, list))
         if not gradients:
             gradients = _bytes(p.grad for p in trainable)
         base = optimizer.optimizer
@@ -158,12 +179,19 @@ def measure_engine_memory(trainer) -> dict:
         master = 0
         gradients = _bytes(p.grad for p in trainable)
         base = optimizer
-    optimizer_state = sum(_bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-                          for state in base.state.values())
+    optimizer_state = sum(
+        _bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for state in base.state.values()
+    )
     engine.step()
-    return {"parameters": parameters, "master_weights": master, "gradients": gradients,
-            "optimizer_state": optimizer_state, "total": parameters + master + gradients + optimizer_state,
-            "frozen_parameters": _bytes(frozen)}
+    return {
+        "parameters": parameters,
+        "master_weights": master,
+        "gradients": gradients,
+        "optimizer_state": optimizer_state,
+        "total": parameters + master + gradients + optimizer_state,
+        "frozen_parameters": _bytes(frozen),
+    }
 
 
 def memory_worker(output: str, overrides: list[str]) -> None:
@@ -197,9 +225,18 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         if not _has_cuda():
             env["DS_ACCELERATOR"] = "cpu"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   str(Path(__file__).resolve()), "--memory-worker", str(output), *overrides]
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(Path(__file__).resolve()),
+            "--memory-worker",
+            str(output),
+            *overrides,
+        ]
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"memory worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
         return json.loads(output.read_text())
@@ -210,8 +247,12 @@ def bench_memory(args, precision: str) -> dict:
     single = run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
     sharded = run_memory_layout(4, [*common, "parallel.tensor_parallel=2"])
     worst = max(sharded, key=lambda r: r["total"])
-    return {"precision": precision, "tp1_dp1": single, "tp2_dp2_worst_rank": worst,
-            "ratio": worst["total"] / single["total"]}
+    return {
+        "precision": precision,
+        "tp1_dp1": single,
+        "tp2_dp2_worst_rank": worst,
+        "ratio": worst["total"] / single["total"],
+    }
 
 
 def mib(n: int) -> str:
@@ -224,8 +265,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--precisions", default=None,
-                        help="memory benchmark precisions, comma-separated (default: bf16,fp32)")
+    parser.add_argument(
+        "--precisions", default=None, help="memory benchmark precisions, comma-separated (default: bf16,fp32)"
+    )
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
     args = parser.parse_args()
@@ -250,12 +292,16 @@ def main() -> None:
             memory = bench_memory(args, precision)
             report[f"memory_{precision}"] = memory
             single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
-            print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
-                  "AdamW moments):")
+            print(
+                f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
+                "AdamW moments):"
+            )
             for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
                 print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
-            print(f"  ratio TP2xDP2 / TP1xDP1 = {memory['ratio']:.3f}x   (goal <= 0.30x; frozen GPT-2 not "
-                  f"included: {mib(single['frozen_parameters'])} per rank, replicated)")
+            print(
+                f"  ratio TP2xDP2 / TP1xDP1 = {memory['ratio']:.3f}x   (goal <= 0.30x; frozen GPT-2 not "
+                f"included: {mib(single['frozen_parameters'])} per rank, replicated)"
+            )
     print(json.dumps(report, indent=None, default=str))
 
 

@@ -16,9 +16,11 @@ one line on stderr and exits with status 2 before anything is written.  Exit sta
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so ``--help`` and
 argument errors are instant.
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,12 +28,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from parallel_latent import inference
+from parallel_latent.checkpoint import cli as checkpoint_cli
+from parallel_latent.errors import (
+    PATH_ERRORS,
+    UsageError,
+    describe_path_error,
+    require_dir,
+    require_file,
+    require_output_dir,
+)
+
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE = 0, 1, 2, 3
 PROG = "parallel-latent"
-
-
-class UsageError(ValueError):
-    """A command-line problem found after parsing (one line)."""
 
 
 def _error(message: str) -> None:
@@ -59,10 +68,7 @@ def _parse_overrides_json(text: str | None) -> dict | None:
         return None
     source = "--deepspeed-overrides"
     if not text.lstrip().startswith("{"):
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except OSError as error:
-            raise UsageError(f"{source}: cannot read {text}: {error.strerror}") from None
+        text = require_file(text, source).read_text(encoding="utf-8")
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -79,8 +85,16 @@ def _load_train_config(args: argparse.Namespace):
 
 
 def _torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "parallel_latent", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "parallel_latent",
+        *argv,
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -119,8 +133,13 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
     env = dict(os.environ)
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    process = subprocess.Popen(_torchrun_command(nproc, argv), env=env, start_new_session=True,
-                               preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    process = subprocess.Popen(
+        _torchrun_command(nproc, argv),
+        env=env,
+        start_new_session=True,
+        # A single prctl() call, and this process has started no thread.
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+    )
     signals_seen = 0
 
     def forward(signum, frame):
@@ -128,10 +147,8 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
         signals_seen += 1
         ranks = _children(process.pid)
         for pid in ranks:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM if signals_seen == 1 else signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if not ranks:  # not Linux, or the ranks have not started yet: the agent handles it
             process.send_signal(signal.SIGTERM)
 
@@ -156,10 +173,7 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
     return argv + list(args.overrides)
 
 
-def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    from parallel_latent.config import ConfigError
-    from parallel_latent.data import DataError
-
+def cmd_train(args: argparse.Namespace) -> int:
     deepspeed_overrides = _parse_overrides_json(args.deepspeed_overrides)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
@@ -173,8 +187,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             return _launch_local(args.nproc, _rank_argv(args))
         tp = cfg.parallel.tensor_parallel
         if tp > 1:  # one process from a shell: say how to get the processes the config needs
-            raise UsageError(f"{args.config}: parallel.tensor_parallel={tp} needs {tp} processes: add --nproc {tp} "
-                             "(or a multiple of it), or set parallel.tensor_parallel=1")
+            raise UsageError(
+                f"{args.config}: parallel.tensor_parallel={tp} needs {tp} processes: add --nproc {tp} "
+                "(or a multiple of it), or set parallel.tensor_parallel=1"
+            )
 
     _prefer_cpu_accelerator()
     from parallel_latent.train import NonFiniteTrainingError, train
@@ -185,10 +201,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if _is_rank_zero():
             _error(str(error))
         return EXIT_NONFINITE
-    except (ConfigError, DataError, UsageError, ValueError) as error:
-        # Deterministic input problems hit every rank alike: one line, from rank 0.
+    except (ValueError, *PATH_ERRORS) as error:
+        # Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
+        # kind) hit every rank alike: one line, from rank 0.
         if _is_rank_zero() or not _under_launcher():
-            _error(str(error))
+            _error(describe_path_error(error) if isinstance(error, OSError) else str(error).splitlines()[0])
         return EXIT_BAD_INPUT
     finally:
         _shutdown_process_groups()
@@ -206,66 +223,24 @@ def _prefer_cpu_accelerator() -> None:
 
 
 def _shutdown_process_groups() -> None:
-    try:
-        from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.parallel import destroy_distributed
 
+    # A broken group (a peer died) must not mask the real error.
+    with contextlib.suppress(RuntimeError, ValueError):
         destroy_distributed()
-    except Exception:  # best effort at exit: a broken group must not mask the real error
-        pass
 
 
 # --------------------------------------------------------------------------- #
-# reconstruct / plot
+# plot
 # --------------------------------------------------------------------------- #
 
 
-def cmd_reconstruct(args: argparse.Namespace, argv: list[str]) -> int:
-    texts = list(args.texts)
-    if args.file:
-        try:
-            texts += [line.strip() for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
-        except OSError as error:
-            raise UsageError(f"{args.file}: cannot read: {error.strerror}") from None
-    if not texts:
-        raise UsageError("reconstruct: give at least one text (or --file)")
-    from parallel_latent.model import reconstruct_texts
-
-    model, tokenizer = load_for_inference(args.checkpoint)
-    for text, decoded in zip(texts, reconstruct_texts(model, tokenizer, texts)):
-        print(f"text:          {text}\nreconstructed: {decoded}\n", end="\n")
-    return EXIT_OK
-
-
-def load_for_inference(path: str):
-    """(model in eval mode, tokenizer) from a run directory, a checkpoints directory, a training
-    checkpoint or a portable checkpoint; one process, no process group."""
-    from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_autoencoder, resolve_portable_dir
-    from parallel_latent.config import TokenizerConfig, build_dataclass
-    from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
-
-    location = Path(path)
-    if not location.exists():
-        raise UsageError(f"{path}: no such checkpoint or run directory")
-    if (location / "checkpoints").is_dir():  # a run directory
-        location = location / "checkpoints"
-    directory = resolve_portable_dir(location)
-    model = load_autoencoder(directory)
-    manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
-    tokenizer_section = ((manifest.get("config") or {}).get("tokenizer")) or {}
-    tokenizer = load_tokenizer(build_dataclass(TokenizerConfig, tokenizer_section, str(directory), "tokenizer"))
-    saved_facts = manifest.get("tokenizer") or {}
-    facts = tokenizer_facts(tokenizer)
-    for key in ("vocab_size", "mask_token_id", "pad_token_id"):
-        if key in saved_facts and saved_facts[key] != facts[key]:
-            raise CheckpointError(f"{directory}: trained with a tokenizer whose {key}={saved_facts[key]}, "
-                                  f"but {tokenizer_section.get('name_or_path', 'offline')} gives {facts[key]}")
-    return model, tokenizer
-
-
-def cmd_plot(args: argparse.Namespace, argv: list[str]) -> int:
+def cmd_plot(args: argparse.Namespace) -> int:
     from parallel_latent.plot import plot_run
 
-    for path in plot_run(args.run_dir, args.out):
+    run_dir = require_dir(args.run_dir, "run directory")
+    out = require_output_dir(args.out) if args.out else None
+    for path in plot_run(run_dir, out):
         print(path)
     return EXIT_OK
 
@@ -276,73 +251,59 @@ def cmd_plot(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Perceiver text autoencoder over a frozen GPT-2, "
-                                     "trained with tensor parallelism and DeepSpeed ZeRO.")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Perceiver text autoencoder over a frozen GPT-2, "
+        "trained with tensor parallelism and DeepSpeed ZeRO.",
+    )
     # The deepspeed launcher inserts --local_rank=N before the command; the rank comes from the
     # environment (LOCAL_RANK) anyway.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    train = sub.add_parser("train", help="train a model from a YAML config",
-                           description="Train from a YAML config; key=value arguments override it "
-                                       "(e.g. training.max_steps=50 parallel.zero_stage=3).")
+    train = sub.add_parser(
+        "train",
+        help="train a model from a YAML config",
+        description="Train from a YAML config; key=value arguments override it "
+        "(e.g. training.max_steps=50 parallel.zero_stage=3).",
+    )
     train.add_argument("--config", required=True, help="YAML config file (see configs/)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    train.add_argument("--nproc", type=int, default=None,
-                       help="processes to start on this machine (re-runs itself under torchrun --standalone); "
-                            "leave out under a launcher")
-    train.add_argument("--deepspeed-overrides", default=None, metavar="JSON|FILE",
-                       help="DeepSpeed config entries merged into the generated config "
-                            "(e.g. '{\"zero_optimization\": {\"reduce_bucket_size\": 5e7}}')")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes to start on this machine (re-runs itself under torchrun --standalone); "
+        "leave out under a launcher",
+    )
+    train.add_argument(
+        "--deepspeed-overrides",
+        default=None,
+        metavar="JSON|FILE",
+        help="DeepSpeed config entries merged into the generated config "
+        '(e.g. \'{"zero_optimization": {"reduce_bucket_size": 5e7}}\')',
+    )
     train.set_defaults(handler=cmd_train)
-
-    reconstruct = sub.add_parser("reconstruct", help="encode texts to latents and decode them back")
-    reconstruct.add_argument("--checkpoint", required=True,
-                             help="a run directory, or a portable checkpoint directory")
-    reconstruct.add_argument("texts", nargs="*", help="texts to reconstruct")
-    reconstruct.add_argument("--file", help="a text file, one sample per line")
-    reconstruct.set_defaults(handler=cmd_reconstruct)
 
     plot = sub.add_parser("plot", help="write PNG curves of a run's metrics (needs matplotlib)")
     plot.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
     plot.set_defaults(handler=cmd_plot)
 
-    _add_optional_subcommands(sub)
+    checkpoint_cli.add_subcommands(sub)
+    inference.add_subcommands(sub)
     return parser
-
-
-def _add_optional_subcommands(sub) -> None:
-    """Subcommands contributed by other packages (``add_subcommands(subparsers)``)."""
-    for module_name in ("parallel_latent.checkpoint.cli", "parallel_latent.inference"):
-        try:
-            module = __import__(module_name, fromlist=["add_subcommands"])
-        except ImportError as error:
-            if error.name and module_name.startswith(error.name):
-                continue  # that package is not installed / not written yet
-            raise
-        module.add_subcommands(sub)
-
-
-def _bad_input_types() -> tuple[type[BaseException], ...]:
-    from parallel_latent.config import ConfigError
-
-    types: list[type[BaseException]] = [ConfigError, UsageError, ValueError, FileNotFoundError]
-    try:
-        from parallel_latent.data import DataError
-
-        types.append(DataError)
-    except ImportError:
-        pass
-    return tuple(types)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args, argv)
-    except _bad_input_types() as error:
+        return args.handler(args)
+    except PATH_ERRORS as error:  # a path of the wrong kind that a check above did not foresee
+        _error(describe_path_error(error))
+        return EXIT_BAD_INPUT
+    except ValueError as error:  # ConfigError, DataError, CheckpointError, UsageError: one line each
         _error(str(error).splitlines()[0] if str(error) else type(error).__name__)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

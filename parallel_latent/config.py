@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,28 +29,28 @@ from typing import Any, Literal, Union
 import yaml
 
 __all__ = [
-    "ConfigError",
-    "ModelConfig",
-    "FeatureModelConfig",
-    "TokenizerConfig",
-    "DataConfig",
-    "ParallelConfig",
-    "OptimizerConfig",
-    "ScheduleConfig",
-    "TrainingConfig",
     "CheckpointConfig",
-    "LoggingConfig",
     "Config",
-    "build_dataclass",
-    "load_config",
+    "ConfigError",
+    "DataConfig",
+    "FeatureModelConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ScheduleConfig",
+    "TokenizerConfig",
+    "TrainingConfig",
     "apply_overrides",
+    "build_dataclass",
     "config_from_dict",
     "config_to_dict",
+    "dp_size",
+    "load_config",
+    "resolved_global_batch_size",
     "save_config",
     "validate_config",
     "validate_world",
-    "dp_size",
-    "resolved_global_batch_size",
 ]
 
 
@@ -124,11 +125,15 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
+    # adamw: the default. sgd (with momentum): its update is linear in the gradient, so two layouts
+    # can be compared step by step over a whole run; resuming at another layout needs adamw.
+    name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
+    momentum: float = 0.0  # sgd only
 
 
 @dataclass
@@ -146,7 +151,9 @@ class TrainingConfig:
     grad_accum_steps: int = 1
     # 0 = micro_batch_size * grad_accum_steps * dp_size; otherwise it must equal that.
     global_batch_size: int = 0
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # fp64: a reference mode for checking that two layouts compute the same run (ZeRO 1 or 2 only:
+    # DeepSpeed reduces no float64 gradients at stages 0 and 3).
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
     eval_every: int = 100  # 0 = never
     eval_batches: int = 4
     log_every: int = 10
@@ -188,6 +195,8 @@ class Config:
 # --------------------------------------------------------------------------- #
 
 _NONE_TYPE = type(None)
+# A decimal number as people write it: 3, -0.5, .5, 5e-3, 1E-4, 3.0e+2 (no inf/nan, no underscores).
+FLOAT_LITERAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def _describe(value: Any) -> str:
@@ -221,8 +230,7 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
 
     def wrong_type() -> ConfigError:
         return ConfigError(
-            f"{source}: {key}: expected {_type_name(annotation)}, "
-            f"got {type(value).__name__} {_describe(value)}"
+            f"{source}: {key}: expected {_type_name(annotation)}, got {type(value).__name__} {_describe(value)}"
         )
 
     if dataclasses.is_dataclass(annotation):
@@ -249,8 +257,7 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
         choices = typing.get_args(annotation)
         if value not in choices or isinstance(value, bool):
             raise ConfigError(
-                f"{source}: {key}: {_describe(value)} is not one of "
-                f"{', '.join(str(choice) for choice in choices)}"
+                f"{source}: {key}: {_describe(value)} is not one of {', '.join(str(choice) for choice in choices)}"
             )
         return value
     if origin in (list, tuple):
@@ -259,9 +266,7 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
         item_types = typing.get_args(annotation)
         if origin is tuple and not (len(item_types) == 2 and item_types[1] is Ellipsis):
             if len(value) != len(item_types):
-                raise ConfigError(
-                    f"{source}: {key}: expected {len(item_types)} items, got {len(value)}"
-                )
+                raise ConfigError(f"{source}: {key}: expected {len(item_types)} items, got {len(value)}")
         else:
             item_types = (item_types[0],) * len(value)
         items = [
@@ -280,6 +285,9 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
             raise wrong_type()
         return value
     if annotation is float:
+        if isinstance(value, str) and FLOAT_LITERAL.fullmatch(value.strip()):
+            # YAML 1.1 (PyYAML) reads 5e-3 and 1E-4 as strings: only 5.0e-3 is a float there.
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong_type()
         return float(value)
@@ -364,8 +372,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         # A pretrained model's width is only known once it loads; the loader checks it then.
         require(
             feature.n_embd % feature.n_head == 0,
-            f"feature_model.n_head={feature.n_head} does not divide "
-            f"feature_model.n_embd={feature.n_embd}",
+            f"feature_model.n_head={feature.n_head} does not divide feature_model.n_embd={feature.n_embd}",
         )
         require(
             feature.n_embd == model.d_model,
@@ -374,8 +381,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         )
     require(
         model.max_length <= feature.n_positions,
-        f"model.max_length={model.max_length} exceeds "
-        f"feature_model.n_positions={feature.n_positions}",
+        f"model.max_length={model.max_length} exceeds feature_model.n_positions={feature.n_positions}",
     )
 
     require(cfg.tokenizer.name_or_path != "", "tokenizer.name_or_path must not be empty")
@@ -398,8 +404,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
     mlp_width = model.mlp_ratio * model.d_model
     require(
         mlp_width % tp == 0,
-        f"parallel.tensor_parallel={tp} does not divide the MLP width "
-        f"model.mlp_ratio*model.d_model={mlp_width}",
+        f"parallel.tensor_parallel={tp} does not divide the MLP width model.mlp_ratio*model.d_model={mlp_width}",
     )
     require(
         0 <= parallel.zero_stage <= 3,
@@ -410,6 +415,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
     require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be > 0")
     at_least(optimizer, "optimizer", 0, "weight_decay", "grad_clip")
     require(optimizer.eps > 0, f"optimizer.eps={optimizer.eps} must be > 0")
+    require(0.0 <= optimizer.momentum < 1.0, f"optimizer.momentum={optimizer.momentum} must be in [0, 1)")
     require(
         len(optimizer.betas) == 2,
         f"optimizer.betas must have 2 items, got {len(optimizer.betas)}",
@@ -435,6 +441,13 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             f"training.micro_batch_size*training.grad_accum_steps={per_dp_rank}",
         )
 
+    if training.precision == "fp64":
+        require(
+            parallel.zero_stage in (1, 2),
+            f"training.precision=fp64 needs parallel.zero_stage 1 or 2 (got {parallel.zero_stage}): DeepSpeed "
+            "reduces float64 gradients only there",
+        )
+
     # checkpoint and logging
     at_least(checkpoint, "checkpoint", 0, "save_every", "keep_last")
     require(checkpoint.resume != "", "checkpoint.resume must be auto, never or a path")
@@ -451,9 +464,7 @@ def dp_size(cfg: Config, world_size: int) -> int:
     """Data-parallel degree: world = tensor_parallel x data_parallel."""
     tp = cfg.parallel.tensor_parallel
     if world_size < 1 or world_size % tp:
-        raise ConfigError(
-            f"<runtime>: world size {world_size} is not divisible by parallel.tensor_parallel={tp}"
-        )
+        raise ConfigError(f"<runtime>: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
     return world_size // tp
 
 
@@ -467,9 +478,7 @@ def validate_world(cfg: Config, world_size: int, source: str = "<runtime>") -> N
     """Raise ConfigError if ``cfg`` cannot run on ``world_size`` processes."""
     tp = cfg.parallel.tensor_parallel
     if world_size < 1 or world_size % tp:
-        raise ConfigError(
-            f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}"
-        )
+        raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
     training = cfg.training
     data_parallel = world_size // tp
     actual = training.micro_batch_size * training.grad_accum_steps * data_parallel
@@ -493,9 +502,7 @@ def config_from_dict(data: dict | None, source: str = "<dict>") -> Config:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}"
-        )
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
     cfg = build_dataclass(Config, data, source)
     return validate_config(cfg, source)
 
@@ -587,9 +594,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from None
     if data is not None and not isinstance(data, dict):
-        raise ConfigError(
-            f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}"
-        )
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
     if overrides:
         data = apply_overrides(data or {}, list(overrides), source)
     return config_from_dict(data, source)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -31,15 +32,15 @@ from parallel_latent.config import Config
 
 __all__ = [
     "DataError",
+    "ShardedBatchSampler",
+    "TokenizedDataset",
+    "build_datasets",
     "bundled_corpus_path",
+    "get_batch",
     "list_data_files",
     "read_samples",
     "split_indices",
-    "TokenizedDataset",
     "tokenize_samples",
-    "build_datasets",
-    "get_batch",
-    "ShardedBatchSampler",
 ]
 
 # The held-out split does not depend on training.seed, so runs with different
@@ -83,9 +84,7 @@ def list_data_files(path: str | Path, format: str = "auto") -> list[Path]:
         "jsonl": JSONL_SUFFIXES,
     }[format]
     files = sorted(
-        candidate
-        for candidate in path.rglob("*")
-        if candidate.is_file() and candidate.suffix.lower() in suffixes
+        candidate for candidate in path.rglob("*") if candidate.is_file() and candidate.suffix.lower() in suffixes
     )
     if not files:
         patterns = " or ".join(f"*{suffix}" for suffix in suffixes)
@@ -133,9 +132,7 @@ def _jsonl_samples(path: Path, text_field: str) -> list[str]:
             raise DataError(f"{where}: missing text field {text_field!r}")
         text = record[text_field]
         if not isinstance(text, str):
-            raise DataError(
-                f"{where}: text field {text_field!r} is {type(text).__name__}, not a string"
-            )
+            raise DataError(f"{where}: text field {text_field!r} is {type(text).__name__}, not a string")
         if text.strip():
             samples.append(text.strip())
     return samples
@@ -231,16 +228,14 @@ class TokenizedDataset:
 
 
 def tokenize_samples(
-    texts: Sequence[str], tokenizer: Any, max_length: int, pad_token_id: int
+    texts: Sequence[str], tokenizer: Any, max_length: int, pad_token_id: int, keep_empty: bool = False
 ) -> TokenizedDataset:
     """Tokenise, truncate to ``max_length`` and right-pad with ``pad_token_id``.
-    Samples that produce no tokens are dropped."""
+    Samples that produce no tokens are dropped (kept as rows without tokens if ``keep_empty``)."""
     # One token beyond T tells which samples were cut, without tokenising (and
     # warning about) whole long paragraphs.
-    encoded = tokenizer(
-        list(texts), truncation=True, max_length=max_length + 1, add_special_tokens=True
-    )["input_ids"]
-    kept = [(text, ids) for text, ids in zip(texts, encoded, strict=True) if ids]
+    encoded = tokenizer(list(texts), truncation=True, max_length=max_length + 1, add_special_tokens=True)["input_ids"]
+    kept = [(text, ids) for text, ids in zip(texts, encoded, strict=True) if ids or keep_empty]
     input_ids = torch.full((len(kept), max_length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(kept), max_length), dtype=torch.long)
     truncated = torch.zeros(len(kept), dtype=torch.bool)
@@ -265,15 +260,11 @@ def build_datasets(cfg: Config, tokenizer: Any) -> tuple[TokenizedDataset, Token
     dataset = tokenize_samples(texts, tokenizer, cfg.model.max_length, cfg.model.pad_token_id)
     if len(dataset) == 0:
         raise DataError(f"{source}: corpus is empty (no sample produced any token)")
-    train_indices, eval_indices = split_indices(
-        len(dataset), data.eval_fraction, data.min_eval_samples, source=source
-    )
+    train_indices, eval_indices = split_indices(len(dataset), data.eval_fraction, data.min_eval_samples, source=source)
     return dataset.subset(train_indices), dataset.subset(eval_indices)
 
 
-def get_batch(
-    dataset: TokenizedDataset, indices: Sequence[int] | torch.Tensor
-) -> dict[str, torch.Tensor]:
+def get_batch(dataset: TokenizedDataset, indices: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
     """``{"input_ids": [B, T], "attention_mask": [B, T]}`` for the given sample indices."""
     index = torch.as_tensor(indices, dtype=torch.long)
     return {"input_ids": dataset.input_ids[index], "attention_mask": dataset.attention_mask[index]}
@@ -317,10 +308,7 @@ class ShardedBatchSampler:
         shuffle: bool = True,
     ):
         if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(
-                f"invalid sampler layout: batch_size={batch_size}, "
-                f"dp_rank={dp_rank}, dp_size={dp_size}"
-            )
+            raise ValueError(f"invalid sampler layout: batch_size={batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
         if num_samples < 1 or (drop_last and num_samples < batch_size * dp_size):
             raise DataError(
                 f"sampler: {num_samples} samples cannot fill one global batch of "
@@ -381,8 +369,7 @@ class ShardedBatchSampler:
         """Continue from batch ``offset`` of ``epoch``."""
         if epoch < 0 or not 0 <= offset <= self.batches_per_epoch:
             raise ValueError(
-                f"sampler position epoch={epoch}, offset={offset} outside "
-                f"an epoch of {self.batches_per_epoch} batches"
+                f"sampler position epoch={epoch}, offset={offset} outside an epoch of {self.batches_per_epoch} batches"
             )
         self.epoch, self.batches_consumed = epoch, offset
 

@@ -12,6 +12,7 @@ Adam), which a fresh machine does not have; torch's AdamW works everywhere and r
 ``fused`` kernel on CUDA.  ZeRO wraps it (``zero_allow_untested_optimizer``), keeps fp32 master
 weights for bf16 / fp16 and partitions its state over the data-parallel group.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,15 +27,17 @@ import torch
 from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size
 
 __all__ = [
-    "deepspeed_config",
-    "merge_overrides",
-    "lr_factor",
-    "build_lr_scheduler",
-    "parameter_groups",
-    "NonFiniteGuardAdamW",
-    "build_optimizer",
     "EngineBundle",
+    "NonFiniteGuard",
+    "NonFiniteGuardAdamW",
+    "NonFiniteGuardSGD",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "deepspeed_config",
     "initialize_engine",
+    "lr_factor",
+    "merge_overrides",
+    "parameter_groups",
     "resolve_device",
 ]
 
@@ -100,8 +103,7 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
         "gradient_accumulation_steps": training.grad_accum_steps,
         "gradient_clipping": 0.0 if uses_stage0_guard(cfg) else cfg.optimizer.grad_clip,
         "zero_optimization": {"stage": stage},
-        "fp16": ({"enabled": True, **FP16_LOSS_SCALING} if training.precision == "fp16"
-                 else {"enabled": False}),
+        "fp16": ({"enabled": True, **FP16_LOSS_SCALING} if training.precision == "fp16" else {"enabled": False}),
         # check_grad_overflow: skip (do not apply) a bf16 step whose gradient norm is inf/nan.
         "bf16": {"enabled": training.precision == "bf16", "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # torch.optim.AdamW under ZeRO
@@ -168,8 +170,9 @@ def parameter_groups(parameters: list[torch.nn.Parameter], weight_decay: float) 
     return [group for group in groups if group["params"]]
 
 
-class NonFiniteGuardAdamW(torch.optim.AdamW):
-    """AdamW that clips by the global gradient norm and skips a step whose norm is not finite.
+class NonFiniteGuard:
+    """An optimizer mixin that clips by the global gradient norm and skips a step whose norm is
+    not finite.
 
     Used only where DeepSpeed hands the bare optimizer the gradients (ZeRO stage 0 in fp32, see
     :func:`uses_stage0_guard`).  The norm is DeepSpeed's ``clip_grad_norm_`` with our mpu, so a
@@ -179,8 +182,8 @@ class NonFiniteGuardAdamW(torch.optim.AdamW):
     ``skipped_steps`` counts it) and ``_global_grad_norm`` (``engine.get_global_grad_norm()``).
     """
 
-    def __init__(self, params, *, max_grad_norm: float, mpu, **adamw_kwargs):
-        super().__init__(params, **adamw_kwargs)
+    def __init__(self, params, *, max_grad_norm: float, mpu, **optimizer_kwargs):
+        super().__init__(params, **optimizer_kwargs)
         self.max_grad_norm = max_grad_norm
         self.mpu = mpu
         self.overflow = False
@@ -205,15 +208,31 @@ class NonFiniteGuardAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class NonFiniteGuardAdamW(NonFiniteGuard, torch.optim.AdamW):
+    pass
+
+
+class NonFiniteGuardSGD(NonFiniteGuard, torch.optim.SGD):
+    pass
+
+
 def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config, device: str, mpu) -> torch.optim.Optimizer:
+    """AdamW (the default), or SGD with momentum: its update is linear in the gradient, which makes
+    it the optimizer for comparing layouts over many steps (Adam divides by sqrt(v) + eps, and so
+    magnifies the summation-order noise of gradients that are ~0)."""
     opt = cfg.optimizer
-    kwargs: dict[str, Any] = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
+    if opt.name == "sgd":
+        kwargs: dict[str, Any] = {"lr": opt.lr, "momentum": opt.momentum}
+        plain, guarded = torch.optim.SGD, NonFiniteGuardSGD
+    else:
+        kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
+        plain, guarded = torch.optim.AdamW, NonFiniteGuardAdamW
     if device == "cuda":
-        kwargs["fused"] = True  # one kernel for all parameters (torch >= 2.0)
+        kwargs["fused"] = True  # one kernel for all parameters
     groups = parameter_groups(parameters, opt.weight_decay)
     if uses_stage0_guard(cfg):
-        return NonFiniteGuardAdamW(groups, max_grad_norm=opt.grad_clip, mpu=mpu, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+        return guarded(groups, max_grad_norm=opt.grad_clip, mpu=mpu, **kwargs)
+    return plain(groups, **kwargs)
 
 
 # --------------------------------------------------------------------------- #
@@ -258,8 +277,9 @@ def skip_unused_cpu_comm_kernel() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def initialize_engine(model: torch.nn.Module, cfg: Config, world_size: int,
-                      overrides: dict | None = None, mpu=None) -> EngineBundle:
+def initialize_engine(
+    model: torch.nn.Module, cfg: Config, world_size: int, overrides: dict | None = None, mpu=None
+) -> EngineBundle:
     """``deepspeed.initialize`` with the trainable parameters only, our AdamW and schedule, the
     config derived from ``cfg`` and the tensor/data-parallel ``mpu``.
 
@@ -276,14 +296,25 @@ def initialize_engine(model: torch.nn.Module, cfg: Config, world_size: int,
     if cfg.training.precision == "fp16" and device != "cuda":
         raise ConfigError("<runtime>: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
     mpu = mpu or ModelParallelUnit()
-    trainable = list(model.trainable_parameters()) if hasattr(model, "trainable_parameters") else [
-        p for p in model.parameters() if p.requires_grad]
+    if cfg.training.precision == "fp64":
+        model.double()  # DeepSpeed leaves the dtype of an fp32-configured model as it finds it
+    trainable = (
+        list(model.trainable_parameters())
+        if hasattr(model, "trainable_parameters")
+        else [p for p in model.parameters() if p.requires_grad]
+    )
     optimizer = build_optimizer(trainable, cfg, device, mpu)
     scheduler = build_lr_scheduler(optimizer, cfg)
     ds_config = deepspeed_config(cfg, world_size, overrides)
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-        model=model, model_parameters=trainable, optimizer=optimizer, lr_scheduler=scheduler,
-        config=ds_config, mpu=mpu, dist_init_required=False)
+        model=model,
+        model_parameters=trainable,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=mpu,
+        dist_init_required=False,
+    )
     return EngineBundle(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler, config=ds_config)
 
 

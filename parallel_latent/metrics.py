@@ -4,6 +4,7 @@ run's metric sinks (``metrics.jsonl``, TensorBoard, the progress bar).
 Only rank 0 writes; every number it writes is already agreed on by all ranks (the trainer
 reduces counts over the data-parallel group before logging).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,13 @@ import torch
 from parallel_latent.config import Config
 
 __all__ = [
-    "model_flops_per_sample",
     "PEAK_FLOPS_ENV",
+    "MetricsLogger",
+    "finite_or_none",
+    "model_flops_per_sample",
     "peak_flops_per_device",
     "peak_memory_bytes",
-    "MetricsLogger",
     "read_metrics",
-    "finite_or_none",
 ]
 
 PEAK_FLOPS_ENV = "PARALLEL_LATENT_PEAK_FLOPS"
@@ -83,8 +84,12 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
         trainable_forward, frozen_forward = perceiver, gpt2
     else:
         trainable_forward, frozen_forward = perceiver + gpt2, 0.0
-    return {**parts, "trainable_forward": trainable_forward, "frozen_forward": frozen_forward,
-            "train": 3 * trainable_forward + frozen_forward}
+    return {
+        **parts,
+        "trainable_forward": trainable_forward,
+        "frozen_forward": frozen_forward,
+        "train": 3 * trainable_forward + frozen_forward,
+    }
 
 
 # Dense (no sparsity) peak FLOP/s per device, by dtype.  fp32 means plain fp32 (PyTorch does not
@@ -121,10 +126,15 @@ def peak_flops_per_device(device: str, precision: str, env: dict | None = None) 
         name = torch.cuda.get_device_name()
         for key, by_dtype in PEAK_FLOPS_TABLE:
             if key in name:
+                if precision not in by_dtype:
+                    return math.nan, f"table: {key} has no {precision} peak: set ${PEAK_FLOPS_ENV}"
                 return by_dtype[precision], f"table: {key} {precision}"
         return math.nan, f"unknown GPU {name!r}: set ${PEAK_FLOPS_ENV}"
     threads = torch.get_num_threads()
-    return CPU_FLOPS_PER_CORE * threads, f"CPU assumption: {threads} thread(s) x 32 FLOP/cycle x 3 GHz"
+    per_cycle = 16 if precision == "fp64" else 32  # a 256-bit FMA holds 4 doubles or 8 floats
+    return CPU_FLOPS_PER_CORE * per_cycle / 32 * threads, (
+        f"CPU assumption: {threads} thread(s) x {per_cycle} FLOP/cycle x 3 GHz"
+    )
 
 
 def peak_memory_bytes(device: str) -> tuple[int, str]:
@@ -159,8 +169,16 @@ class MetricsLogger:
     last checkpoint) are dropped, so every step appears once.
     """
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress_bar: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress_bar: bool = True,
+    ):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tensorboard = None
@@ -169,7 +187,8 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
-        self.file = open(self.path, "a", encoding="utf-8")
+        # Open for the logger's lifetime (closed by close()); lines are flushed as they are written.
+        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -180,8 +199,9 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                            dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+            )
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():

@@ -1,12 +1,13 @@
 """``parallel-latent plot RUN_DIR``: PNG curves of a run's metrics.jsonl (needs the optional
 extra ``plot``: ``pip install parallel-latent[plot]``, i.e. matplotlib)."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from parallel_latent.metrics import read_metrics
 
-__all__ = ["plot_run", "PlotError"]
+__all__ = ["PlotError", "plot_run"]
 
 
 class PlotError(ValueError):
@@ -24,15 +25,22 @@ def _series(records: list[dict], kind: str, key: str) -> tuple[list[int], list[f
 
 # figure file -> (title, y label, [(kind, key, legend label), ...])
 FIGURES = {
-    "loss.png": ("Loss", "cross-entropy (nats/token)",
-                 [("train", "loss", "train"), ("eval", "eval_loss", "held-out")]),
-    "accuracy.png": ("Reconstruction accuracy", "fraction",
-                     [("train", "token_accuracy", "train token accuracy"),
-                      ("eval", "eval_token_accuracy", "held-out token accuracy"),
-                      ("eval", "eval_exact_match", "held-out exact match")]),
+    "loss.png": ("Loss", "cross-entropy (nats/token)", [("train", "loss", "train"), ("eval", "eval_loss", "held-out")]),
+    "accuracy.png": (
+        "Reconstruction accuracy",
+        "fraction",
+        [
+            ("train", "token_accuracy", "train token accuracy"),
+            ("eval", "eval_token_accuracy", "held-out token accuracy"),
+            ("eval", "eval_exact_match", "held-out exact match"),
+        ],
+    ),
     "throughput.png": ("Throughput", "tokens / s", [("train", "tokens_per_s", "tokens/s (non-pad)")]),
-    "lr.png": ("Learning rate and gradient norm", "value",
-               [("train", "lr", "learning rate"), ("train", "grad_norm", "gradient norm (pre-clip)")]),
+    "lr.png": (
+        "Learning rate and gradient norm",
+        "value",
+        [("train", "lr", "learning rate"), ("train", "grad_norm", "gradient norm (pre-clip)")],
+    ),
 }
 
 

@@ -8,8 +8,9 @@ Per optimizer step, every rank:
 1. draws its ``grad_accum_steps`` micro-batches from a :class:`ShardedBatchSampler` keyed on
    (dp_rank, dp_size), so the ranks of a tensor-parallel group see the same samples;
 2. all-reduces its non-pad token count over the data-parallel group (the step's global token
-   count ``N``), then for each micro-batch sets the dropout key (global micro-step, sample
-   offset), runs forward, and back-propagates ``loss_sum * dp_size * grad_accum / N``.
+   count ``N``), then for each micro-batch sets the dropout key (the optimizer step, and the
+   position of the micro-batch in the step's global batch), runs forward, and back-propagates
+   ``loss_sum * dp_size * grad_accum / N``.
    DeepSpeed divides by ``grad_accum`` and averages over data-parallel ranks, so the gradient is
    that of the mean loss over all N tokens of the step: DP=2 equals DP=1 with the doubled
    micro-batch even when the ranks hold different numbers of padding positions;
@@ -25,15 +26,18 @@ and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive ski
 :class:`NonFiniteTrainingError`; no checkpoint is published during such a streak, so ``latest``
 names weights from before it.
 """
+
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +48,7 @@ from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initiali
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
 
-__all__ = ["train", "preflight", "TrainResult", "NonFiniteTrainingError", "CHECKPOINTS_DIRNAME", "checkpoints_dir"]
+__all__ = ["CHECKPOINTS_DIRNAME", "NonFiniteTrainingError", "TrainResult", "checkpoints_dir", "preflight", "train"]
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 NUM_RECONSTRUCTION_EXAMPLES = 3
@@ -85,15 +89,22 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>") -> None:
         raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
     if cfg.data.path:
         list_data_files(cfg.data.path, cfg.data.format)  # DataError if missing or empty
+    run_dir = Path(cfg.logging.run_dir)
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"{source}: logging.run_dir={run_dir}: {blocking} is a file, not a directory")
     resume = cfg.checkpoint.resume
     if resume == "never":
         existing = checkpoints_dir(cfg.logging.run_dir)
         if existing.is_dir() and any(p.name.startswith("step_") for p in existing.iterdir()):
             raise ConfigError(
                 f"{source}: checkpoint.resume=never but {existing} already holds checkpoints; "
-                "choose another logging.run_dir or resume with checkpoint.resume=auto")
+                "choose another logging.run_dir or resume with checkpoint.resume=auto"
+            )
     elif resume != "auto" and not Path(resume).exists():
         raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
+    elif resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
 
 
 # --------------------------------------------------------------------------- #
@@ -121,10 +132,8 @@ class StopRequest:
     @contextmanager
     def installed(self) -> Iterator[StopRequest]:
         for signum in (signal.SIGTERM, signal.SIGINT):
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[signum] = signal.signal(signum, self._handler)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
         try:
             yield self
         finally:
@@ -160,8 +169,14 @@ class Trainer:
         self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
         self.micro_batch = cfg.training.micro_batch_size
         self.grad_accum = cfg.training.grad_accum_steps
-        self.sampler = ShardedBatchSampler(len(self.train_set), self.micro_batch, self.state.dp_rank,
-                                           self.state.dp_size, seed=cfg.training.seed, drop_last=True)
+        self.sampler = ShardedBatchSampler(
+            len(self.train_set),
+            self.micro_batch,
+            self.state.dp_rank,
+            self.state.dp_size,
+            seed=cfg.training.seed,
+            drop_last=True,
+        )
         model = build_model(cfg, self.state.tp_group)
         self.bundle: EngineBundle = initialize_engine(model, cfg, self.state.world_size, deepspeed_overrides)
         self.engine = self.bundle.engine
@@ -188,9 +203,14 @@ class Trainer:
         self._resume()
         if self.is_main:
             self._print_banner()
-        self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, total_steps=cfg.training.max_steps,
-                                    start_step=self.step, tensorboard=cfg.logging.tensorboard,
-                                    progress_bar=cfg.logging.progress_bar)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            enabled=self.is_main,
+            total_steps=cfg.training.max_steps,
+            start_step=self.step,
+            tensorboard=cfg.logging.tensorboard,
+            progress_bar=cfg.logging.progress_bar,
+        )
 
     # -- resume ------------------------------------------------------------ #
 
@@ -229,12 +249,19 @@ class Trainer:
         ``checkpoint.export_portable``; ``latest`` moves only once it is complete."""
         from parallel_latent.checkpoint import save_training_checkpoint
 
-        client_state = {"step": self.step, "skipped_steps": self.skipped_steps,
-                        "sampler": self.sampler.state_dict()}
+        client_state = {"step": self.step, "skipped_steps": self.skipped_steps, "sampler": self.sampler.state_dict()}
         path = save_training_checkpoint(
-            self.engine, checkpoints_dir(self.run_dir), self.step, client_state, model=self.model, cfg=self.cfg,
-            tokenizer_facts=self.tokenizer_facts, keep_last=self.cfg.checkpoint.keep_last,
-            export_portable=self.cfg.checkpoint.export_portable, tp_group=self.state.tp_group)
+            self.engine,
+            checkpoints_dir(self.run_dir),
+            self.step,
+            client_state,
+            model=self.model,
+            cfg=self.cfg,
+            tokenizer_facts=self.tokenizer_facts,
+            keep_last=self.cfg.checkpoint.keep_last,
+            export_portable=self.cfg.checkpoint.export_portable,
+            tp_group=self.state.tp_group,
+        )
         self.last_saved_step, self.last_checkpoint = self.step, path
         return path
 
@@ -248,8 +275,9 @@ class Trainer:
         state, engine, rng = self.state, self.engine, self.model.dropout_rng
         self.step_lr = self.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
         micro_batches = [get_batch(self.train_set, self.sampler.next_batch()) for _ in range(self.grad_accum)]
-        step_tokens = torch.tensor([sum(int(b["attention_mask"].sum()) for b in micro_batches)],
-                                   dtype=torch.float64, device=self.device)
+        step_tokens = torch.tensor(
+            [sum(int(b["attention_mask"].sum()) for b in micro_batches)], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(step_tokens, group=state.dp_group)
         # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
         # dp_size data-parallel ranks; this weight undoes both and normalises by the step's
@@ -258,8 +286,10 @@ class Trainer:
         stats = torch.zeros(NUM_STATS, dtype=torch.float64)
         for micro_step, batch in enumerate(micro_batches):
             input_ids, attention_mask = self._to_device(batch)
-            rng.step = self.step * self.grad_accum + micro_step  # global micro-step: same on all ranks
-            rng.sample_offset = state.dp_rank * self.micro_batch
+            # Masks keyed on (optimizer step, position in the step's global batch): the same masks
+            # however the global batch is cut into micro-batches and data-parallel ranks.
+            rng.step = self.step
+            rng.sample_offset = (micro_step * state.dp_size + state.dp_rank) * self.micro_batch
             out = engine(input_ids, attention_mask)
             engine.backward(out.loss_sum.float() * weight_per_token)
             engine.step()
@@ -318,12 +348,12 @@ class Trainer:
 
     def reconstructions(self, count: int = NUM_RECONSTRUCTION_EXAMPLES) -> list[tuple[str, str]]:
         """A few held-out sentences and what the model makes of them (collective: all ranks)."""
-        from parallel_latent.model import reconstruct_texts
+        from parallel_latent.api import TextAutoencoder
 
         texts = self.eval_set.texts[:count]
         with self._gathered_parameters():
-            decoded = reconstruct_texts(self.model, self.tokenizer, texts)
-        return list(zip(texts, decoded))
+            decoded = TextAutoencoder(self.model, self.tokenizer).reconstruct(texts)
+        return list(zip(texts, decoded, strict=True))
 
     @contextmanager
     def _gathered_parameters(self):
@@ -346,6 +376,12 @@ class Trainer:
         final_eval: dict[str, float] | None = None
         eval_step = -1
         stopped_by = "max_steps"
+        if self.step >= max_steps:
+            self.logger.print(
+                f"{self.run_dir} is already at step {self.step} (training.max_steps={max_steps}): "
+                "nothing to train; raise training.max_steps to continue"
+            )
+            eval_step = self.step  # and no second evaluation of the same weights
         while self.step < max_steps:
             started = time.perf_counter()
             stats, applied = self.train_step()
@@ -379,8 +415,11 @@ class Trainer:
                 break
             # No checkpoint in the middle of a non-finite streak: `latest` keeps pointing at
             # weights from before the trouble.
-            if (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
-                    and self.consecutive_nonfinite == 0):
+            if (
+                cfg.checkpoint.save_every
+                and self.step % cfg.checkpoint.save_every == 0
+                and self.consecutive_nonfinite == 0
+            ):
                 self.save()
 
         if stopped_by == "max_steps" and eval_step != self.step and training.eval_every:
@@ -388,33 +427,49 @@ class Trainer:
         if self.last_saved_step != self.step:
             self.save()
         if stopped_by == "signal":
-            self.logger.print(f"stop requested ({stop.signal_name or 'signal on another rank'}): "
-                              f"checkpoint {self.last_checkpoint} written at step {self.step}")
+            self.logger.print(
+                f"stop requested ({stop.signal_name or 'signal on another rank'}): "
+                f"checkpoint {self.last_checkpoint} written at step {self.step}"
+            )
         examples: list[tuple[str, str]] = []
         if stopped_by == "max_steps":
             examples = self.reconstructions()
         self.logger.close()
-        result = TrainResult(run_dir=self.run_dir, step=self.step, stopped_by=stopped_by, final_eval=final_eval,
-                             checkpoint=self.last_checkpoint, skipped_steps=self.skipped_steps,
-                             wall_time_s=time.perf_counter() - self.start_time, reconstructions=examples)
+        result = TrainResult(
+            run_dir=self.run_dir,
+            step=self.step,
+            stopped_by=stopped_by,
+            final_eval=final_eval,
+            checkpoint=self.last_checkpoint,
+            skipped_steps=self.skipped_steps,
+            wall_time_s=time.perf_counter() - self.start_time,
+            reconstructions=examples,
+        )
         if self.is_main:
             self._print_summary(result)
         return result
 
     def _nonfinite_message(self, limit: int) -> str:
-        where = (f"the last checkpoint, {self.last_checkpoint} (step {self.last_saved_step}), is from before them"
-                 if self.last_checkpoint else "no checkpoint had been written yet")
-        return (f"stopped at step {self.step}: {self.consecutive_nonfinite} consecutive steps with a non-finite "
-                f"loss or gradient (training.max_nonfinite_steps={limit}); they were skipped and {where}; "
-                "try a lower optimizer.lr, optimizer.grad_clip > 0, or fp32/bf16 instead of fp16")
+        where = (
+            f"the last checkpoint, {self.last_checkpoint} (step {self.last_saved_step}), is from before them"
+            if self.last_checkpoint
+            else "no checkpoint had been written yet"
+        )
+        return (
+            f"stopped at step {self.step}: {self.consecutive_nonfinite} consecutive steps with a non-finite "
+            f"loss or gradient (training.max_nonfinite_steps={limit}); they were skipped and {where}; "
+            "try a lower optimizer.lr, optimizer.grad_clip > 0, or fp32/bf16 instead of fp16"
+        )
 
     def _evaluate_and_log(self) -> dict[str, float] | None:
         result = self.evaluate()
         if result is not None:
             self.logger.write({"kind": "eval", "step": self.step, **result})
-            self.logger.print(f"step {self.step}: held-out loss {result['eval_loss']:.4f}, token accuracy "
-                              f"{result['eval_token_accuracy']:.4f}, exact match {result['eval_exact_match']:.4f} "
-                              f"({result['eval_samples']} samples)")
+            self.logger.print(
+                f"step {self.step}: held-out loss {result['eval_loss']:.4f}, token accuracy "
+                f"{result['eval_token_accuracy']:.4f}, exact match {result['eval_exact_match']:.4f} "
+                f"({result['eval_samples']} samples)"
+            )
         return result
 
     def _log(self, window: _Window) -> dict[str, str]:
@@ -433,7 +488,9 @@ class Trainer:
             "exact_match": window.exact / window.samples if finite else math.nan,
             "lr": self.step_lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_s": window.tokens_processed / seconds,  # non-pad tokens, all ranks
+            "tokens": int(window.tokens_processed),  # non-pad tokens of the window, all ranks
+            "samples": int(window.samples_processed),
+            "tokens_per_s": window.tokens_processed / seconds,
             "samples_per_s": samples_per_s,
             "step_time_s": seconds / window.steps,
             "mfu": model_flops_per_s / (self.state.world_size * self.peak_flops),
@@ -443,18 +500,24 @@ class Trainer:
             "steps_in_window": window.steps,
         }
         self.logger.write(record)
-        return {"loss": f"{record['loss']:.4f}", "acc": f"{record['token_accuracy']:.3f}",
-                "tok/s": f"{record['tokens_per_s']:.0f}"}
+        return {
+            "loss": f"{record['loss']:.4f}",
+            "acc": f"{record['token_accuracy']:.3f}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+        }
 
     def _print_banner(self) -> None:
         s, cfg = self.state, self.cfg
         # This rank's TP slices (ZeRO-3 partitions them further; ds_numel is the unpartitioned size).
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.trainable_parameters())
-        print(f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
-              f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {self.device_kind}; "
-              f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
-              f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
-              f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}", flush=True)
+        print(
+            f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
+            f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {self.device_kind}; "
+            f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
+            f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
+            f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}",
+            flush=True,
+        )
         if self.device_kind == "cpu":
             print(f"MFU peak: {self.peak_flops_source}", flush=True)
 
@@ -462,8 +525,10 @@ class Trainer:
         lines = [f"done: {result.step} steps in {result.wall_time_s:.0f} s ({result.skipped_steps} skipped)"]
         if result.final_eval:
             e = result.final_eval
-            lines.append(f"held-out: loss {e['eval_loss']:.4f}, token accuracy {e['eval_token_accuracy']:.4f}, "
-                         f"exact match {e['eval_exact_match']:.4f}")
+            lines.append(
+                f"held-out: loss {e['eval_loss']:.4f}, token accuracy {e['eval_token_accuracy']:.4f}, "
+                f"exact match {e['eval_exact_match']:.4f}"
+            )
         for original, reconstructed in result.reconstructions:
             lines.append(f"  text:          {original}")
             lines.append(f"  reconstructed: {reconstructed}")

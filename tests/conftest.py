@@ -11,6 +11,7 @@ torch.set_num_threads(1)
 def pool4():
     """Four gloo ranks shared by the tests of one module."""
     from tests.distributed import DistributedPool
+
     pool = DistributedPool(4)
     yield pool
     pool.close()

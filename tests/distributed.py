@@ -5,6 +5,7 @@ pool once and runs many tasks on it. A task is a module-level function ``fn(*arg
 rank; its return values come back as a list indexed by rank. If any rank raises, the whole pool is
 torn down (the others may be blocked in a collective) and the traceback is re-raised here.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -33,12 +34,22 @@ def limit_threads() -> None:
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict) -> None:
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     limit_threads()
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
     while True:
         task = tasks.get()
         if task is None:
@@ -62,9 +73,12 @@ class DistributedPool:
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results,
-                                                         self.env), daemon=True)
-                       for r in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results, self.env), daemon=True
+            )
+            for r in range(self.world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -79,7 +93,7 @@ class DistributedPool:
                 rank, ok, value = self._results.get(timeout=TASK_TIMEOUT_S)
             except queue.Empty:
                 self.close(force=True)
-                raise TimeoutError(f"{fn.__name__}: no answer from every rank within {TASK_TIMEOUT_S}s")
+                raise TimeoutError(f"{fn.__name__}: no answer from every rank within {TASK_TIMEOUT_S}s") from None
             if not ok:
                 errors.append(f"rank {rank}:\n{value}")
                 break

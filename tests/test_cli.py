@@ -1,4 +1,5 @@
 """The command line: bad input is one line on stderr, a non-zero exit and nothing written."""
+
 from __future__ import annotations
 
 import json
@@ -23,20 +24,42 @@ def assert_one_line_error(capsys, expected: str) -> None:
     assert lines[0].startswith("parallel-latent: error: ") and expected in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("nproc, overrides, expected", [
-    (2, ["model.n_headz=3"], "unknown key model.n_headz, did you mean 'n_heads'?"),
-    (3, ["parallel.tensor_parallel=2"], "world size 3 is not divisible by parallel.tensor_parallel=2"),
-    (None, ["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.n_heads=4"),
-    (2, ["parallel.tensor_parallel=1", "training.global_batch_size=12"],
-     "training.global_batch_size=12 != training.micro_batch_size=4 x training.grad_accum_steps=1 x "
-     "data-parallel size 2"),
-    (2, ["data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt: data path does not exist"),
-    (None, ["parallel.tensor_parallel=1", "data.path=/nonexistent/corpus.txt"],
-     "/nonexistent/corpus.txt: data path does not exist"),
-    (None, ["parallel.tensor_parallel=1", "training.precision=fp16"], "training.precision=fp16 needs a CUDA device"),
-    (None, [], "parallel.tensor_parallel=2 needs 2 processes: add --nproc 2"),
-], ids=["unknown-key", "tp-vs-world", "tp-vs-heads", "global-batch-vs-dp", "missing-corpus-launch",
-        "missing-corpus-single", "fp16-on-cpu", "tp2-without-nproc"])
+@pytest.mark.parametrize(
+    "nproc, overrides, expected",
+    [
+        (2, ["model.n_headz=3"], "unknown key model.n_headz, did you mean 'n_heads'?"),
+        (3, ["parallel.tensor_parallel=2"], "world size 3 is not divisible by parallel.tensor_parallel=2"),
+        (None, ["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.n_heads=4"),
+        (
+            2,
+            ["parallel.tensor_parallel=1", "training.global_batch_size=12"],
+            "training.global_batch_size=12 != training.micro_batch_size=4 x training.grad_accum_steps=1 x "
+            "data-parallel size 2",
+        ),
+        (2, ["data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt: data path does not exist"),
+        (
+            None,
+            ["parallel.tensor_parallel=1", "data.path=/nonexistent/corpus.txt"],
+            "/nonexistent/corpus.txt: data path does not exist",
+        ),
+        (
+            None,
+            ["parallel.tensor_parallel=1", "training.precision=fp16"],
+            "training.precision=fp16 needs a CUDA device",
+        ),
+        (None, [], "parallel.tensor_parallel=2 needs 2 processes: add --nproc 2"),
+    ],
+    ids=[
+        "unknown-key",
+        "tp-vs-world",
+        "tp-vs-heads",
+        "global-batch-vs-dp",
+        "missing-corpus-launch",
+        "missing-corpus-single",
+        "fp16-on-cpu",
+        "tp2-without-nproc",
+    ],
+)
 def test_bad_train_input_is_one_line_and_writes_nothing(tmp_path, capsys, nproc, overrides, expected):
     if expected.startswith("training.precision=fp16"):
         pytest.importorskip("torch")
@@ -58,14 +81,31 @@ def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
     assert "\nmodel:\n" in text
     config.write_text(text.replace("\nmodel:\n", "\nmodel:\n  dropuot: 0.2\n"))
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "parallel_latent", "train", "--config", str(config), "--nproc", "2",
-                             f"logging.run_dir={run_dir}"], cwd=REPO, env=rank_env(), capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "parallel_latent",
+            "train",
+            "--config",
+            str(config),
+            "--nproc",
+            "2",
+            f"logging.run_dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=rank_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"parallel-latent: error: {config}: model.dropuot: unknown key, did you mean 'dropout'? (known: d_model, "
         "n_heads, n_encoder_layers, n_decoder_layers, mlp_ratio, max_length, dropout, init_std, vocab_size, "
-        "mask_token_id, pad_token_id, activation_checkpointing)"]
+        "mask_token_id, pad_token_id, activation_checkpointing)"
+    ]
     assert not run_dir.exists()
 
 
@@ -95,8 +135,9 @@ def test_nproc_must_be_positive(tmp_path, capsys):
 
 
 def test_ranks_run_the_command_without_nproc():
-    args = cli.build_parser().parse_args(["train", "--config", "c.yaml", "--nproc", "4", "a.b=1",
-                                          "--deepspeed-overrides", "{}"])
+    args = cli.build_parser().parse_args(
+        ["train", "--config", "c.yaml", "--nproc", "4", "a.b=1", "--deepspeed-overrides", "{}"]
+    )
     assert cli._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
     command = cli._torchrun_command(4, cli._rank_argv(args))
     assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
@@ -116,6 +157,9 @@ def test_deepspeed_overrides_from_a_file(tmp_path):
 
 def test_plot_of_a_missing_run_is_one_line(tmp_path, capsys):
     assert cli.main(["plot", str(tmp_path / "nothing")]) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, "run directory does not exist")
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["plot", str(tmp_path / "empty")]) == cli.EXIT_BAD_INPUT
     assert_one_line_error(capsys, "no metrics.jsonl")
 
 
@@ -125,8 +169,113 @@ def test_reconstruct_without_a_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_help_is_instant_and_lists_the_commands():
-    result = subprocess.run([sys.executable, "-m", "parallel_latent", "--help"], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "parallel_latent", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0
     for command in ("train", "reconstruct", "plot"):
         assert command in result.stdout
+
+
+# --------------------------------------------------------------------------- #
+# Every path argument of every subcommand, pointing at the wrong kind of thing.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """A file, an empty directory, a missing path, and a real portable checkpoint (tiny model)."""
+    import torch
+
+    from parallel_latent.checkpoint import save_portable
+    from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
+    from parallel_latent.model import build_model
+    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+    root = tmp_path_factory.mktemp("paths")
+    (root / "a_file").write_text("some text\n")
+    (root / "a_dir").mkdir()
+    tokenizer = load_tokenizer(Config().tokenizer)
+    cfg = Config(
+        model=ModelConfig(d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=8, dropout=0.0),
+        feature_model=FeatureModelConfig(n_layer=3, n_head=2, n_embd=32),
+    )
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    torch.manual_seed(0)
+    save_portable(build_model(cfg), root / "ckpt", cfg, tokenizer_facts(tokenizer), step=1)
+    return root
+
+
+BAD_PATHS = [
+    # (argv with {file}/{dir}/{missing}/{ckpt} placeholders, expected message)
+    (["train", "--config", "{dir}"], "cannot read config file"),
+    (["train", "--config", "{missing}"], "config file not found"),
+    (["train", "--config", "CONFIG", "--deepspeed-overrides", "{dir}"], "--deepspeed-overrides is a directory"),
+    (["train", "--config", "CONFIG", "--deepspeed-overrides", "{missing}"], "--deepspeed-overrides does not exist"),
+    (["train", "--config", "CONFIG", "data.path={dir}"], "directory contains no"),
+    (["train", "--config", "CONFIG", "logging.run_dir={file}"], "is a file, not a directory"),
+    (["train", "--config", "CONFIG", "logging.run_dir={file}/run"], "is a file, not a directory"),
+    (["train", "--config", "CONFIG", "checkpoint.resume={file}"], "checkpoint.resume={file}: is a file"),
+    (["reconstruct", "--checkpoint", "{file}", "hi"], "{file}: is a file; expected a checkpoint or run directory"),
+    (["reconstruct", "--checkpoint", "{dir}", "hi"], "no complete training checkpoint here"),
+    (["reconstruct", "--checkpoint", "{missing}", "hi"], "no such checkpoint or run directory"),
+    (["reconstruct", "--checkpoint", "{ckpt}", "--file", "{dir}"], "--file is a directory"),
+    (["reconstruct", "--checkpoint", "{ckpt}", "--file", "{missing}"], "--file does not exist"),
+    (["encode", "--checkpoint", "{ckpt}", "--out", "{dir}", "hi"], "--out is a directory"),
+    (["encode", "--checkpoint", "{ckpt}", "--out", "{file}", "hi"], "--out exists; not overwriting"),
+    (["encode", "--checkpoint", "{ckpt}", "--out", "{file}/x.safetensors", "hi"], "is a file, not a directory"),
+    (["encode", "--checkpoint", "{file}", "--out", "{missing}", "hi"], "is a file; expected a checkpoint"),
+    (["decode", "--checkpoint", "{ckpt}", "{dir}"], "latents is a directory"),
+    (["decode", "--checkpoint", "{ckpt}", "{missing}"], "latents does not exist"),
+    (["decode", "--checkpoint", "{ckpt}", "{file}"], "not a readable latents file"),
+    (["evaluate", "--checkpoint", "{ckpt}", "--data", "{dir}"], "directory contains no"),
+    (["evaluate", "--checkpoint", "{ckpt}", "--data", "{missing}"], "data path does not exist"),
+    (["evaluate", "--checkpoint", "{dir}"], "no complete training checkpoint here"),
+    (["plot", "{file}"], "run directory is a file, expected a directory"),
+    (["plot", "{dir}", "--out", "{file}"], "output directory is a file"),
+    (["export", "{file}", "{missing}"], "is a file; expected a checkpoint"),
+    (["export", "{ckpt}", "{file}"], "already exists; not overwriting"),
+    (["export", "{ckpt}", "{dir}"], "already exists; not overwriting"),
+    (["consolidate", "{ckpt}", "{file}"], "exists and is a file"),
+    (["consolidate", "{file}", "{missing}"], "is a file; expected a checkpoint"),
+    (["consolidate", "{ckpt}", "{file}/single"], "Not a directory"),
+    (["inspect", "{file}"], "is a file; expected a checkpoint"),
+    (["inspect", "{missing}"], "no such checkpoint or run directory"),
+    (["inspect", "{dir}"], "no complete training checkpoint here"),
+    (["reshard", "{file}"], "is a file; expected a checkpoint"),
+    (["reshard", "{dir}"], "no complete training checkpoint here"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), BAD_PATHS, ids=[" ".join(a) for a, _ in BAD_PATHS])
+def test_a_path_of_the_wrong_kind_is_one_line_and_changes_nothing(paths, capsys, argv, expected):
+    names = {"file": paths / "a_file", "dir": paths / "a_dir", "missing": paths / "missing", "ckpt": paths / "ckpt"}
+    fill = {key: str(value) for key, value in names.items()}
+    argv = [arg.replace("CONFIG", str(TINY_CONFIG)).format(**fill) for arg in argv]
+    if argv[0] == "train":  # one process, a run directory that stays unwritten; the case's keys win
+        argv[3:3] = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={paths / 'run'}"]
+    before = sorted(str(p.relative_to(paths)) for p in paths.rglob("*"))
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert_one_line_error(capsys, expected.format(**fill))
+    assert sorted(str(p.relative_to(paths)) for p in paths.rglob("*")) == before  # nothing written
+    assert (paths / "a_file").read_text() == "some text\n"
+
+
+def test_an_unreadable_input_is_one_line(paths, capsys):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("runs as root, which reads any file: permission bits cannot make a file unreadable")
+    secret = paths / "secret.txt"
+    secret.write_text("x\n")
+    secret.chmod(0)
+    try:
+        assert cli.main(["reconstruct", "--checkpoint", str(paths / "ckpt"), "--file", str(secret)]) == 2
+        assert_one_line_error(capsys, "--file is not readable")
+    finally:
+        secret.chmod(0o644)

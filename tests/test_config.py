@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import yaml
@@ -157,9 +156,7 @@ def test_int_is_accepted_for_float_and_converted():
     cfg = config_from_dict({"model": {"dropout": 0}, "optimizer": {"lr": 1, "betas": [0, 0]}})
     assert cfg.model.dropout == 0.0 and isinstance(cfg.model.dropout, float)
     assert isinstance(cfg.optimizer.lr, float)
-    assert cfg.optimizer.betas == [0.0, 0.0] and all(
-        isinstance(b, float) for b in cfg.optimizer.betas
-    )
+    assert cfg.optimizer.betas == [0.0, 0.0] and all(isinstance(b, float) for b in cfg.optimizer.betas)
 
 
 def test_tuple_betas_are_accepted_as_a_list():
@@ -174,7 +171,7 @@ class _Inner:
 
 @dataclass
 class _Schema:
-    maybe_size: Optional[int] = None
+    maybe_size: int | None = None
     pair: tuple[int, str] = (1, "a")
     sizes: tuple[int, ...] = ()
     inner: _Inner = field(default_factory=_Inner)
@@ -184,9 +181,7 @@ def test_generic_validator_optional_and_tuple_fields():
     built = build_dataclass(_Schema, {"maybe_size": None, "pair": [2, "b"], "sizes": [1, 2, 3]})
     assert built == _Schema(maybe_size=None, pair=(2, "b"), sizes=(1, 2, 3), inner=_Inner())
     assert build_dataclass(_Schema, {"maybe_size": 5}).maybe_size == 5
-    with pytest.raises(
-        ConfigError, match=r"^f.yaml: maybe_size: expected int or null, got str 'x'$"
-    ):
+    with pytest.raises(ConfigError, match=r"^f.yaml: maybe_size: expected int or null, got str 'x'$"):
         build_dataclass(_Schema, {"maybe_size": "x"}, "f.yaml")
     with pytest.raises(ConfigError, match=r"^f.yaml: pair: expected 2 items, got 3$"):
         build_dataclass(_Schema, {"pair": [1, "a", 2]}, "f.yaml")
@@ -218,8 +213,7 @@ def test_generic_validator_optional_and_tuple_fields():
         ),
         (
             {"model": {"d_model": 32}},
-            "feature_model.n_embd=64 must equal model.d_model=32 "
-            "(feature_model.pretrained is false)",
+            "feature_model.n_embd=64 must equal model.d_model=32 (feature_model.pretrained is false)",
         ),
         ({"model": {"dropout": 1.0}}, "model.dropout=1.0 must be in [0, 1)"),
         ({"model": {"dropout": -0.1}}, "model.dropout=-0.1 must be in [0, 1)"),
@@ -233,8 +227,7 @@ def test_generic_validator_optional_and_tuple_fields():
         ({"training": {"global_batch_size": -1}}, "training.global_batch_size=-1 must be >= 0"),
         (
             {"training": {"micro_batch_size": 4, "grad_accum_steps": 2, "global_batch_size": 12}},
-            "training.global_batch_size=12 is not a multiple of "
-            "training.micro_batch_size*training.grad_accum_steps=8",
+            "training.global_batch_size=12 is not a multiple of training.micro_batch_size*training.grad_accum_steps=8",
         ),
         ({"optimizer": {"lr": 0}}, "optimizer.lr=0.0 must be > 0"),
         ({"optimizer": {"betas": [0.9]}}, "optimizer.betas must have 2 items, got 1"),
@@ -259,9 +252,7 @@ def test_feature_width_is_not_checked_for_pretrained_models():
 
 def test_valid_tensor_parallel_degrees():
     for tp in (1, 2, 4):
-        assert (
-            config_from_dict({"parallel": {"tensor_parallel": tp}}).parallel.tensor_parallel == tp
-        )
+        assert config_from_dict({"parallel": {"tensor_parallel": tp}}).parallel.tensor_parallel == tp
 
 
 # --------------------------------------------------------------------------- #
@@ -375,9 +366,7 @@ def test_world_size_checks():
     assert resolved_global_batch_size(cfg, 4) == 32
     with pytest.raises(ConfigError) as caught:
         validate_world(cfg, 3, "configs/tiny.yaml")
-    assert str(caught.value) == (
-        "configs/tiny.yaml: world size 3 is not divisible by parallel.tensor_parallel=2"
-    )
+    assert str(caught.value) == ("configs/tiny.yaml: world size 3 is not divisible by parallel.tensor_parallel=2")
     with pytest.raises(ConfigError):
         dp_size(cfg, 3)
 

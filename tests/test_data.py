@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import operator
 import os
 from pathlib import Path
 
@@ -170,9 +172,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, expected):
 
 def test_pad_and_truncate(tokenizer):
     long_text = " ".join(["word"] * 50)
-    dataset = tokenize_samples(
-        ["Hello world", long_text], tokenizer, max_length=8, pad_token_id=PAD
-    )
+    dataset = tokenize_samples(["Hello world", long_text], tokenizer, max_length=8, pad_token_id=PAD)
     assert dataset.input_ids.dtype == torch.long and dataset.attention_mask.dtype == torch.long
     assert dataset.input_ids.shape == dataset.attention_mask.shape == (2, 8)
     assert dataset.input_ids[0].tolist() == [15496, 995] + [PAD] * 6
@@ -195,9 +195,7 @@ class _WordTokenizer:
     """Stand-in tokenizer: one id per word, so a sample can tokenise to nothing."""
 
     def __call__(self, texts, **kwargs):
-        return {
-            "input_ids": [[len(word) for word in text.split() if word != "~"] for text in texts]
-        }
+        return {"input_ids": [[len(word) for word in text.split() if word != "~"] for text in texts]}
 
 
 def test_samples_without_tokens_are_dropped():
@@ -292,9 +290,9 @@ def take(sampler: ShardedBatchSampler, count: int) -> list[list[int]]:
 
 def test_dp_ranks_get_disjoint_batches_covering_the_epoch():
     samplers = [ShardedBatchSampler(100, 8, dp_rank=r, dp_size=3, seed=5) for r in range(3)]
-    per_rank = [sum(sampler.epoch_batches(0), []) for sampler in samplers]
+    per_rank = [functools.reduce(operator.iadd, sampler.epoch_batches(0), []) for sampler in samplers]
     assert all(len(indices) == 4 * 8 for indices in per_rank)  # 100 // 24 = 4 batches each
-    flat = sum(per_rank, [])
+    flat = functools.reduce(operator.iadd, per_rank, [])
     assert len(set(flat)) == len(flat) == 96
     epoch_order = torch.randperm(100, generator=torch.Generator().manual_seed(5)).tolist()
     assert sorted(flat) == sorted(epoch_order[:96])
@@ -309,10 +307,8 @@ def test_same_dp_rank_gets_identical_batches():
 
 def test_order_is_a_function_of_seed_plus_epoch():
     sampler = ShardedBatchSampler(64, 4, seed=10)
-    assert (
-        sum(sampler.epoch_batches(0), [])
-        == torch.randperm(64, generator=torch.Generator().manual_seed(10)).tolist()
-    )
+    flat = functools.reduce(operator.iadd, sampler.epoch_batches(0), [])
+    assert flat == torch.randperm(64, generator=torch.Generator().manual_seed(10)).tolist()
     assert sampler.epoch_batches(2) == ShardedBatchSampler(64, 4, seed=11).epoch_batches(1)
     assert sampler.epoch_batches(0) != sampler.epoch_batches(1)
     assert sampler.epoch_batches(0) != ShardedBatchSampler(64, 4, seed=99).epoch_batches(0)
@@ -378,8 +374,7 @@ def test_resume_rejects_a_different_sequence():
 
 def test_without_drop_last_every_sample_is_seen_and_batches_are_full():
     samplers = [
-        ShardedBatchSampler(10, 3, dp_rank=r, dp_size=2, seed=0, drop_last=False, shuffle=False)
-        for r in range(2)
+        ShardedBatchSampler(10, 3, dp_rank=r, dp_size=2, seed=0, drop_last=False, shuffle=False) for r in range(2)
     ]
     assert [len(sampler) for sampler in samplers] == [2, 2]
     batches = [sampler.epoch_batches(0) for sampler in samplers]

@@ -1,5 +1,6 @@
 """The launch scripts and configs in launch/ and benchmarks/gpu.sh: syntax, and real runs where
 one machine can stand in (SLURM through stand-in srun/scontrol, gpu.sh on CPU)."""
+
 from __future__ import annotations
 
 import os
@@ -13,22 +14,28 @@ import yaml
 from tests.trainer_runs import REPO, TINY, describe, rank_env, train_records
 
 LAUNCH = REPO / "launch"
-SCRIPTS = ["torchrun_single_node.sh", "torchrun_multi_node.sh", "deepspeed_hostfile.sh", "deepspeed_no_ssh.sh",
-           "slurm.sbatch"]
+SCRIPTS = [
+    "torchrun_single_node.sh",
+    "torchrun_multi_node.sh",
+    "deepspeed_hostfile.sh",
+    "deepspeed_no_ssh.sh",
+    "slurm.sbatch",
+]
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "../benchmarks/gpu.sh"])
 def test_shell_scripts_parse_and_are_executable(script):
     path = LAUNCH / script
     assert os.access(path, os.X_OK), f"{path} is not executable"
-    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
 
 
 def test_every_launcher_runs_the_same_entry_point():
     for script in SCRIPTS:
-        assert "-m parallel_latent train" in (LAUNCH / script).read_text().replace("--module parallel_latent",
-                                                                                   "-m parallel_latent"), script
+        assert "-m parallel_latent train" in (LAUNCH / script).read_text().replace(
+            "--module parallel_latent", "-m parallel_latent"
+        ), script
 
 
 def test_accelerate_config_is_a_plain_process_launcher():
@@ -42,16 +49,25 @@ def test_accelerate_config_is_a_plain_process_launcher():
 
 
 def test_hostfile_example_format():
-    lines = [line for line in (LAUNCH / "hostfile.example").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line
+        for line in (LAUNCH / "hostfile.example").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert lines and all(len(line.split()) == 2 and line.split()[1].startswith("slots=") for line in lines)
 
 
 def test_readme_documents_every_launcher():
     text = (LAUNCH / "README.md").read_text()
-    for needle in ("torchrun --standalone", "--rdzv_backend c10d", "deepspeed --hostfile", "--no_ssh --node_rank",
-                   "sbatch launch/slurm.sbatch", "accelerate launch --config_file launch/accelerate_config.yaml",
-                   "parallel-latent train --config configs/tiny.yaml --nproc 2"):
+    for needle in (
+        "torchrun --standalone",
+        "--rdzv_backend c10d",
+        "deepspeed --hostfile",
+        "--no_ssh --node_rank",
+        "sbatch launch/slurm.sbatch",
+        "accelerate launch --config_file launch/accelerate_config.yaml",
+        "parallel-latent train --config configs/tiny.yaml --nproc 2",
+    ):
         assert needle in text, needle
 
 
@@ -67,14 +83,26 @@ def test_slurm_script_with_stand_in_srun(tmp_path):
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     run_dir = tmp_path / "run"
-    env = rank_env({
-        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(4242 + os.getpid() % 1000), "SLURM_NNODES": "1",
-        "SLURM_GPUS_ON_NODE": "2", "SLURM_CPUS_PER_TASK": "2",
-    })
+    env = rank_env(
+        {
+            "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": str(4242 + os.getpid() % 1000),
+            "SLURM_NNODES": "1",
+            "SLURM_GPUS_ON_NODE": "2",
+            "SLURM_CPUS_PER_TASK": "2",
+        }
+    )
     overrides = [*TINY, f"logging.run_dir={run_dir}", "training.max_steps=3", "checkpoint.save_every=0"]
-    result = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "configs/tiny.yaml", *overrides], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", str(LAUNCH / "slurm.sbatch"), "configs/tiny.yaml", *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, describe(result)
     assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3]
     assert "2 rank(s) = TP 2 x DP 1" in result.stdout
@@ -84,13 +112,30 @@ def test_slurm_script_with_stand_in_srun(tmp_path):
 def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
     """benchmarks/gpu.sh end to end (ALLOW_CPU=1, shrunk model): trains, then prints tokens/s
     and MFU from the run's metrics."""
-    env = rank_env({"ALLOW_CPU": "1", "STEPS": "4", "LOG_EVERY": "2", "PYTHON": sys.executable,
-                    "TMPDIR": str(tmp_path)})
-    shrink = ["model.d_model=32", "model.n_heads=4", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
-              "model.max_length=16", "feature_model.n_embd=32", "feature_model.n_head=4", "feature_model.n_layer=3",
-              "training.micro_batch_size=4", "data.max_samples=400"]
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), *shrink], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+    env = rank_env(
+        {"ALLOW_CPU": "1", "STEPS": "4", "LOG_EVERY": "2", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    )
+    shrink = [
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1",
+        "model.max_length=16",
+        "feature_model.n_embd=32",
+        "feature_model.n_head=4",
+        "feature_model.n_layer=3",
+        "training.micro_batch_size=4",
+        "data.max_samples=400",
+    ]
+    result = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu.sh"), *shrink],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, describe(result)
     summary = result.stdout.strip().splitlines()[-1]
     assert summary.startswith("gpt2.yaml, bf16, steps 3-4:") and "tokens/s" in summary and "MFU" in summary

@@ -1,7 +1,9 @@
 """Trainer behaviour under faults and other launchers: non-finite losses, SIGTERM preemption,
 the deepspeed launcher and accelerate launch (real ranks, gloo on CPU)."""
+
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,8 +12,17 @@ import sys
 import pytest
 
 from tests.distributed import free_port
-from tests.trainer_runs import (REPO, cli_command, describe, rank_env, rank_pids, run, train_args, train_records,
-                                wait_for_step)
+from tests.trainer_runs import (
+    REPO,
+    cli_command,
+    describe,
+    rank_env,
+    rank_pids,
+    run,
+    train_args,
+    train_records,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +33,22 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, zero_stage):
     skipped (no update, schedule not advanced), training goes on after the short streak, the
     long one stops the run (exit 3, one line) and `latest` stays at the last good checkpoint."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "tests.trainer_faults", "3,4,7-99", "--",
-               *train_args(run_dir, "parallel.tensor_parallel=1", f"parallel.zero_stage={zero_stage}",
-                           "training.max_steps=20", "checkpoint.save_every=2", "training.max_nonfinite_steps=3",
-                           "model.dropout=0.0")]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.trainer_faults",
+        "3,4,7-99",
+        "--",
+        *train_args(
+            run_dir,
+            "parallel.tensor_parallel=1",
+            f"parallel.zero_stage={zero_stage}",
+            "training.max_steps=20",
+            "checkpoint.save_every=2",
+            "training.max_nonfinite_steps=3",
+            "model.dropout=0.0",
+        ),
+    ]
     result = run(command, timeout=240)
     assert result.returncode == 3, describe(result)
     errors = [line for line in result.stderr.splitlines() if line.startswith("parallel-latent: error:")]
@@ -51,20 +74,28 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     ranks agree on a step, write a checkpoint there and everything exits 0; resuming goes on
     from that step."""
     run_dir = tmp_path / "run"
-    overrides = ["parallel.tensor_parallel=2", "parallel.zero_stage=1", "training.max_steps=400",
-                 "checkpoint.save_every=0"]
-    job = subprocess.Popen(cli_command(run_dir, *overrides, nproc=2), cwd=REPO, env=rank_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    overrides = [
+        "parallel.tensor_parallel=2",
+        "parallel.zero_stage=1",
+        "training.max_steps=400",
+        "checkpoint.save_every=0",
+    ]
+    job = subprocess.Popen(
+        cli_command(run_dir, *overrides, nproc=2),
+        cwd=REPO,
+        env=rank_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for_step(run_dir, 3, job, timeout=240)
         job.send_signal(signal.SIGTERM)
         output = job.communicate(timeout=120)[0]
     finally:
         for pid in rank_pids(job.pid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, output[-5000:]
@@ -79,10 +110,26 @@ def test_deepspeed_launcher_on_cpu(tmp_path):
     """`deepspeed --num_gpus 2 --module parallel_latent ...` with DS_ACCELERATOR=cpu: the launcher
     inserts --local_rank, sets RANK/WORLD_SIZE; TP=2 at ZeRO stage 0 (our AdamW guard)."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2",
-               "--master_port", str(free_port()), "--module", "parallel_latent",
-               *train_args(run_dir, "parallel.tensor_parallel=2", "parallel.zero_stage=0", "training.max_steps=4",
-                           "checkpoint.save_every=0")]
+    command = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "parallel_latent",
+        *train_args(
+            run_dir,
+            "parallel.tensor_parallel=2",
+            "parallel.zero_stage=0",
+            "training.max_steps=4",
+            "checkpoint.save_every=0",
+        ),
+    ]
     result = run(command, timeout=300)
     assert result.returncode == 0, describe(result)
     assert "TP 2 x DP 1, ZeRO stage 0" in result.stdout
@@ -96,11 +143,27 @@ def test_accelerate_launch_runs_the_same_entry_point_in_bf16(tmp_path):
     """accelerate launch with launch/accelerate_config.yaml (2 processes); bf16 through DeepSpeed's
     bf16 optimizer on CPU, buffers cast along with the parameters."""
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "launch" / "accelerate_config.yaml"), "--num_processes", "2",
-               "--main_process_port", str(free_port()), "-m", "parallel_latent",
-               *train_args(run_dir, "parallel.tensor_parallel=1", "parallel.zero_stage=1", "training.max_steps=4",
-                           "checkpoint.save_every=0", "training.precision=bf16")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "launch" / "accelerate_config.yaml"),
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "parallel_latent",
+        *train_args(
+            run_dir,
+            "parallel.tensor_parallel=1",
+            "parallel.zero_stage=1",
+            "training.max_steps=4",
+            "checkpoint.save_every=0",
+            "training.precision=bf16",
+        ),
+    ]
     result = run(command, timeout=300)
     assert result.returncode == 0, describe(result)
     assert "TP 1 x DP 2, ZeRO stage 1, bf16" in result.stdout

@@ -1,7 +1,9 @@
 """Fast checks of the trainer's pieces: the DeepSpeed config, the schedule, parameter groups,
 the FLOP count behind MFU, the metric sinks and the plots.  No process groups, no launches."""
+
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -11,8 +13,13 @@ import torch
 
 from parallel_latent.config import ConfigError, config_from_dict, load_config
 from parallel_latent.engine import deepspeed_config, lr_factor, merge_overrides, parameter_groups, uses_stage0_guard
-from parallel_latent.metrics import (PEAK_FLOPS_ENV, MetricsLogger, model_flops_per_sample, peak_flops_per_device,
-                                     read_metrics)
+from parallel_latent.metrics import (
+    PEAK_FLOPS_ENV,
+    MetricsLogger,
+    model_flops_per_sample,
+    peak_flops_per_device,
+    read_metrics,
+)
 from tests.trainer_runs import TINY_CONFIG
 
 
@@ -26,8 +33,9 @@ def cfg_with(**sections):
 
 
 def test_deepspeed_batch_sizes_count_data_parallel_ranks_only():
-    cfg = cfg_with(parallel={"tensor_parallel": 2, "zero_stage": 3},
-                   training={"micro_batch_size": 4, "grad_accum_steps": 3})
+    cfg = cfg_with(
+        parallel={"tensor_parallel": 2, "zero_stage": 3}, training={"micro_batch_size": 4, "grad_accum_steps": 3}
+    )
     ds = deepspeed_config(cfg, world_size=8)  # TP 2 x DP 4
     assert ds["train_micro_batch_size_per_gpu"] == 4
     assert ds["gradient_accumulation_steps"] == 3
@@ -37,7 +45,7 @@ def test_deepspeed_batch_sizes_count_data_parallel_ranks_only():
 
 def test_deepspeed_world_not_divisible_by_tp_is_a_config_error():
     cfg = cfg_with(parallel={"tensor_parallel": 2})
-    with pytest.raises(ConfigError, match="world size 3 is not divisible by parallel.tensor_parallel=2"):
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by parallel\.tensor_parallel=2"):
         deepspeed_config(cfg, world_size=3)
 
 
@@ -60,10 +68,15 @@ def test_clipping_goes_to_deepspeed_except_at_stage0_fp32_where_our_guard_clips(
 
 
 def test_deepspeed_overrides_merge_deeply():
-    ds = deepspeed_config(cfg_with(), 1, overrides={"zero_optimization": {"reduce_bucket_size": 123},
-                                                    "steps_per_print": 5})
-    assert ds["zero_optimization"] == {"stage": 2, "contiguous_gradients": True, "overlap_comm": False,
-                                       "reduce_bucket_size": 123}
+    ds = deepspeed_config(
+        cfg_with(), 1, overrides={"zero_optimization": {"reduce_bucket_size": 123}, "steps_per_print": 5}
+    )
+    assert ds["zero_optimization"] == {
+        "stage": 2,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "reduce_bucket_size": 123,
+    }
     assert ds["steps_per_print"] == 5
     base = {"a": {"b": 1}}
     assert merge_overrides(base, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}} and base == {"a": {"b": 1}}
@@ -83,7 +96,7 @@ def test_warmup_then_cosine_to_the_floor():
     assert lr_factor(110, schedule, 110) == pytest.approx(0.1)
     assert lr_factor(500, schedule, 110) == pytest.approx(0.1)
     factors = [lr_factor(s, schedule, 110) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(factors, factors[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors))
 
 
 def test_linear_and_constant_decay():
@@ -114,18 +127,29 @@ def test_flop_formula_matches_the_real_models_forward_matmuls():
 
     from parallel_latent.model import build_model
 
-    cfg = config_from_dict({
-        "model": {"d_model": 32, "n_heads": 4, "n_encoder_layers": 2, "n_decoder_layers": 1, "max_length": 8,
-                  "vocab_size": 1000, "mask_token_id": 998, "pad_token_id": 999, "dropout": 0.1},
-        "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32}})
+    cfg = config_from_dict(
+        {
+            "model": {
+                "d_model": 32,
+                "n_heads": 4,
+                "n_encoder_layers": 2,
+                "n_decoder_layers": 1,
+                "max_length": 8,
+                "vocab_size": 1000,
+                "mask_token_id": 998,
+                "pad_token_id": 999,
+                "dropout": 0.1,
+            },
+            "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32},
+        }
+    )
     model = build_model(cfg).train()
     batch = 3
     ids = torch.randint(0, 990, (batch, 8))
     with FlopCounterMode(display=False) as counter:
         model(ids, torch.ones_like(ids))
     parts = model_flops_per_sample(cfg)
-    linear = (parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * 1024 / 1000
-              + parts["gpt2_linear"])
+    linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * 1024 / 1000 + parts["gpt2_linear"]
     assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
     assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"]
     assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
@@ -159,12 +183,14 @@ def test_metrics_jsonl_is_strict_json_and_resume_drops_lines_after_the_checkpoin
     assert records[2] == {"kind": "train", "step": 3, "loss": None}
     assert "NaN" not in "".join(lines)
 
-    resumed = MetricsLogger(tmp_path, enabled=True, total_steps=5, start_step=2, tensorboard=False,
-                            progress_bar=False)
+    resumed = MetricsLogger(tmp_path, enabled=True, total_steps=5, start_step=2, tensorboard=False, progress_bar=False)
     resumed.write({"kind": "train", "step": 3, "loss": 0.3})
     resumed.close()
     assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
-        ("train", 1), ("train", 2), ("train", 3)]
+        ("train", 1),
+        ("train", 2),
+        ("train", 3),
+    ]
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
@@ -184,10 +210,19 @@ def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     from parallel_latent.plot import plot_run
 
-    records = [{"kind": "train", "step": s, "loss": 5.0 / s, "token_accuracy": s / 10, "lr": 1e-3,
-                "grad_norm": 1.0, "tokens_per_s": 100.0 + s} for s in range(1, 6)]
-    records.append({"kind": "eval", "step": 5, "eval_loss": 1.2, "eval_token_accuracy": 0.4,
-                    "eval_exact_match": 0.1})
+    records = [
+        {
+            "kind": "train",
+            "step": s,
+            "loss": 5.0 / s,
+            "token_accuracy": s / 10,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": 100.0 + s,
+        }
+        for s in range(1, 6)
+    ]
+    records.append({"kind": "eval", "step": 5, "eval_loss": 1.2, "eval_token_accuracy": 0.4, "eval_exact_match": 0.1})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     written = plot_run(tmp_path)
     assert sorted(p.name for p in written) == ["accuracy.png", "loss.png", "lr.png", "throughput.png"]

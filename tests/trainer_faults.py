@@ -5,6 +5,7 @@
 runs ``parallel-latent`` with a model whose loss is NaN at the listed training steps (1-based),
 so the non-finite path runs through the real DeepSpeed optimizer wrappers (or our stage-0 guard).
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,11 +27,10 @@ def poison(nan_steps: set[int]) -> None:
     def build_model(cfg, tp_group=None):
         model = original_build(cfg, tp_group)
         forward = model.forward
-        accumulation = cfg.training.grad_accum_steps
 
         def poisoned_forward(input_ids, attention_mask, **kwargs):
             out = forward(input_ids, attention_mask, **kwargs)
-            step = model.dropout_rng.step // accumulation + 1  # the trainer sets the micro-step first
+            step = model.dropout_rng.step + 1  # the trainer sets the (0-based) optimizer step first
             if model.training and step in nan_steps:
                 out.loss_sum = out.loss_sum * float("nan")
                 out.loss = out.loss * float("nan")
@@ -47,4 +47,4 @@ if __name__ == "__main__":
     poison(parse_steps(sys.argv[1]))
     from parallel_latent.cli import main
 
-    sys.exit(main(sys.argv[separator + 1:]))
+    sys.exit(main(sys.argv[separator + 1 :]))

@@ -4,6 +4,7 @@ deepspeed launcher, accelerate launch, the CLI).
 Every run is a real multi-process gloo job on CPU, so they are few and tiny: d=32, T=16, a
 3-layer GPT-2, one Perceiver block each side, 600 corpus lines, micro-batch 4.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,18 +20,32 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 TINY = [
-    "model.d_model=32", "model.n_heads=4", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
-    "model.max_length=16", "feature_model.n_embd=32", "feature_model.n_head=4", "feature_model.n_layer=3",
-    "data.max_samples=600", "training.micro_batch_size=4", "training.log_every=1", "training.eval_every=0",
-    "training.eval_batches=2", "optimizer.lr=0.003", "schedule.warmup_steps=2", "logging.progress_bar=false",
-    "logging.tensorboard=false", "checkpoint.export_portable=false",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_encoder_layers=1",
+    "model.n_decoder_layers=1",
+    "model.max_length=16",
+    "feature_model.n_embd=32",
+    "feature_model.n_head=4",
+    "feature_model.n_layer=3",
+    "data.max_samples=600",
+    "training.micro_batch_size=4",
+    "training.log_every=1",
+    "training.eval_every=0",
+    "training.eval_batches=2",
+    "optimizer.lr=0.003",
+    "schedule.warmup_steps=2",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "checkpoint.export_portable=false",
 ]
 
 
 def rank_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1",
-                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)  # never inherit a launcher's identity
     env.update(extra or {})
@@ -47,12 +62,22 @@ def cli_command(run_dir: Path, *overrides: str, nproc: int | None = None) -> lis
 
 
 def torchrun_command(run_dir: Path, *overrides: str, nproc: int, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *(extra or ["--standalone"]),
-            f"--nproc_per_node={nproc}", "-m", "parallel_latent", *train_args(run_dir, *overrides)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *(extra or ["--standalone"]),
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "parallel_latent",
+        *train_args(run_dir, *overrides),
+    ]
 
 
 def run(command: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=rank_env(env), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        command, cwd=REPO, env=rank_env(env), capture_output=True, text=True, timeout=timeout, check=False
+    )
     return result
 
 

@@ -1,4 +1,5 @@
 """``parallel-latent inspect``: what a checkpoint holds, for a portable or a training checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,9 @@ from .portable import MANIFEST_NAME, PortableCheckpoint
 
 
 def resolve_portable_dir(path: str | Path) -> Path:
-    """The portable directory of ``path``: itself, or a training checkpoint's ``model/`` (also via
-    the ``latest`` of a checkpoints directory)."""
+    """The portable directory of ``path``, whichever of these it names: a portable or consolidated
+    directory (itself), a training checkpoint (its ``model/``), a checkpoints directory (its
+    ``latest``) or a run directory (its ``checkpoints/``)."""
     from .training import PORTABLE_DIR, resolve_checkpoint
 
     path = Path(path)
@@ -20,8 +22,10 @@ def resolve_portable_dir(path: str | Path) -> Path:
     step_dir = resolve_checkpoint(path)
     portable = step_dir / PORTABLE_DIR
     if not (portable / MANIFEST_NAME).is_file():
-        raise CheckpointError(f"{step_dir}: saved without portable weights (checkpoint.export_portable was off); "
-                              f"run `parallel-latent export {step_dir} OUT` first")
+        raise CheckpointError(
+            f"{step_dir}: saved without portable weights (checkpoint.export_portable was off); "
+            f"run `parallel-latent export {step_dir} OUT` first"
+        )
     return portable
 
 
@@ -47,16 +51,20 @@ def _config_lines(title: str, config: dict | None) -> list[str]:
 def describe_portable(directory: Path, max_rows: int | None = None) -> list[str]:
     checkpoint = PortableCheckpoint(directory, verify_checksums=False)
     manifest = checkpoint.manifest
-    lines = [f"portable checkpoint: {directory}",
-             f"contents: {manifest.get('contents', 'model')}, TP degree {manifest['tp_size']}, "
-             f"step {manifest.get('step')}, format v{manifest['format_version']}"]
+    lines = [
+        f"portable checkpoint: {directory}",
+        f"contents: {manifest.get('contents', 'model')}, TP degree {manifest['tp_size']}, "
+        f"step {manifest.get('step')}, format v{manifest['format_version']}",
+    ]
     lines += _config_lines("model", manifest.get("model_config"))
     lines += _config_lines("feature model", manifest.get("feature_model_config"))
     lines += _config_lines("tokenizer", manifest.get("tokenizer"))
     if manifest.get("optimizer"):
         optimizer = manifest["optimizer"]
-        lines.append(f"optimizer: {optimizer.get('class')} at step {optimizer.get('step')}, "
-                     f"{len(optimizer.get('param_groups', []))} param group(s)")
+        lines.append(
+            f"optimizer: {optimizer.get('class')} at step {optimizer.get('step')}, "
+            f"{len(optimizer.get('param_groups', []))} param group(s)"
+        )
     total_bytes = sum(info["bytes"] for info in manifest["files"].values())
     lines.append(f"files: {len(manifest['files'])}, {_size(total_bytes)}")
     for name, info in manifest["files"].items():
@@ -67,16 +75,19 @@ def describe_portable(directory: Path, max_rows: int | None = None) -> list[str]
         numel = math.prod(info["shape"])
         numel_total += numel
         split = "replicated" if info["partition_dim"] is None else f"split dim {info['partition_dim']}"
-        rows.append((name, "x".join(map(str, info["shape"])) or "scalar", info["dtype"], split,
-                     str(len(info["shards"]))))
-    lines.append(f"tensors: {len(rows)}, {numel_total:,} elements"
-                 + (f" ({len(checkpoint.aliases)} aliases)" if checkpoint.aliases else ""))
+        rows.append(
+            (name, "x".join(map(str, info["shape"])) or "scalar", info["dtype"], split, str(len(info["shards"])))
+        )
+    lines.append(
+        f"tensors: {len(rows)}, {numel_total:,} elements"
+        + (f" ({len(checkpoint.aliases)} aliases)" if checkpoint.aliases else "")
+    )
     widths = [max(len(r[i]) for r in rows + [("name", "shape", "dtype", "partition", "shards")]) for i in range(5)]
     header = ("name", "shape", "dtype", "partition", "shards")
-    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     shown = rows if max_rows is None else rows[:max_rows]
     for row in shown:
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
     if len(shown) < len(rows):
         lines.append(f"  ... {len(rows) - len(shown)} more")
     return lines
@@ -87,10 +98,12 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
 
     info = read_info(step_dir)
     layout = info["layout"]
-    lines = [f"training checkpoint: {step_dir}",
-             f"step {info['step']}, saved {info.get('saved_at', '?')} with DeepSpeed {info.get('deepspeed_version', '?')}",
-             f"layout: TP={layout['tensor_parallel']} x DP={layout['data_parallel']} (world {layout['world_size']}), "
-             f"ZeRO stage {layout['zero_stage']}, {layout['precision']}"]
+    lines = [
+        f"training checkpoint: {step_dir}",
+        f"step {info['step']}, saved {info.get('saved_at', '?')} with DeepSpeed {info.get('deepspeed_version', '?')}",
+        f"layout: TP={layout['tensor_parallel']} x DP={layout['data_parallel']} (world {layout['world_size']}), "
+        f"ZeRO stage {layout['zero_stage']}, {layout['precision']}",
+    ]
     client_path = step_dir / CLIENT_STATE_FILE
     if client_path.is_file():
         client = json.loads(client_path.read_text(encoding="utf-8"))
@@ -98,8 +111,10 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
         lines += _config_lines("model", config.get("model"))
         lines += _config_lines("tokenizer", client.get("tokenizer"))
         engine = client.get("engine") or {}
-        lines.append(f"engine: global_steps={engine.get('global_steps')}, global_samples={engine.get('global_samples')}, "
-                     f"skipped_steps={engine.get('skipped_steps')}")
+        lines.append(
+            f"engine: global_steps={engine.get('global_steps')}, global_samples={engine.get('global_samples')}, "
+            f"skipped_steps={engine.get('skipped_steps')}"
+        )
         scalars = {k: v for k, v in (client.get("client") or {}).items() if isinstance(v, (int, float, str, bool))}
         if scalars:
             lines.append("client state: " + ", ".join(f"{k}={v}" for k, v in scalars.items()))
@@ -117,11 +132,11 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
         lines.append(f"tensors (from {INFO_FILE}): {len(table)}")
         for name, spec in list(table.items())[:max_rows]:
             split = "replicated" if spec["partition_dim"] is None else f"split dim {spec['partition_dim']}"
-            lines.append(f"  {name}  {'x'.join(map(str, spec['full_shape']))}  {spec['dtype']}  {split}"
-                         f"{'' if spec['trainable'] else '  frozen'}")
+            lines.append(
+                f"  {name}  {'x'.join(map(str, spec['full_shape']))}  {spec['dtype']}  {split}"
+                f"{'' if spec['trainable'] else '  frozen'}"
+            )
     return lines
-
-
 
 
 def inspect_checkpoint(path: str | Path, max_rows: int | None = None) -> str:

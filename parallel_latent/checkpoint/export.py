@@ -5,6 +5,7 @@ copied); one saved without gets them from its universal state (converted from De
 into a temporary directory if needed, so the checkpoint itself is left as it is): trained weights
 are the fp32 masters cast to the model's dtype, the rest are stored as they were.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-
 from .errors import CheckpointError
-from .portable import (MANIFEST_NAME, MODEL_PREFIX, Entry, Placement, PortableCheckpoint, assemble_manifest,
-                       fsync_directory, write_json_atomic, write_rank_file)
+from .portable import (
+    MANIFEST_NAME,
+    MODEL_PREFIX,
+    Entry,
+    Placement,
+    PortableCheckpoint,
+    assemble_manifest,
+    fsync_directory,
+    write_json_atomic,
+    write_rank_file,
+)
 from .reshard import FROZEN, MASTER, convert_to_universal
 from .safetensors_io import dtype_from_name
 
@@ -44,14 +53,29 @@ def _model_from_universal(universal_dir: Path, table: dict, output: Path, step: 
             place = Placement(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
             dtype = dtype_from_name(spec["dtype"])
             key = f"{MASTER}/{name}" if spec["trainable"] else f"{FROZEN}/{name}"
-            entries.append(Entry(name, dtype, place, lambda k=key, p=place, r=tp_rank, d=dtype:
-                                 universal.read_block(k, p, r, d)))
-        parts.append(write_rank_file(staging, entries, prefix=MODEL_PREFIX, tp_rank=tp_rank, tp_size=tp_size,
-                                     is_writer=True))
+            entries.append(
+                Entry(name, dtype, place, lambda k=key, p=place, r=tp_rank, d=dtype: universal.read_block(k, p, r, d))
+            )
+        parts.append(
+            write_rank_file(staging, entries, prefix=MODEL_PREFIX, tp_rank=tp_rank, tp_size=tp_size, is_writer=True)
+        )
         first_rank_entries = first_rank_entries or entries
-    fields = {k: v for k, v in universal.manifest.items()
-              if k not in ("format", "format_version", "tp_size", "files", "tensors", "aliases", "optimizer",
-                           "source_layout", "converted_from")}
+    fields = {
+        k: v
+        for k, v in universal.manifest.items()
+        if k
+        not in (
+            "format",
+            "format_version",
+            "tp_size",
+            "files",
+            "tensors",
+            "aliases",
+            "optimizer",
+            "source_layout",
+            "converted_from",
+        )
+    }
     fields.update(contents="model", step=step)
     aliases = {a.removeprefix(f"{FROZEN}/"): t.removeprefix(f"{FROZEN}/") for a, t in universal.aliases.items()}
     write_json_atomic(staging / MANIFEST_NAME, assemble_manifest(first_rank_entries, parts, tp_size, fields, aliases))

@@ -16,15 +16,17 @@ nothing on this path unpickles anything.
 The same machinery stores the universal optimizer state of :mod:`.reshard` (fp32 master weights and
 Adam moments per parameter), which is why the writer takes abstract entries, not a module.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,11 +121,13 @@ def module_entries(module: nn.Module, tp_size: int) -> tuple[list[Entry], dict[s
     tensors, aliases = module_tensors(module)
     entries = []
     for name, tensor in tensors.items():
+
         def value(tensor=tensor):
             if not hasattr(tensor, "ds_id"):
                 return tensor.detach()  # written before anything can change it: no copy
             with gathered([tensor]):  # ZeRO-3: whole only inside the block, so copy it out
                 return tensor.detach().to("cpu", copy=True)
+
         entries.append(Entry(name, tensor.dtype, placement_of(tensor, tp_size, name), value))
     return entries, aliases
 
@@ -172,8 +176,9 @@ def write_json_atomic(path: Path, data: Any) -> None:
     fsync_directory(path.parent)
 
 
-def write_rank_file(directory: Path, entries: list[Entry], *, prefix: str, tp_rank: int, tp_size: int,
-                    is_writer: bool) -> tuple[dict[str, dict], dict[str, dict]]:
+def write_rank_file(
+    directory: Path, entries: list[Entry], *, prefix: str, tp_rank: int, tp_size: int, is_writer: bool
+) -> tuple[dict[str, dict], dict[str, dict]]:
     """Write what TP rank ``tp_rank`` stores of ``entries`` (its slices, padding stripped, and the
     replicated tensors on rank 0) into one safetensors file. Every entry's ``value`` is called, in
     order, also when ``is_writer`` is false (it may be a collective). Returns this rank's shard
@@ -194,8 +199,9 @@ def write_rank_file(directory: Path, entries: list[Entry], *, prefix: str, tp_ra
     writer = None
     if is_writer:
         specs = [(e.name, e.dtype, stored[e.name][2]) for e in entries if e.name in stored]
-        writer = SafetensorsWriter(directory / file_name, specs,
-                                   {"format": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)})
+        writer = SafetensorsWriter(
+            directory / file_name, specs, {"format": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)}
+        )
     records: dict[str, dict] = {}
     try:
         for entry in entries:
@@ -203,8 +209,9 @@ def write_rank_file(directory: Path, entries: list[Entry], *, prefix: str, tp_ra
             if writer is None or entry.name not in stored:
                 continue
             if tuple(value.shape) != entry.placement.local_shape:
-                raise CheckpointError(f"{entry.name}: value of shape {list(value.shape)}, "
-                                      f"expected {list(entry.placement.local_shape)}")
+                raise CheckpointError(
+                    f"{entry.name}: value of shape {list(value.shape)}, expected {list(entry.placement.local_shape)}"
+                )
             start, stop, _ = stored[entry.name]
             dim = entry.placement.partition_dim
             shard = value if dim is None else value.narrow(dim, 0, stop - start)
@@ -222,8 +229,13 @@ def write_rank_file(directory: Path, entries: list[Entry], *, prefix: str, tp_ra
     return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
 
 
-def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_size: int,
-                      manifest_fields: dict[str, Any], aliases: dict[str, str] | None = None) -> dict:
+def assemble_manifest(
+    entries: list[Entry],
+    parts: list[tuple[dict, dict]],
+    tp_size: int,
+    manifest_fields: dict[str, Any],
+    aliases: dict[str, str] | None = None,
+) -> dict:
     """The manifest from every TP rank's (records, file record)."""
     all_files: dict[str, dict] = {}
     shards: dict[str, list[dict]] = {e.name: [] for e in entries}
@@ -239,18 +251,32 @@ def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_s
             "partition_dim": entry.placement.partition_dim,
             "shards": sorted(shards[entry.name], key=lambda r: r.get("offset", 0)),
         }
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tp_size": tp_size, **manifest_fields,
-            "files": dict(sorted(all_files.items())), "tensors": tensors, "aliases": aliases or {}}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tp_size": tp_size,
+        **manifest_fields,
+        "files": dict(sorted(all_files.items())),
+        "tensors": tensors,
+        "aliases": aliases or {},
+    }
 
 
-def write_sharded(directory: Path, entries: list[Entry], *, prefix: str, tp_group, is_writer: bool,
-                  manifest_fields: dict[str, Any], aliases: dict[str, str] | None = None) -> dict | None:
+def write_sharded(
+    directory: Path,
+    entries: list[Entry],
+    *,
+    prefix: str,
+    tp_group,
+    is_writer: bool,
+    manifest_fields: dict[str, Any],
+    aliases: dict[str, str] | None = None,
+) -> dict | None:
     """Write this rank's shard into the existing ``directory``, then (TP rank 0 of the writers) the
     manifest. Collective: every rank calls it with the same entries in the same order. Returns the
     manifest on the rank that wrote it."""
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
-    part = write_rank_file(directory, entries, prefix=prefix, tp_rank=tp_rank, tp_size=tp_size,
-                           is_writer=is_writer)
+    part = write_rank_file(directory, entries, prefix=prefix, tp_rank=tp_rank, tp_size=tp_size, is_writer=is_writer)
     # Rank 0 of the TP group learns every rank's shard records (checksums) to write the manifest.
     parts = [part]
     if tp_size > 1:
@@ -273,8 +299,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def model_manifest_fields(model: nn.Module, cfg=None, tokenizer_facts: dict | None = None,
-                          step: int | None = None, extra: dict | None = None) -> dict[str, Any]:
+def model_manifest_fields(
+    model: nn.Module, cfg=None, tokenizer_facts: dict | None = None, step: int | None = None, extra: dict | None = None
+) -> dict[str, Any]:
     """What a manifest says about the model beyond its tensors (all optional, model-agnostic)."""
     model_cfg = getattr(cfg, "model", None) or getattr(model, "model_cfg", None)
     feature_cfg = getattr(cfg, "feature_model", None) or getattr(model, "feature_cfg", None)
@@ -303,8 +330,12 @@ def feature_architecture(model: nn.Module) -> dict | None:
     from parallel_latent.model.features import HIDDEN_STATE_INDEX
 
     # The held GPT-2 was cut to its first n_layer - 2 blocks; record the uncut depth it came from.
-    return {"n_layer": len(gpt2.h) - 1 - HIDDEN_STATE_INDEX, "n_head": config.n_head, "n_embd": config.n_embd,
-            "n_positions": config.n_positions}
+    return {
+        "n_layer": len(gpt2.h) - 1 - HIDDEN_STATE_INDEX,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "n_positions": config.n_positions,
+    }
 
 
 def _prepare_directory(directory: Path) -> Path:
@@ -318,9 +349,17 @@ def _prepare_directory(directory: Path) -> Path:
     return staging
 
 
-def save_portable(model: nn.Module, directory: str | Path, cfg=None, tokenizer_facts: dict | None = None,
-                  tp_group=None, *, step: int | None = None, extra: dict | None = None,
-                  is_writer: bool | None = None) -> Path:
+def save_portable(
+    model: nn.Module,
+    directory: str | Path,
+    cfg=None,
+    tokenizer_facts: dict | None = None,
+    tp_group=None,
+    *,
+    step: int | None = None,
+    extra: dict | None = None,
+    is_writer: bool | None = None,
+) -> Path:
     """Export ``model`` as a portable checkpoint in ``directory`` (which must not exist yet).
 
     Collective when a process group exists: every rank calls it. The ranks of data-parallel rank 0
@@ -335,9 +374,15 @@ def save_portable(model: nn.Module, directory: str | Path, cfg=None, tokenizer_f
     staging = _prepare_directory(directory)
     entries, aliases = module_entries(model, group_size(tp_group))
     writer = get_dp_rank() == 0 if is_writer is None else is_writer
-    manifest = write_sharded(staging, entries, prefix=MODEL_PREFIX, tp_group=tp_group, is_writer=writer,
-                             manifest_fields=model_manifest_fields(model, cfg, tokenizer_facts, step, extra),
-                             aliases=aliases)
+    manifest = write_sharded(
+        staging,
+        entries,
+        prefix=MODEL_PREFIX,
+        tp_group=tp_group,
+        is_writer=writer,
+        manifest_fields=model_manifest_fields(model, cfg, tokenizer_facts, step, extra),
+        aliases=aliases,
+    )
     if manifest is not None:
         fsync_directory(staging)
         os.rename(staging, directory)
@@ -367,8 +412,10 @@ class PortableCheckpoint:
         if self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
         if self.manifest.get("format_version", 0) > FORMAT_VERSION:
-            raise CheckpointError(f"{manifest_path}: format version {self.manifest['format_version']} is newer "
-                                  f"than this code reads ({FORMAT_VERSION})")
+            raise CheckpointError(
+                f"{manifest_path}: format version {self.manifest['format_version']} is newer "
+                f"than this code reads ({FORMAT_VERSION})"
+            )
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, SafetensorsFile] = {}
@@ -378,8 +425,9 @@ class PortableCheckpoint:
                 raise CheckpointError(f"{path}: shard file missing")
             size = path.stat().st_size
             if size != info["bytes"]:
-                raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or "
-                                      "replaced file)")
+                raise CheckpointError(
+                    f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced file)"
+                )
 
     def file(self, name: str) -> SafetensorsFile:
         if name not in self._files:
@@ -400,12 +448,19 @@ class PortableCheckpoint:
         parts = [self._read_shard(name, shard) for shard in info["shards"]]
         full = torch.cat(parts, dim=dim) if parts else torch.empty(0)
         if list(full.shape) != info["shape"]:
-            raise CheckpointError(f"{self.directory}: shards of {name!r} cover {list(full.shape)}, "
-                                  f"not the full shape {info['shape']}")
+            raise CheckpointError(
+                f"{self.directory}: shards of {name!r} cover {list(full.shape)}, not the full shape {info['shape']}"
+            )
         return full
 
-    def read_block(self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_block(
+        self,
+        name: str,
+        placement: Placement,
+        tp_rank: int,
+        dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """This rank's tensor at a (possibly different) TP degree: its range of the partition dim cut
         from whichever shards overlap it, padding rows zero. Reads into ``out`` when given."""
         info = self.tensors[name]
@@ -422,8 +477,14 @@ class PortableCheckpoint:
         shards = info["shards"]
         # Same TP degree and no padding: the shard is exactly this rank's tensor; read it in place.
         exact = [s for s in shards if s["offset"] == start and s["length"] == stop - start]
-        if (exact and out is not None and stop - start == placement.local_shape[dim] and out.dtype == stored_dtype
-                and out.is_contiguous() and out.device.type == "cpu"):
+        if (
+            exact
+            and out is not None
+            and stop - start == placement.local_shape[dim]
+            and out.dtype == stored_dtype
+            and out.is_contiguous()
+            and out.device.type == "cpu"
+        ):
             self.file(exact[0]["file"]).read_into(name, out, exact[0]["sha256"] if self.verify_checksums else None)
             return out
         block = torch.zeros(placement.local_shape, dtype=dtype or stored_dtype)
@@ -454,12 +515,15 @@ def check_model_config(checkpoint: PortableCheckpoint, model: nn.Module) -> None
         if key in RUNTIME_ONLY_MODEL_KEYS:
             continue
         if saved.get(key) != current.get(key):
-            raise CheckpointError(f"{checkpoint.directory}: config mismatch: model.{key} is {saved.get(key)!r} in "
-                                  f"the checkpoint but {current.get(key)!r} in the model")
+            raise CheckpointError(
+                f"{checkpoint.directory}: config mismatch: model.{key} is {saved.get(key)!r} in "
+                f"the checkpoint but {current.get(key)!r} in the model"
+            )
 
 
-def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, strict: bool = True,
-                  verify_checksums: bool = True) -> dict:
+def load_portable(
+    directory: str | Path, model: nn.Module, tp_group=None, *, strict: bool = True, verify_checksums: bool = True
+) -> dict:
     """Load a portable checkpoint saved at any TP degree into ``model`` at its own TP degree.
 
     Needs no collective (each rank reads its own ranges), so it also runs in a single process
@@ -476,20 +540,26 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, str
     saved_names = set(checkpoint.tensors) | set(checkpoint.aliases)
     missing = [n for n in list(tensors) + list(aliases) if n not in saved_names]
     if missing:
-        raise CheckpointError(f"{checkpoint.directory}: checkpoint lacks {len(missing)} tensor(s) of the model, "
-                              f"e.g. {missing[0]!r} (a different model?)")
+        raise CheckpointError(
+            f"{checkpoint.directory}: checkpoint lacks {len(missing)} tensor(s) of the model, "
+            f"e.g. {missing[0]!r} (a different model?)"
+        )
     if strict:
         unexpected = sorted(saved_names - set(tensors) - set(aliases))
         if unexpected:
-            raise CheckpointError(f"{checkpoint.directory}: checkpoint has {len(unexpected)} tensor(s) the model "
-                                  f"lacks, e.g. {unexpected[0]!r} (a different model?)")
+            raise CheckpointError(
+                f"{checkpoint.directory}: checkpoint has {len(unexpected)} tensor(s) the model "
+                f"lacks, e.g. {unexpected[0]!r} (a different model?)"
+            )
     placements = {name: placement_of(t, tp_size, name) for name, t in tensors.items()}
     for name, placement in placements.items():
         saved_name = checkpoint.aliases.get(name, name)
         saved_shape = checkpoint.tensors[saved_name]["shape"]
         if list(placement.full_shape) != saved_shape:
-            raise CheckpointError(f"{checkpoint.directory}: tensor {name!r} is {saved_shape} in the checkpoint but "
-                                  f"{list(placement.full_shape)} in the model (a different model size?)")
+            raise CheckpointError(
+                f"{checkpoint.directory}: tensor {name!r} is {saved_shape} in the checkpoint but "
+                f"{list(placement.full_shape)} in the model (a different model size?)"
+            )
     with torch.no_grad():
         for name, tensor in tensors.items():
             saved_name = checkpoint.aliases.get(name, name)
@@ -523,6 +593,8 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
 
     checkpoint = PortableCheckpoint(resolve_portable_dir(source), verify_checksums)
     output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(f"{output}: exists and is a file; give a new or empty directory")
     if output.exists() and any(output.iterdir()):
         raise CheckpointError(f"{output}: exists and is not empty; not overwriting")
     staging = output.with_name(f".{output.name}.partial")
@@ -530,8 +602,7 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     names = list(checkpoint.tensors)
-    specs = [(n, dtype_from_name(checkpoint.tensors[n]["dtype"]), tuple(checkpoint.tensors[n]["shape"]))
-             for n in names]
+    specs = [(n, dtype_from_name(checkpoint.tensors[n]["dtype"]), tuple(checkpoint.tensors[n]["shape"])) for n in names]
     writer = SafetensorsWriter(staging / CONSOLIDATED_FILE, specs, {"format": "pt"})
     tensors = {}
     try:
@@ -548,11 +619,25 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
         raise
     writer.close()
     manifest = {k: v for k, v in checkpoint.manifest.items() if k not in ("files", "tensors", "aliases")}
-    manifest.update(tp_size=1, files={CONSOLIDATED_FILE: {"bytes": (staging / CONSOLIDATED_FILE).stat().st_size,
-                                                          "tp_rank": 0}},
-                    tensors=tensors, aliases=checkpoint.aliases, consolidated_from=str(checkpoint.directory))
-    config = {k: manifest.get(k) for k in ("model_class", "model_config", "feature_model_config",
-                                           "feature_model_architecture", "tokenizer", "config", "step")}
+    manifest.update(
+        tp_size=1,
+        files={CONSOLIDATED_FILE: {"bytes": (staging / CONSOLIDATED_FILE).stat().st_size, "tp_rank": 0}},
+        tensors=tensors,
+        aliases=checkpoint.aliases,
+        consolidated_from=str(checkpoint.directory),
+    )
+    config = {
+        k: manifest.get(k)
+        for k in (
+            "model_class",
+            "model_config",
+            "feature_model_config",
+            "feature_model_architecture",
+            "tokenizer",
+            "config",
+            "step",
+        )
+    }
     write_json_atomic(staging / CONFIG_FILE, config)
     write_json_atomic(staging / MANIFEST_NAME, manifest)
     if output.exists():
@@ -582,8 +667,7 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
         raise CheckpointError(f"{directory}: the manifest has no model config; not a LatentAutoencoder checkpoint")
     source = f"{directory / MANIFEST_NAME}"
     model_cfg = build_dataclass(ModelConfig, manifest["model_config"], source, "model_config")
-    feature_cfg = build_dataclass(FeatureModelConfig, manifest["feature_model_config"], source,
-                                  "feature_model_config")
+    feature_cfg = build_dataclass(FeatureModelConfig, manifest["feature_model_config"], source, "feature_model_config")
     architecture = manifest.get("feature_model_architecture")
     if architecture:
         # Random GPT-2 of the recorded shape: every weight is overwritten by the checkpoint's.
@@ -599,4 +683,3 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
     load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
     model.eval()
     return model
-

@@ -18,6 +18,7 @@ groups' hyperparameters in the manifest. It can be written two ways:
 Loading (:func:`load_universal_state`) cuts each tensor for the new TP rank and writes it into the
 new engine's model copy, fp32 master and Adam state through ``safe_set_full_*`` (any ZeRO stage).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,36 @@ from parallel_latent.parallel.state import get_dp_rank
 from parallel_latent.parallel.utils import group_rank, group_size
 
 from .errors import CheckpointError
-from .portable import (MANIFEST_NAME, Entry, Placement, PortableCheckpoint, _barrier, _is_global_rank0,
-                       assemble_manifest, check_model_config, fsync_directory, model_manifest_fields, module_tensors,
-                       placement_of, write_json_atomic, write_rank_file, write_sharded)
+from .portable import (
+    MANIFEST_NAME,
+    Entry,
+    Placement,
+    PortableCheckpoint,
+    _barrier,
+    _is_global_rank0,
+    assemble_manifest,
+    check_model_config,
+    fsync_directory,
+    model_manifest_fields,
+    module_tensors,
+    placement_of,
+    write_json_atomic,
+    write_rank_file,
+    write_sharded,
+)
 from .safetensors_io import dtype_from_name
-from .zero_access import (ADAM_MOMENTS, base_optimizer, ensure_optimizer_state, gathered, get_master, get_moment,
-                          get_step, set_master, set_moment, write_param)
+from .zero_access import (
+    ADAM_MOMENTS,
+    base_optimizer,
+    ensure_optimizer_state,
+    gathered,
+    get_master,
+    get_moment,
+    get_step,
+    set_master,
+    set_moment,
+    write_param,
+)
 
 UNIVERSAL_PREFIX = "optim"
 MASTER = "fp32"
@@ -77,18 +102,29 @@ def universal_entries(engine, model: nn.Module, tp_size: int) -> tuple[list[Entr
         if _trainable(tensor):
             entries.append(Entry(f"{MASTER}/{name}", torch.float32, place, lambda t=tensor: get_master(engine, t)))
             for key in ADAM_MOMENTS:
-                entries.append(Entry(f"{key}/{name}", torch.float32, place,
-                                     lambda t=tensor, k=key: get_moment(engine, t, k)))
+                entries.append(
+                    Entry(f"{key}/{name}", torch.float32, place, lambda t=tensor, k=key: get_moment(engine, t, k))
+                )
         else:
+
             def value(t=tensor):
                 with gathered([t]):
                     return t.detach().to("cpu", copy=True)
+
             entries.append(Entry(f"{FROZEN}/{name}", tensor.dtype, place, value))
     return entries, aliases
 
 
-def save_universal_state(engine, directory: str | Path, *, tp_group=None, step: int | None = None, model=None,
-                         cfg=None, tokenizer_facts: dict | None = None) -> Path:
+def save_universal_state(
+    engine,
+    directory: str | Path,
+    *,
+    tp_group=None,
+    step: int | None = None,
+    model=None,
+    cfg=None,
+    tokenizer_facts: dict | None = None,
+) -> Path:
     """Write the universal state of ``engine`` into ``directory`` (must not exist). Collective."""
     from .training import engine_layout
 
@@ -102,11 +138,24 @@ def save_universal_state(engine, directory: str | Path, *, tp_group=None, step: 
     entries, aliases = universal_entries(engine, model, group_size(tp_group))
     optimizer = base_optimizer(engine)
     fields = model_manifest_fields(model, cfg, tokenizer_facts, step)
-    fields.update(contents="optimizer", source_layout=engine_layout(engine), optimizer={
-        "class": type(optimizer).__name__, "step": get_step(engine),
-        "param_groups": [_json_group(g) for g in optimizer.param_groups]})
-    write_sharded(directory, entries, prefix=UNIVERSAL_PREFIX, tp_group=tp_group, is_writer=get_dp_rank() == 0,
-                  manifest_fields=fields, aliases={f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in aliases.items()})
+    fields.update(
+        contents="optimizer",
+        source_layout=engine_layout(engine),
+        optimizer={
+            "class": type(optimizer).__name__,
+            "step": get_step(engine),
+            "param_groups": [_json_group(g) for g in optimizer.param_groups],
+        },
+    )
+    write_sharded(
+        directory,
+        entries,
+        prefix=UNIVERSAL_PREFIX,
+        tp_group=tp_group,
+        is_writer=get_dp_rank() == 0,
+        manifest_fields=fields,
+        aliases={f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in aliases.items()},
+    )
     _barrier()
     return directory
 
@@ -130,11 +179,15 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
         if key not in checkpoint.tensors:
             if kind == FROZEN and f"{MASTER}/{name}" in checkpoint.tensors:
                 return f"{MASTER}/{name}"  # trained before, frozen now: its weight is its master
-            raise CheckpointError(f"{directory}: no {key!r} in the universal state (a different model, or "
-                                  "a parameter that was frozen when it was saved?)")
+            raise CheckpointError(
+                f"{directory}: no {key!r} in the universal state (a different model, or "
+                "a parameter that was frozen when it was saved?)"
+            )
         if checkpoint.tensors[key]["shape"] != list(place.full_shape):
-            raise CheckpointError(f"{directory}: {key!r} is {checkpoint.tensors[key]['shape']} in the checkpoint "
-                                  f"but {list(place.full_shape)} in the model (a different model size?)")
+            raise CheckpointError(
+                f"{directory}: {key!r} is {checkpoint.tensors[key]['shape']} in the checkpoint "
+                f"but {list(place.full_shape)} in the model (a different model size?)"
+            )
         return key
 
     plan = []
@@ -152,13 +205,17 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
             set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
             if load_optimizer:
                 for moment in ADAM_MOMENTS:
-                    set_moment(engine, tensor, moment,
-                               checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32))
+                    set_moment(
+                        engine,
+                        tensor,
+                        moment,
+                        checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32),
+                    )
     if load_optimizer:
         groups = manifest["optimizer"].get("param_groups", [])
         optimizer = base_optimizer(engine)
         if len(groups) == len(optimizer.param_groups):
-            for group, saved_group in zip(optimizer.param_groups, groups):
+            for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
                 for key, value in saved_group.items():
                     if key in group:
                         group[key] = tuple(value) if isinstance(group[key], tuple) else value
@@ -183,8 +240,9 @@ def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str) 
 
     model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
     shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {n: {MASTER: [], **{k: [] for k in ADAM_MOMENTS}}
-                                                       for n in shapes}
+    pieces: dict[str, dict[str, list[torch.Tensor]]] = {
+        n: {MASTER: [], **{k: [] for k in ADAM_MOMENTS}} for n in shapes
+    }
     step, groups = 0, []
     for dp_rank in range(dp_size):
         sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
@@ -206,8 +264,9 @@ def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str) 
         for key, parts in pieces[name].items():
             flat = torch.cat(parts) if parts else torch.empty(0)
             if flat.numel() != math.prod(shape):
-                raise CheckpointError(f"{step_dir}: ZeRO fragments of {name!r} hold {flat.numel()} elements, "
-                                      f"expected {math.prod(shape)}")
+                raise CheckpointError(
+                    f"{step_dir}: ZeRO fragments of {name!r} hold {flat.numel()} elements, expected {math.prod(shape)}"
+                )
             trainable[name][key] = flat.view(shape).float()
     return trainable, model_states["module"], step, [_json_group(g) for g in groups]
 
@@ -217,8 +276,10 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str) -
     per DP rank (the last padded), and a rank's flat group is its pieces of all parameters in order."""
     from .training import safe_torch_load
 
-    model_states = [safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-                    for r in range(dp_size)]
+    model_states = [
+        safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+        for r in range(dp_size)
+    ]
     shapes = {name: tuple(shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()}
     flats: dict[str, list[torch.Tensor]] = {MASTER: [], **{k: [] for k in ADAM_MOMENTS}}
     step, groups = 0, []
@@ -229,8 +290,14 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str) -
         fp32_groups = sd["fp32_flat_groups"]
         flats[MASTER].append(torch.cat([g.reshape(-1) for g in fp32_groups]))
         for key in ADAM_MOMENTS:
-            flats[key].append(torch.cat([base["state"].get(i, {}).get(key, torch.zeros_like(g)).reshape(-1)
-                                         for i, g in enumerate(fp32_groups)]))
+            flats[key].append(
+                torch.cat(
+                    [
+                        base["state"].get(i, {}).get(key, torch.zeros_like(g)).reshape(-1)
+                        for i, g in enumerate(fp32_groups)
+                    ]
+                )
+            )
         first = base["state"].get(0, {})
         if "step" in first:
             step = int(first["step"].item() if torch.is_tensor(first["step"]) else first["step"])
@@ -265,7 +332,7 @@ def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str]) -> tuple[dict
     if len(order) != len(names):
         raise CheckpointError(f"{step_dir}: optimizer holds {len(order)} tensors, {len(names)} names recorded")
     trainable, step = {}, 0
-    for index, name in zip(order, names):
+    for index, name in zip(order, names, strict=True):
         entry = state.get(index, {})
         weight = module[name].float()
         trainable[name] = {MASTER: weight, **{k: entry.get(k, torch.zeros_like(weight)).float() for k in ADAM_MOMENTS}}
@@ -284,8 +351,9 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     info = read_info(step_dir)
     layout, table = info["layout"], info.get("tensors")
     if not table:
-        raise CheckpointError(f"{step_dir / INFO_FILE}: no tensor table (saved by an older version); "
-                              "resume it at its own layout")
+        raise CheckpointError(
+            f"{step_dir / INFO_FILE}: no tensor table (saved by an older version); resume it at its own layout"
+        )
     tp_size, dp_size = layout["tensor_parallel"], layout["data_parallel"]
     stage, precision = layout["zero_stage"], layout["precision"]
     output = Path(output) if output is not None else step_dir / UNIVERSAL_DIR
@@ -301,8 +369,10 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     for mp_rank in range(tp_size):
         if stage == 0:
             if precision != "fp32":
-                raise CheckpointError(f"{step_dir}: offline conversion of ZeRO-0 with {precision} is not supported; "
-                                      "save with universal=True instead")
+                raise CheckpointError(
+                    f"{step_dir}: offline conversion of ZeRO-0 with {precision} is not supported; "
+                    "save with universal=True instead"
+                )
             per_rank.append(_zero0_tensors(step_dir, mp_rank, info.get("optimizer_param_names", [])))
         elif stage in (1, 2):
             per_rank.append(_zero12_tensors(step_dir, mp_rank, dp_size, precision))
@@ -318,23 +388,34 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
                 if name not in trainable:
                     raise CheckpointError(f"{step_dir}: trainable {name!r} missing from the optimizer files")
                 for key in (MASTER, *ADAM_MOMENTS):
-                    entries_by_rank[mp_rank].append(Entry(f"{key}/{name}", torch.float32, place,
-                                                          lambda v=trainable[name][key]: v))
+                    entries_by_rank[mp_rank].append(
+                        Entry(f"{key}/{name}", torch.float32, place, lambda v=trainable[name][key]: v)
+                    )
             else:
                 if name not in module:
                     raise CheckpointError(f"{step_dir}: frozen tensor {name!r} missing from the model files")
-                entries_by_rank[mp_rank].append(Entry(f"{FROZEN}/{name}", dtype_from_name(spec["dtype"]), place,
-                                                      lambda v=module[name]: v))
-    parts = [write_rank_file(staging, entries, prefix=UNIVERSAL_PREFIX, tp_rank=r, tp_size=tp_size, is_writer=True)
-             for r, entries in enumerate(entries_by_rank)]
+                entries_by_rank[mp_rank].append(
+                    Entry(f"{FROZEN}/{name}", dtype_from_name(spec["dtype"]), place, lambda v=module[name]: v)
+                )
+    parts = [
+        write_rank_file(staging, entries, prefix=UNIVERSAL_PREFIX, tp_rank=r, tp_size=tp_size, is_writer=True)
+        for r, entries in enumerate(entries_by_rank)
+    ]
     client_path = step_dir / "client_state.json"
     client = json.loads(client_path.read_text(encoding="utf-8")) if client_path.is_file() else {}
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
-    fields = {"contents": "optimizer", "step": info["step"], "model_config": config.get("model"),
-              "feature_model_config": config.get("feature_model"), "tokenizer": client.get("tokenizer"),
-              "config": config or None, "source_layout": layout, "converted_from": "deepspeed",
-              "optimizer": {"class": info.get("optimizer_class", "AdamW"), "step": step, "param_groups": groups}}
+    fields = {
+        "contents": "optimizer",
+        "step": info["step"],
+        "model_config": config.get("model"),
+        "feature_model_config": config.get("feature_model"),
+        "tokenizer": client.get("tokenizer"),
+        "config": config or None,
+        "source_layout": layout,
+        "converted_from": "deepspeed",
+        "optimizer": {"class": info.get("optimizer_class", "AdamW"), "step": step, "param_groups": groups},
+    }
     aliases = {f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in (info.get("aliases") or {}).items()}
     manifest = assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases)
     write_json_atomic(staging / MANIFEST_NAME, manifest)
@@ -371,7 +452,11 @@ def tensor_table(model: nn.Module, tp_size: int) -> tuple[dict[str, Any], dict[s
     table = {}
     for name, tensor in tensors.items():
         place = placement_of(tensor, tp_size, name)
-        table[name] = {"partition_dim": place.partition_dim, "local_shape": list(place.local_shape),
-                       "full_shape": list(place.full_shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-                       "trainable": _trainable(tensor)}
+        table[name] = {
+            "partition_dim": place.partition_dim,
+            "local_shape": list(place.local_shape),
+            "full_shape": list(place.full_shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "trainable": _trainable(tensor),
+        }
     return table, aliases

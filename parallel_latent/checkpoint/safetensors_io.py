@@ -8,6 +8,7 @@ from the page cache instead of file -> temporary tensor -> parameter) and lets a
 named as such instead of surfacing as a parse error. Files written here load with the
 ``safetensors`` library, and files written by it load here.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,9 +24,18 @@ import torch
 from .errors import CheckpointError
 
 DTYPE_TO_NAME = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 NAME_TO_DTYPE = {name: dtype for dtype, name in DTYPE_TO_NAME.items()}
 # A header this large is not a checkpoint header but a damaged length field.
@@ -55,7 +65,9 @@ def _byte_view(tensor: torch.Tensor):
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     tensor = tensor.detach().contiguous().cpu()
-    return hashlib.sha256(memoryview(_byte_view(tensor))).hexdigest() if tensor.numel() else hashlib.sha256().hexdigest()
+    return (
+        hashlib.sha256(memoryview(_byte_view(tensor))).hexdigest() if tensor.numel() else hashlib.sha256().hexdigest()
+    )
 
 
 class SafetensorsWriter:
@@ -65,8 +77,12 @@ class SafetensorsWriter:
     released); each tensor's sha256 is taken from the bytes as they are written.
     """
 
-    def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
         header: dict[str, object] = {}
         offset = 0
         self._expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
@@ -77,7 +93,11 @@ class SafetensorsWriter:
             for n in shape:
                 numel *= n
             size = numel * dtype.itemsize
-            header[name] = {"dtype": DTYPE_TO_NAME[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": DTYPE_TO_NAME[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             self._expected.append((name, dtype, tuple(shape)))
             offset += size
         if metadata:
@@ -86,7 +106,7 @@ class SafetensorsWriter:
         # The data section starts 8-byte aligned, as the reference implementation writes it.
         header_bytes += b" " * (-len(header_bytes) % 8)
         self.path = Path(path)
-        self._handle = open(self.path, "wb")
+        self._handle = open(self.path, "wb")  # noqa: SIM115 (closed by close() or abort())
         self._handle.write(struct.pack("<Q", len(header_bytes)))
         self._handle.write(header_bytes)
         self._next = 0
@@ -98,8 +118,10 @@ class SafetensorsWriter:
         expected_name, dtype, shape = self._expected[self._next]
         tensor = tensor.detach()
         if name != expected_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"{self.path}: expected {expected_name} {dtype_name(dtype)}{list(shape)}, "
-                                  f"got {name} {dtype_name(tensor.dtype)}{list(tensor.shape)}")
+            raise CheckpointError(
+                f"{self.path}: expected {expected_name} {dtype_name(dtype)}{list(shape)}, "
+                f"got {name} {dtype_name(tensor.dtype)}{list(tensor.shape)}"
+            )
         digest = hashlib.sha256()
         if tensor.numel():
             data = memoryview(_byte_view(tensor.contiguous().cpu()))
@@ -129,8 +151,9 @@ class SafetensorsWriter:
         self._handle.close()
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> dict[str, str]:
+def write_safetensors(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> dict[str, str]:
     """Write ``tensors`` (in the given order) to ``path``, fsync it, and return each tensor's sha256."""
     writer = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], metadata)
     try:
@@ -167,8 +190,9 @@ class SafetensorsFile:
                     raise CheckpointError(f"{self.path}: truncated file ({size} bytes, no header)")
                 (header_len,) = struct.unpack("<Q", prefix)
                 if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                    raise CheckpointError(f"{self.path}: truncated or damaged file "
-                                          f"(header of {header_len} bytes, file of {size} bytes)")
+                    raise CheckpointError(
+                        f"{self.path}: truncated or damaged file (header of {header_len} bytes, file of {size} bytes)"
+                    )
                 header = json.loads(handle.read(header_len))
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: shard file missing") from None
@@ -191,8 +215,7 @@ class SafetensorsFile:
             if end - begin != numel * dtype.itemsize:
                 raise CheckpointError(f"{self.path}: tensor {name!r}: byte range does not match its shape")
             if end > size:
-                raise CheckpointError(f"{self.path}: truncated file ({size} bytes; tensor {name!r} "
-                                      f"ends at byte {end})")
+                raise CheckpointError(f"{self.path}: truncated file ({size} bytes; tensor {name!r} ends at byte {end})")
             self.tensors[name] = StoredTensor(dtype, shape, begin, end)
 
     def read_into(self, name: str, out: torch.Tensor, expected_sha256: str | None = None) -> None:
@@ -201,8 +224,10 @@ class SafetensorsFile:
         if stored is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} missing from shard")
         if tuple(out.shape) != stored.shape or out.dtype != stored.dtype:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is {dtype_name(stored.dtype)}{list(stored.shape)}, "
-                                  f"expected {dtype_name(out.dtype)}{list(out.shape)}")
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} is {dtype_name(stored.dtype)}{list(stored.shape)}, "
+                f"expected {dtype_name(out.dtype)}{list(out.shape)}"
+            )
         if stored.nbytes == 0:
             return
         buffer = memoryview(_byte_view(out))
@@ -210,7 +235,7 @@ class SafetensorsFile:
             handle.seek(stored.begin)
             done = 0
             while done < stored.nbytes:
-                got = handle.readinto(buffer[done:done + READ_CHUNK])
+                got = handle.readinto(buffer[done : done + READ_CHUNK])
                 if not got:
                     raise CheckpointError(f"{self.path}: truncated file while reading tensor {name!r}")
                 done += got

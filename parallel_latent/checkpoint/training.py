@@ -24,6 +24,7 @@ DeepSpeed's files are pickles; they are read with ``torch.load(weights_only=True
 allowlist of the few DeepSpeed classes they contain (:func:`deepspeed_safe_globals`). Anything else
 in them is reported, not loaded.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,6 +53,8 @@ TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".replaced-"
 LATEST_FILE = "latest"
+# A run directory keeps its training checkpoints here (the trainer's layout).
+RUN_CHECKPOINTS_DIR = "checkpoints"
 INFO_FILE = "checkpoint.json"
 CLIENT_STATE_FILE = "client_state.json"
 RNG_DIR = "rng"
@@ -76,9 +79,16 @@ def engine_layout(engine) -> dict[str, Any]:
     mpu = getattr(engine, "mpu", None)
     tp = mpu.get_model_parallel_world_size() if mpu is not None else 1
     precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    if precision == "fp32" and any(p.dtype == torch.float64 for p in engine.module.parameters()):
+        precision = "fp64"
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return {"tensor_parallel": tp, "data_parallel": int(engine.dp_world_size),
-            "zero_stage": int(engine.zero_optimization_stage()), "precision": precision, "world_size": world}
+    return {
+        "tensor_parallel": tp,
+        "data_parallel": int(engine.dp_world_size),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "precision": precision,
+        "world_size": world,
+    }
 
 
 def _tp_group_for(model) -> Any:
@@ -150,8 +160,10 @@ def safe_torch_load(path: str | Path, map_location=None):
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as error:
-        detail = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
-                      str(error).splitlines()[0] if str(error) else type(error).__name__)
+        detail = next(
+            (line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
         raise CheckpointError(f"{path}: refused to load with weights_only=True ({detail[:300]})") from None
 
 
@@ -195,19 +207,27 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
         candidate = checkpoint_dir / latest.read_text(encoding="utf-8").strip()
         if is_complete(candidate):
             return candidate
-        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one",
-                       latest, candidate.name)
+        logger.warning(
+            "%s names %s, which is not a complete checkpoint; using the newest complete one", latest, candidate.name
+        )
     complete = list_checkpoints(checkpoint_dir)
     return complete[-1] if complete else None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A training checkpoint directory from a path to it or to the directory holding ``latest``."""
+    """A training checkpoint directory from a path to it, to the directory holding ``latest``, or
+    to a run directory (its ``checkpoints/``)."""
     path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is a file; expected a checkpoint or run directory")
     if path.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):
         raise CheckpointError(f"{path}: an unfinished save (never published); not loadable")
     if (path / INFO_FILE).is_file():
         return path
+    if (path / RUN_CHECKPOINTS_DIR).is_dir():
+        path = path / RUN_CHECKPOINTS_DIR
     found = find_latest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"{path}: no complete training checkpoint here ({INFO_FILE} or {LATEST_FILE} missing)")
@@ -323,10 +343,20 @@ def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
     return facts
 
 
-def save_training_checkpoint(engine, checkpoint_dir: str | Path, step: int, client_state: dict | None = None, *,
-                             model=None, cfg=None, tokenizer_facts: dict | None = None, keep_last: int = 0,
-                             export_portable: bool = False, universal: bool = False,
-                             tp_group=None) -> Path:
+def save_training_checkpoint(
+    engine,
+    checkpoint_dir: str | Path,
+    step: int,
+    client_state: dict | None = None,
+    *,
+    model=None,
+    cfg=None,
+    tokenizer_facts: dict | None = None,
+    keep_last: int = 0,
+    export_portable: bool = False,
+    universal: bool = False,
+    tp_group=None,
+) -> Path:
     """Save a training checkpoint of ``engine`` at ``step`` and publish it atomically.
 
     Collective: every rank calls it. ``client_state`` must be JSON-serializable (data sampler
@@ -361,15 +391,25 @@ def save_training_checkpoint(engine, checkpoint_dir: str | Path, step: int, clie
     if universal:
         from .reshard import save_universal_state
 
-        save_universal_state(engine, staging / UNIVERSAL_DIR, tp_group=tp_group, step=step, model=model,
-                             cfg=cfg, tokenizer_facts=tokenizer_facts)
+        save_universal_state(
+            engine,
+            staging / UNIVERSAL_DIR,
+            tp_group=tp_group,
+            step=step,
+            model=model,
+            cfg=cfg,
+            tokenizer_facts=tokenizer_facts,
+        )
     if _is_global_rank0():
         scheduler = getattr(engine, "lr_scheduler", None)
         state = {
             "step": step,
             "client": _plain(client_state or {}),
-            "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
-                       "skipped_steps": int(engine.skipped_steps)},
+            "engine": {
+                "global_steps": int(engine.global_steps),
+                "global_samples": int(engine.global_samples),
+                "skipped_steps": int(engine.skipped_steps),
+            },
             "lr_scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
             "tokenizer": _plain(tokenizer_facts),
             "config": _plain(cfg) if cfg is not None else None,
@@ -379,8 +419,15 @@ def save_training_checkpoint(engine, checkpoint_dir: str | Path, step: int, clie
     _barrier()  # every rank has written and fsynced its files
 
     if _is_global_rank0():
-        info = {"tag": tag, "step": step, "layout": layout, "portable": export_portable, "universal": universal,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **tensor_facts}
+        info = {
+            "tag": tag,
+            "step": step,
+            "layout": layout,
+            "portable": export_portable,
+            "universal": universal,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **tensor_facts,
+        }
         try:
             import deepspeed
 
@@ -410,8 +457,9 @@ class LoadedCheckpoint:
     saved_layout: dict = field(default_factory=dict)
 
 
-def load_training_checkpoint(engine, path: str | Path, *, model=None, load_optimizer: bool = True,
-                             tp_group=None) -> LoadedCheckpoint:
+def load_training_checkpoint(
+    engine, path: str | Path, *, model=None, load_optimizer: bool = True, tp_group=None
+) -> LoadedCheckpoint:
     """Restore ``engine`` (weights, optimizer, LR scheduler, counters) and this rank's RNG states.
 
     ``path`` is a ``step_N`` directory or the directory holding ``latest``. At the saved layout
@@ -425,8 +473,9 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, load_optim
     tp_group = tp_group if tp_group is not None else _tp_group_for(model)
     current = engine_layout(engine)
     saved = info["layout"]
-    same_layout = all(saved.get(k) == current[k] for k in ("tensor_parallel", "data_parallel", "zero_stage",
-                                                          "precision"))
+    same_layout = all(
+        saved.get(k) == current[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision")
+    )
     try:
         client = json.loads((step_dir / CLIENT_STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
@@ -434,9 +483,12 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, load_optim
 
     if same_layout:
         with weights_only_loading(engine):
-            load_path, _ = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name,
-                                                  load_optimizer_states=load_optimizer,
-                                                  load_lr_scheduler_states=load_optimizer)
+            load_path, _ = engine.load_checkpoint(
+                str(step_dir.parent),
+                tag=step_dir.name,
+                load_optimizer_states=load_optimizer,
+                load_lr_scheduler_states=load_optimizer,
+            )
         if load_path is None:
             raise CheckpointError(f"{step_dir}: DeepSpeed found no checkpoint files for this rank")
     else:
@@ -465,5 +517,10 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, load_optim
             recorded = json.loads(reference.read_text(encoding="utf-8")).get("dropout")
             if recorded:
                 dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
-    return LoadedCheckpoint(path=step_dir, step=int(info["step"]), client_state=client.get("client", {}),
-                            resharded=not same_layout, saved_layout=saved)
+    return LoadedCheckpoint(
+        path=step_dir,
+        step=int(info["step"]),
+        client_state=client.get("client", {}),
+        resharded=not same_layout,
+        saved_layout=saved,
+    )

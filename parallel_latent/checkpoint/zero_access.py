@@ -12,10 +12,11 @@ Everything here returns or accepts the *whole* tensor of this tensor-parallel ra
 data parallelism). The ``get_*`` functions are collective over the data-parallel group under ZeRO:
 every rank must call them for the same parameters in the same order.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,9 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
             if size * world < value.numel():
                 raise CheckpointError(f"ZeRO-3 partition of {size} x {world} cannot hold {value.numel()} elements")
             flat = value.reshape(-1).to(partition.device, partition.dtype)
-            piece = flat[rank * size:(rank + 1) * size]
+            piece = flat[rank * size : (rank + 1) * size]
             partition.data.view(-1).zero_()
-            partition.data.view(-1)[:piece.numel()].copy_(piece)
+            partition.data.view(-1)[: piece.numel()].copy_(piece)
         else:
             param.data.copy_(value.to(param.device, param.dtype).view(param.shape))
 
@@ -99,8 +100,10 @@ def _plain_param(engine, param: torch.Tensor) -> bool:
         return False
     if engine.optimizer is base_optimizer(engine):
         return True
-    raise CheckpointError(f"{type(engine.optimizer).__name__} (ZeRO-0 with fp16) keeps master weights that "
-                          "this code cannot address; use ZeRO >= 1 or bf16/fp32")
+    raise CheckpointError(
+        f"{type(engine.optimizer).__name__} (ZeRO-0 with fp16) keeps master weights that "
+        "this code cannot address; use ZeRO >= 1 or bf16/fp32"
+    )
 
 
 def get_master(engine, param: torch.Tensor) -> torch.Tensor:

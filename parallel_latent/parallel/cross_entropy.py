@@ -5,6 +5,7 @@ gathered: the loss needs three [B, T]-sized reductions (max, then sum-of-exp and
 into one tensor), and the accuracy one more (the smallest global index attaining the max, which is
 what ``argmax`` over the full vocabulary returns).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, vocab_size, ignore_index, group):
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
-        logits = _mask_padding(logits.float(), vocab_size, start)
+        # At least fp32 (a bf16 softmax loses the target's probability); fp64 stays fp64.
+        logits = _mask_padding(logits.to(torch.promote_types(logits.dtype, torch.float32)), vocab_size, start)
 
         local_max, local_argmax = logits.max(dim=-1)
         global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
@@ -78,8 +80,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                                 tp_group=None, ignore_index: int = -100):
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp_group=None, ignore_index: int = -100
+):
     """Per-token loss (float32, 0 where ignored) and a bool tensor of correct argmax predictions.
 
     ``logits`` is this rank's slice ``[..., padded_vocab / tp]``; ``vocab_size`` is the true size:

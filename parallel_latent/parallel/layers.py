@@ -5,10 +5,11 @@ the same generator state, exactly as a TP=1 model would, and keeps its slice. Th
 therefore consumed identically at every TP degree, and gathered TP=N weights equal TP=1 weights
 bit for bit.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +24,18 @@ InitMethod = Callable[[torch.Tensor], None]
 def normal_init(std: float = 0.02) -> InitMethod:
     def init(tensor: torch.Tensor) -> None:
         nn.init.normal_(tensor, mean=0.0, std=std)
+
     return init
 
 
-def _init_partitioned_weight(weight: nn.Parameter, full_shape: tuple[int, int], partition_dim: int,
-                             init_method: InitMethod, group, valid_rows: int | None = None) -> None:
+def _init_partitioned_weight(
+    weight: nn.Parameter,
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    init_method: InitMethod,
+    group,
+    valid_rows: int | None = None,
+) -> None:
     master = torch.empty(full_shape, dtype=torch.float32)
     if valid_rows is None:
         init_method(master)
@@ -48,10 +56,21 @@ class ColumnParallelLinear(nn.Module):
     from one tensor enter the region once (one backward all-reduce instead of several).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 gather_output: bool = False, skip_bias_add: bool = False, input_is_copied: bool = False,
-                 tp_group=None, init_method: InitMethod | None = None, dtype=None, device=None,
-                 _valid_out_features: int | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        input_is_copied: bool = False,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        dtype=None,
+        device=None,
+        _valid_out_features: int | None = None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.skip_bias_add, self.input_is_copied = gather_output, skip_bias_add, input_is_copied
@@ -59,8 +78,9 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = divide(out_features, group_size(tp_group), "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
         set_tensor_parallel_attributes(self.weight, True, 0)
-        _init_partitioned_weight(self.weight, (out_features, in_features), 0, init_method or normal_init(),
-                                 tp_group, _valid_out_features)
+        _init_partitioned_weight(
+            self.weight, (out_features, in_features), 0, init_method or normal_init(), tp_group, _valid_out_features
+        )
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device=device))
             set_tensor_parallel_attributes(self.bias, True, 0)
@@ -77,8 +97,10 @@ class ColumnParallelLinear(nn.Module):
         return (y, self.bias) if self.skip_bias_add else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+        return (
+            f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -87,9 +109,19 @@ class RowParallelLinear(nn.Module):
     The bias is replicated and added once, after the reduce, so it is not summed TP times.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 input_is_parallel: bool = True, skip_bias_add: bool = False, tp_group=None,
-                 init_method: InitMethod | None = None, dtype=None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        dtype=None,
+        device=None,
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -97,8 +129,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = divide(in_features, group_size(tp_group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
         set_tensor_parallel_attributes(self.weight, True, 1)
-        _init_partitioned_weight(self.weight, (out_features, in_features), 1, init_method or normal_init(),
-                                 tp_group)
+        _init_partitioned_weight(self.weight, (out_features, in_features), 1, init_method or normal_init(), tp_group)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             set_tensor_parallel_attributes(self.bias, False, None)
@@ -114,8 +145,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, "
-                f"bias={self.bias is not None}")
+        return f"in={self.in_features} ({self.in_per_rank}/rank), out={self.out_features}, bias={self.bias is not None}"
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -125,13 +155,30 @@ class VocabParallelHead(ColumnParallelLinear):
     vocab-parallel loss masks their logits, so they never win an argmax nor carry probability.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, *, bias: bool = False, tp_group=None,
-                 init_method: InitMethod | None = None, dtype=None, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        bias: bool = False,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        dtype=None,
+        device=None,
+    ):
         self.vocab_size = vocab_size
         self.padded_vocab_size = pad_vocab_size(vocab_size, group_size(tp_group))
-        super().__init__(hidden_size, self.padded_vocab_size, bias=bias, gather_output=False,
-                         tp_group=tp_group, init_method=init_method, dtype=dtype, device=device,
-                         _valid_out_features=vocab_size)
+        super().__init__(
+            hidden_size,
+            self.padded_vocab_size,
+            bias=bias,
+            gather_output=False,
+            tp_group=tp_group,
+            init_method=init_method,
+            dtype=dtype,
+            device=device,
+            _valid_out_features=vocab_size,
+        )
         # Checkpoints store the unpadded vocabulary so they load at any TP degree.
         for param in self.parameters():
             param.partition_valid_size = vocab_size

@@ -3,6 +3,7 @@
 Every one of them is the identity when the group has a single rank, so a TP=1 model pays nothing.
 The collectives are looked up on ``torch.distributed`` at call time, which lets tests count them.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,6 @@
 """The Megatron MLP of note 003: column-parallel h->4h, GELU and dropout on the slice,
 row-parallel 4h->h, dropout on the replicated output. The pre-LayerNorm belongs to the caller."""
+
 from __future__ import annotations
 
 import torch
@@ -11,15 +12,29 @@ from .random import DropoutRNG, ParallelDropout
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, dropout: float = 0.0,
-                 rng: DropoutRNG | None = None, tp_group=None, init_method: InitMethod | None = None,
-                 output_init_method: InitMethod | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        dropout: float = 0.0,
+        rng: DropoutRNG | None = None,
+        tp_group=None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+    ):
         super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp_group=tp_group,
-                                                  init_method=init_method)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            hidden_size, ffn_hidden_size, tp_group=tp_group, init_method=init_method
+        )
         self.hidden_dropout = ParallelDropout(dropout, rng, partition_dim=-1, tp_group=tp_group)
-        self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size, input_is_parallel=True,
-                                               tp_group=tp_group, init_method=output_init_method or init_method)
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn_hidden_size,
+            hidden_size,
+            input_is_parallel=True,
+            tp_group=tp_group,
+            init_method=output_init_method or init_method,
+        )
         self.output_dropout = ParallelDropout(dropout, rng, partition_dim=None, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

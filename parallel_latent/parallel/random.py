@@ -10,6 +10,7 @@ DP) tensor. Consequences that the rules of DESIGN.md section 3 ask for fall out 
 * DP ranks hold different samples, so their masks differ (the batch coordinate is global);
 * activation recomputation and exact resume need no RNG state beyond ``(seed, step)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,9 +66,10 @@ def _mix32_(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 class DropoutRNG:
     """The dropout key shared by every dropout site of one model.
 
-    ``step`` is advanced by the trainer once per micro-batch; ``sample_offset`` is the global index
-    of this rank's first sample (``dp_rank * micro_batch``) so DP ranks draw different masks and a
-    DP=2 run equals a DP=1 run with the doubled micro-batch.
+    ``step`` is the optimizer step; ``sample_offset`` is the position of this micro-batch's first
+    sample in the step's global batch (``(micro_step * dp_size + dp_rank) * micro_batch``), so DP
+    ranks and accumulated micro-batches draw different masks, and a run equals one with the same
+    global batch cut differently (DP=2, or two accumulated micro-batches, = one doubled batch).
     """
 
     seed: int = 0
@@ -88,8 +90,14 @@ class DropoutRNG:
         self.seed, self.step, self.sample_offset = state["seed"], state["step"], state["sample_offset"]
 
 
-def keep_mask(shape: tuple[int, ...], p: float, key: tuple[int, int, int],
-              offsets: tuple[int, ...], full_shape: tuple[int, ...], device=None) -> torch.Tensor:
+def keep_mask(
+    shape: tuple[int, ...],
+    p: float,
+    key: tuple[int, int, int],
+    offsets: tuple[int, ...],
+    full_shape: tuple[int, ...],
+    device=None,
+) -> torch.Tensor:
     """Boolean keep-mask for the block ``[offsets, offsets + shape)`` of a ``full_shape`` tensor.
 
     Rows (all leading dims) get a well-mixed 32-bit hash computed in int64 on the small row
@@ -119,7 +127,7 @@ def keep_mask(shape: tuple[int, ...], p: float, key: tuple[int, int, int],
     h ^= k_col
     _mix32_(h, scratch)
     # Compare as unsigned: flipping the sign bit maps uint32 order onto int32 order.
-    threshold = int(round(p * 2**32))
+    threshold = round(p * 2**32)
     return (h ^ _INT32_MIN) >= threshold + _INT32_MIN
 
 
@@ -131,8 +139,7 @@ class ParallelDropout(nn.Module):
     Dimension 0 is the batch, offset by ``rng.sample_offset``.
     """
 
-    def __init__(self, p: float, rng: DropoutRNG | None, *, partition_dim: int | None = None,
-                 tp_group=None):
+    def __init__(self, p: float, rng: DropoutRNG | None, *, partition_dim: int | None = None, tp_group=None):
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
@@ -157,8 +164,14 @@ class ParallelDropout(nn.Module):
             offsets[dim] = group_rank(self.tp_group) * shape[dim]
             full_shape[dim] = group_size(self.tp_group) * shape[dim]
         # The batch dim is outermost, so its full extent never enters the index: any value works.
-        mask = keep_mask(shape, self.p, (self.rng.seed, self.rng.step, self.layer_id),
-                         tuple(offsets), tuple(full_shape), device=x.device)
+        mask = keep_mask(
+            shape,
+            self.p,
+            (self.rng.seed, self.rng.step, self.layer_id),
+            tuple(offsets),
+            tuple(full_shape),
+            device=x.device,
+        )
         return x * torch.where(mask, 1.0 / (1.0 - self.p), 0.0).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -4,6 +4,7 @@ This registry is the one piece of global mutable state in the project. TP groups
 ranks (so they stay inside a node, where bandwidth is highest); DP groups take one rank of each
 TP group. Layers never read it: they receive their ``tp_group`` explicitly.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,9 +31,15 @@ class ParallelState:
     dp_group: object
     backend: str
     device: torch.device
+    # Host-side coordination (stop votes, barriers while a corpus is prepared, agreeing on what to
+    # resume) goes over gloo: CPU tensors, no wait on the GPU stream, no NCCL watchdog on long waits.
+    control_group: object = None
+    local_world_size: int | None = None  # processes on this node, when the launcher says
 
 
 _STATE: ParallelState | None = None
+# Host-side waits can be long: one rank tokenizing a corpus while the others wait for it.
+CONTROL_TIMEOUT_S = 6 * 3600.0
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -46,28 +53,81 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """``SLURM_TASKS_PER_NODE`` (``8(x2),4``: 8 on each of two nodes, then 4) for node ``node_id``."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
 def launcher_environment(env=None) -> dict:
     """Rank facts from whichever launcher started us: torchrun, the deepspeed launcher and
     ``accelerate launch`` set RANK/WORLD_SIZE/LOCAL_RANK; plain ``srun`` sets SLURM_*; ``mpirun``
-    sets OMPI_*. No launcher at all means a single process."""
+    sets OMPI_*. No launcher at all means a single process.
+
+    ``local_world_size`` is the number of processes on this node (None when the launcher does not
+    say): torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, SLURM's tasks per node,
+    Open MPI's local size."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         local_rank = int(env.get("LOCAL_RANK", 0))
+        local_world = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local_rank = int(env.get("SLURM_LOCALID", 0))
+        local_world = env.get("SLURM_NTASKS_PER_NODE")
+        if not local_world and env.get("SLURM_TASKS_PER_NODE"):
+            local_world = slurm_tasks_on_node(env["SLURM_TASKS_PER_NODE"], int(env.get("SLURM_NODEID", 0)))
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
     elif "OMPI_COMM_WORLD_RANK" in env:
         rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
         local_rank = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
+        local_world = env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
     else:
-        return {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": None, "master_port": None}
-    return {"rank": rank, "world_size": world, "local_rank": local_rank, "master_addr": addr,
-            "master_port": str(port)}
+        return {
+            "rank": 0,
+            "world_size": 1,
+            "local_rank": 0,
+            "local_world_size": 1,
+            "master_addr": None,
+            "master_port": None,
+        }
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": local_rank,
+        "local_world_size": int(local_world) if local_world else None,
+        "master_addr": addr,
+        "master_port": str(port),
+    }
+
+
+def select_device_index(local_rank: int, device_count: int) -> int:
+    """The one CUDA device this process uses, chosen once (DeepSpeed is then told the same index):
+
+    * one device visible (``srun --gpus-per-task=1`` binds each task to its GPU through
+      CUDA_VISIBLE_DEVICES, or a mask set by hand): that device, whatever the local rank;
+    * several visible (torchrun, the deepspeed launcher, ``srun`` with all of a node's GPUs per
+      task): the local rank's, which must exist; two ranks on one GPU are refused, not wrapped.
+    """
+    if device_count < 1:
+        raise RuntimeError("no CUDA device is visible to this process")
+    if device_count == 1:
+        return 0
+    if not 0 <= local_rank < device_count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU of its own: {device_count} are visible to this process; start at "
+            "most one process per GPU (check --nproc_per_node / --gpus-per-task and CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
 
 
 def _choose_backend(backend: str) -> str:
@@ -85,7 +145,7 @@ def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s:
         env = launcher_environment()
         backend = _choose_backend(backend)
         if backend == "nccl":
-            torch.cuda.set_device(env["local_rank"] % torch.cuda.device_count())
+            torch.cuda.set_device(select_device_index(env["local_rank"], torch.cuda.device_count()))
         timeout = datetime.timedelta(seconds=timeout_s)
         if env["world_size"] == 1 and env["master_addr"] is None:
             # No launcher: a private in-memory store, no port to pick.
@@ -93,8 +153,9 @@ def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s:
         else:
             os.environ.setdefault("MASTER_ADDR", env["master_addr"])
             os.environ.setdefault("MASTER_PORT", env["master_port"])
-            dist.init_process_group(backend, init_method="env://", rank=env["rank"],
-                                    world_size=env["world_size"], timeout=timeout)
+            dist.init_process_group(
+                backend, init_method="env://", rank=env["rank"], world_size=env["world_size"], timeout=timeout
+            )
         os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
     return initialize_model_parallel(tensor_parallel)
 
@@ -120,12 +181,28 @@ def initialize_model_parallel(tensor_parallel: int) -> ParallelState:
         if rank in ranks:
             dp_group, dp_ranks = group, ranks
     backend = dist.get_backend()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    _STATE = ParallelState(rank=rank, world_size=world, local_rank=local_rank, tp_size=tensor_parallel,
-                           tp_rank=tp_ranks.index(rank), dp_size=dp, dp_rank=dp_ranks.index(rank),
-                           tp_ranks=tp_ranks, dp_ranks=dp_ranks, tp_group=tp_group, dp_group=dp_group,
-                           backend=backend, device=device)
+    control_group = dist.group.WORLD
+    if backend != "gloo":
+        control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    _STATE = ParallelState(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        tp_size=tensor_parallel,
+        tp_rank=tp_ranks.index(rank),
+        dp_size=dp,
+        dp_rank=dp_ranks.index(rank),
+        tp_ranks=tp_ranks,
+        dp_ranks=dp_ranks,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        backend=backend,
+        device=device,
+        control_group=control_group,
+        local_world_size=launcher_environment()["local_world_size"],
+    )
     return _STATE
 
 

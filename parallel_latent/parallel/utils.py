@@ -1,4 +1,5 @@
 """Small arithmetic shared by the tensor-parallel layers."""
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     return ((vocab_size + step - 1) // step) * step
 
 
-def set_tensor_parallel_attributes(param: torch.Tensor, is_parallel: bool, partition_dim: int | None,
-                                   stride: int = 1) -> None:
+def set_tensor_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, partition_dim: int | None, stride: int = 1
+) -> None:
     """The flags Megatron and DeepSpeed read: they keep replicated parameters from being counted
     once per TP rank in the gradient norm, and tell checkpoints how to reshard."""
     param.tensor_model_parallel = is_parallel

@@ -1,4 +1,5 @@
 """DeepSpeed engines over the core-layer Stack, for checkpoint tests that need no trainer."""
+
 from __future__ import annotations
 
 import random
@@ -9,11 +10,16 @@ import torch.distributed as dist
 
 from parallel_latent.checkpoint.portable import module_tensors, placement_of
 from parallel_latent.checkpoint.zero_access import ADAM_MOMENTS, gathered, get_master, get_moment
-from parallel_latent.parallel import (ModelParallelUnit, get_parallel_state, initialize_model_parallel,
-                                      vocab_parallel_cross_entropy)
-from tests.checkpoint.stack import T, VOCAB, Stack, batch
+from parallel_latent.parallel import (
+    ModelParallelUnit,
+    get_parallel_state,
+    initialize_model_parallel,
+    vocab_parallel_cross_entropy,
+)
+from tests.checkpoint.stack import VOCAB, Stack, T, batch
 
 GLOBAL_BATCH = 4
+BETAS, WEIGHT_DECAY, ADAM_EPS = (0.9, 0.95), 0.01, 1e-8
 
 
 def make_engine(tp: int, zero_stage: int, seed: int = 0, dropout: float = 0.1, lr: float = 1e-2):
@@ -21,14 +27,21 @@ def make_engine(tp: int, zero_stage: int, seed: int = 0, dropout: float = 0.1, l
 
     state = initialize_model_parallel(tp)
     model = Stack(state.tp_group, seed=seed, dropout=dropout)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
-                                  weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY, eps=ADAM_EPS
+    )
     # Warmup: the LR changes every step, so a scheduler that is not restored shows.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // state.dp_size, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": zero_stage}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
-                                      mpu=ModelParallelUnit(state))
+    config = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // state.dp_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=ModelParallelUnit(state)
+    )
     return engine, model
 
 

@@ -1,6 +1,7 @@
 """Run as a separate process: save step 1, then start saving step 2 with a pause before publishing,
 so the test can kill -9 it between writing and publishing. ``--load`` instead resumes the latest
 checkpoint and prints its step."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,7 @@ from tests.distributed import free_port, limit_threads
 
 
 def main(directory: str, mode: str) -> None:
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     limit_threads()
     import torch.distributed as dist
 

@@ -1,13 +1,13 @@
 """A small model made of the core tensor-parallel layers, for checkpoint tests that need no
 Perceiver: attention, MLP (dropout on), LayerNorms, a buffer and the padded vocabulary head."""
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_latent.parallel import (DropoutRNG, ParallelAttention, ParallelMLP, VocabParallelHead,
-                                      mark_replicated)
+from parallel_latent.parallel import DropoutRNG, ParallelAttention, ParallelMLP, VocabParallelHead, mark_replicated
 from parallel_latent.parallel.utils import group_size
 
 D, HEADS, VOCAB, T = 32, 4, 300, 6
@@ -44,7 +44,7 @@ class Stack(nn.Module):
             parts = [torch.empty_like(logits) for _ in range(group_size(self.tp_group))]
             dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
             logits = torch.cat(parts, dim=-1)
-        return logits[..., :self.vocab]
+        return logits[..., : self.vocab]
 
 
 def batch(step: int, samples: int, first_sample: int = 0, d: int = D) -> torch.Tensor:

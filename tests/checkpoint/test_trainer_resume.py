@@ -2,6 +2,7 @@
 dropout on. A straight 20-step run saves at step 10 and 20; a fresh job given only the step-10
 checkpoint resumes and trains steps 11-20: every loss and the final weights are bit-identical.
 Then the same checkpoint resumes at another layout (TP=4 x DP=1, ZeRO-3) with Adam's moments."""
+
 from __future__ import annotations
 
 import json
@@ -12,14 +13,23 @@ import pytest
 import torch
 
 from parallel_latent.checkpoint import PortableCheckpoint
-from tests.trainer_runs import describe, run, torchrun_command, train_records
+from parallel_latent.config import load_config
+from tests.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
+from tests.trainer_runs import TINY, TINY_CONFIG, describe, run, torchrun_command, train_records
 
 pytestmark = pytest.mark.slow
 
 STEPS, HALF = 20, 10
-RECIPE = ["model.dropout=0.1", f"training.max_steps={STEPS}", f"checkpoint.save_every={HALF}",
-          "checkpoint.keep_last=2", "checkpoint.export_portable=true", "training.eval_every=0",
-          "parallel.tensor_parallel=2", "training.micro_batch_size=4"]
+RECIPE = [
+    "model.dropout=0.1",
+    f"training.max_steps={STEPS}",
+    f"checkpoint.save_every={HALF}",
+    "checkpoint.keep_last=2",
+    "checkpoint.export_portable=true",
+    "training.eval_every=0",
+    "parallel.tensor_parallel=2",
+    "training.micro_batch_size=4",
+]
 
 
 def copy_checkpoint(source_run: Path, step: int, run_dir: Path) -> None:
@@ -71,17 +81,32 @@ def test_resume_at_another_layout_keeps_adam_state(straight_run, tmp_path):
     _, straight = straight_run
     resumed = tmp_path / "resharded"
     copy_checkpoint(straight, HALF, resumed)
-    result = run(torchrun_command(resumed, *RECIPE, "parallel.zero_stage=3", "parallel.tensor_parallel=4",
-                                  "training.micro_batch_size=8", nproc=4), timeout=400)
+    result = run(
+        torchrun_command(
+            resumed,
+            *RECIPE,
+            "parallel.zero_stage=3",
+            "parallel.tensor_parallel=4",
+            "training.micro_batch_size=8",
+            nproc=4,
+        ),
+        timeout=400,
+    )
     assert result.returncode == 0, describe(result)
     assert "resharded from another layout" in result.stdout
     want, got = by_step(straight), by_step(resumed)
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
-    # Same global batch, same dropout masks (keyed on global coordinates), Adam's moments and the
-    # schedule carried over: the curve continues up to fp32 summation order. Moments reset to zero
-    # would change step 11's update by orders of magnitude more.
+    # The same data and schedule at every step, exactly.
     for step in got:
-        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
-        assert got[step]["lr"] == pytest.approx(want[step]["lr"], rel=1e-6), step
+        assert (got[step]["tokens"], got[step]["samples"]) == (want[step]["tokens"], want[step]["samples"]), step
+        assert got[step]["lr"] == want[step]["lr"], step
+    # Step 11 runs the carried-over weights on the same batch with the same dropout masks (keyed on
+    # global coordinates): its loss is the straight run's up to the fp32 summation order of another
+    # TP split. Later steps are not compared: Adam magnifies that order's noise (tests/tp_compare.py);
+    # that the moments are carried over and used is checked in tests/checkpoint/test_training.py.
+    model_cfg = load_config(TINY_CONFIG, [*TINY, "model.vocab_size=50259"]).model
+    n = autoencoder_reduction_length(model_cfg, tokens=8 * model_cfg.max_length, tp=4)
+    loss = want[HALF + 1]["loss"]
+    assert abs(got[HALF + 1]["loss"] - loss) <= order_bound(n, terms_scale(loss, n))
     info = json.loads((resumed / "checkpoints" / f"step_{STEPS:08d}" / "checkpoint.json").read_text())
     assert info["layout"]["tensor_parallel"] == 4 and info["layout"]["zero_stage"] == 3

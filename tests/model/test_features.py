@@ -1,4 +1,5 @@
 """The feature model: GPT-2 by path or from its config, truncated to hidden state -3, frozen or not."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,15 @@ D, N_LAYER, SAVED_VOCAB, VOCAB, PAD = 32, 5, 290, 300, 299
 def saved_gpt2(tmp_path_factory):
     """A tiny GPT-2 as the hub ships it (an LM-head checkpoint), saved to a local folder."""
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=N_LAYER, n_head=4, n_embd=D, vocab_size=SAVED_VOCAB, n_positions=64,
-                        bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        n_layer=N_LAYER,
+        n_head=4,
+        n_embd=D,
+        vocab_size=SAVED_VOCAB,
+        n_positions=64,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     path = tmp_path_factory.mktemp("gpt2")
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
@@ -69,15 +77,22 @@ def test_random_features_are_announced_loudly(caplog):
 
 
 def test_truncation_rejects_an_index_that_does_not_exist():
-    gpt2 = GPT2Model(GPT2Config(n_layer=2, n_head=4, n_embd=D, vocab_size=VOCAB, bos_token_id=None,
-                                eos_token_id=None))
+    gpt2 = GPT2Model(GPT2Config(n_layer=2, n_head=4, n_embd=D, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None))
     with pytest.raises(ValueError, match="hidden state -4 does not exist in a 2-layer GPT-2"):
         truncate_to_hidden_state(gpt2, -4)
 
 
 def _model(frozen: bool, n_embd: int = D) -> LatentAutoencoder:
-    model_cfg = ModelConfig(d_model=D, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, max_length=10,
-                            vocab_size=VOCAB, mask_token_id=298, pad_token_id=PAD)
+    model_cfg = ModelConfig(
+        d_model=D,
+        n_heads=4,
+        n_encoder_layers=1,
+        n_decoder_layers=1,
+        max_length=10,
+        vocab_size=VOCAB,
+        mask_token_id=298,
+        pad_token_id=PAD,
+    )
     return LatentAutoencoder(model_cfg, FeatureModelConfig(n_layer=3, n_head=4, n_embd=n_embd, frozen=frozen))
 
 
@@ -113,5 +128,5 @@ def test_unfrozen_feature_model_trains_as_a_replicated_module():
 
 
 def test_feature_width_must_match_the_model():
-    with pytest.raises(ValueError, match="has width 48 but model.d_model=32"):
+    with pytest.raises(ValueError, match=r"has width 48 but model\.d_model=32"):
         _model(frozen=True, n_embd=48)

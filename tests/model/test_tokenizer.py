@@ -69,9 +69,7 @@ def test_apply_tokenizer_facts_overwrites_the_yaml_defaults():
 
 def test_apply_tokenizer_facts_rejects_ids_outside_the_vocabulary():
     with pytest.raises(ConfigError, match="mask_token_id=200 outside the vocabulary of 100"):
-        apply_tokenizer_facts(
-            Config(), {"vocab_size": 100, "mask_token_id": 200, "pad_token_id": 1}
-        )
+        apply_tokenizer_facts(Config(), {"vocab_size": 100, "mask_token_id": 200, "pad_token_id": 1})
 
 
 def test_load_by_path_keeps_the_added_tokens(tokenizer, tmp_path):

@@ -3,12 +3,19 @@
 A pre-LayerNorm transformer block (attention + MLP) must cost exactly the Megatron minimum: two
 all-reduces of B*T*d forward (attention output, MLP output) and two backward (the two region
 entries). The vocabulary-parallel loss adds only [B, T]-sized reductions."""
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel_latent.parallel import (DropoutRNG, ParallelAttention, ParallelMLP, VocabParallelHead,
-                                      initialize_model_parallel, vocab_parallel_cross_entropy)
+from parallel_latent.parallel import (
+    DropoutRNG,
+    ParallelAttention,
+    ParallelMLP,
+    VocabParallelHead,
+    initialize_model_parallel,
+    vocab_parallel_cross_entropy,
+)
 from tests.tp_compare import count_collectives
 
 B, T, S, D, HEADS, VOCAB = 2, 8, 6, 32, 4, 500
@@ -61,8 +68,8 @@ def count_head_and_loss(tp: int) -> dict:
     try:
         logits = head(hidden)
         after_head = list(log)
-        loss, correct = vocab_parallel_cross_entropy(logits, target, VOCAB, state.tp_group)
-        forward = list(log)[len(after_head):]
+        loss, _correct = vocab_parallel_cross_entropy(logits, target, VOCAB, state.tp_group)
+        forward = list(log)[len(after_head) :]
         log.clear()
         loss.mean().backward()
         backward = list(log)
@@ -84,8 +91,7 @@ def test_trained_context_enters_the_region_once(pool4):
     # values read cat(context, x), entered as one tensor, so still one all-reduce for the attention.
     res = pool4.run(count_block, 2, "trained")[0]
     assert res["forward"] == [("all_reduce", B * T * D, "SUM")] * 2
-    assert sorted(res["backward"]) == sorted([("all_reduce", B * (S + T) * D, "SUM"),
-                                              ("all_reduce", B * T * D, "SUM")])
+    assert sorted(res["backward"]) == sorted([("all_reduce", B * (S + T) * D, "SUM"), ("all_reduce", B * T * D, "SUM")])
 
 
 def test_tp1_in_a_multi_rank_world_communicates_nothing(pool4):
@@ -96,8 +102,10 @@ def test_tp1_in_a_multi_rank_world_communicates_nothing(pool4):
 def test_loss_adds_only_bt_sized_reductions(pool4):
     res = pool4.run(count_head_and_loss, 2)[0]
     assert res["head_forward"] == []  # logits are never gathered
-    assert res["loss_forward"] == [("all_reduce", B * T, str(dist.ReduceOp.MAX)),
-                                   ("all_reduce", 2 * B * T, str(dist.ReduceOp.SUM)),
-                                   ("all_reduce", B * T, str(dist.ReduceOp.MIN))]
+    assert res["loss_forward"] == [
+        ("all_reduce", B * T, str(dist.ReduceOp.MAX)),
+        ("all_reduce", 2 * B * T, str(dist.ReduceOp.SUM)),
+        ("all_reduce", B * T, str(dist.ReduceOp.MIN)),
+    ]
     # Backward: only the head's region entry (the gradient of the hidden state).
     assert res["backward"] == [("all_reduce", B * T * D, "SUM")]

@@ -1,10 +1,11 @@
 """Coordinate-keyed dropout: the mask is a pure function of (seed, step, layer, global index)."""
+
 import torch
 import torch.distributed as dist
 
 from parallel_latent.parallel import DropoutRNG, ParallelDropout, initialize_model_parallel
 from parallel_latent.parallel.random import keep_mask
-from tests.parallel.test_collectives import B, D, T, Block
+from tests.parallel.test_collectives import B, Block, D, T
 
 
 def test_keep_rate_and_independence():
@@ -15,14 +16,14 @@ def test_keep_rate_and_independence():
     other_seed = keep_mask((64, 64, 64), 0.1, (1, 0, 0), (0, 0, 0), (64, 64, 64))
     for other in (other_step, other_layer, other_seed):
         agree = (mask == other).float().mean().item()
-        assert abs(agree - (0.9 ** 2 + 0.1 ** 2)) < 0.01  # independent masks agree by chance only
+        assert abs(agree - (0.9**2 + 0.1**2)) < 0.01  # independent masks agree by chance only
 
 
 def test_slice_of_full_mask_equals_mask_of_slice():
     full = keep_mask((4, 6, 16), 0.3, (7, 3, 2), (0, 0, 0), (4, 6, 16))
     for rank in range(4):
         part = keep_mask((4, 6, 4), 0.3, (7, 3, 2), (0, 0, 4 * rank), (4, 6, 16))
-        assert torch.equal(part, full[..., 4 * rank:4 * rank + 4])
+        assert torch.equal(part, full[..., 4 * rank : 4 * rank + 4])
     second_half_batch = keep_mask((2, 6, 16), 0.3, (7, 3, 2), (2, 0, 0), (4, 6, 16))
     assert torch.equal(second_half_batch, full[2:])
 
@@ -63,10 +64,12 @@ def replicated_params_after_steps(tp: int) -> dict:
         block(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    replicated = {n: p.detach().clone() for n, p in block.named_parameters() if not getattr(p, "tensor_model_parallel", False)}
+    replicated = {
+        n: p.detach().clone() for n, p in block.named_parameters() if not getattr(p, "tensor_model_parallel", False)
+    }
     # Compare with TP rank 0 bit for bit: all_reduce MAX and MIN must both equal our own copy.
     worst = 0.0
-    for name, value in replicated.items():
+    for value in replicated.values():
         hi, lo = value.clone(), value.clone()
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
@@ -104,6 +107,7 @@ def _reference_keep(row: int, column: int, p: float, key: tuple[int, int, int]) 
         h ^= h >> 15
         h = (h * 0x846CA68B) & 0xFFFFFFFF
         return h ^ (h >> 16)
+
     seed, step, layer = key
     k_row = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer)
     k_col = _splitmix64(k_row) & 0xFFFFFFFF

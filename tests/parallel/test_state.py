@@ -1,4 +1,5 @@
 """Process groups and the DeepSpeed mpu: layout of TP/DP groups, launcher environments, errors."""
+
 import subprocess
 import sys
 
@@ -17,11 +18,14 @@ def layout(tp: int) -> dict:
     tp_sum, dp_sum = probe.clone(), probe.clone()
     dist.all_reduce(tp_sum, group=mpu.get_tensor_model_parallel_group())
     dist.all_reduce(dp_sum, group=mpu.get_data_parallel_group())
-    return {"tp": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), state.tp_ranks),
-            "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group_ranks()),
-            "src": mpu.get_tensor_model_parallel_src_rank(), "sums": (tp_sum.item(), dp_sum.item()),
-            "pp": (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()),
-            "sp": hasattr(mpu, "initialize_sequence_parallel")}
+    return {
+        "tp": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), state.tp_ranks),
+        "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group_ranks()),
+        "src": mpu.get_tensor_model_parallel_src_rank(),
+        "sums": (tp_sum.item(), dp_sum.item()),
+        "pp": (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()),
+        "sp": hasattr(mpu, "initialize_sequence_parallel"),
+    }
 
 
 def test_tp2_dp2_layout(pool4):
@@ -40,33 +44,49 @@ def test_tp4_and_tp1_layouts(pool4):
 
 def test_launcher_environments():
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
-    assert launcher_environment(torchrun) == {"rank": 5, "world_size": 8, "local_rank": 1,
-                                              "master_addr": "10.0.0.1", "master_port": "1234"}
-    slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "777",
-             "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    assert launcher_environment(torchrun) == {
+        "rank": 5,
+        "world_size": 8,
+        "local_rank": 1,
+        "master_addr": "10.0.0.1",
+        "master_port": "1234",
+    }
+    slurm = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_ID": "777",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
     env = launcher_environment(slurm)
     assert (env["rank"], env["world_size"], env["local_rank"], env["master_addr"]) == (3, 4, 1, "gpu07")
     mpi = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
     assert launcher_environment(mpi)["rank"] == 2
-    assert launcher_environment({}) == {"rank": 0, "world_size": 1, "local_rank": 0, "master_addr": None,
-                                        "master_port": None}
+    assert launcher_environment({}) == {
+        "rank": 0,
+        "world_size": 1,
+        "local_rank": 0,
+        "master_addr": None,
+        "master_port": None,
+    }
 
 
-@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"),
-                                            ("a-b[1,2]", "a-b1")])
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a-b[1,2]", "a-b1")])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
 
 
 def test_world_size_one_without_launcher():
     # A fresh interpreter with no launcher variables: one rank, gloo, groups of size 1.
-    code = ("import os\n"
-            "for k in ('RANK','WORLD_SIZE','LOCAL_RANK','MASTER_ADDR','MASTER_PORT'): os.environ.pop(k, None)\n"
-            "from parallel_latent.parallel import init_distributed, destroy_distributed, ModelParallelUnit\n"
-            "s = init_distributed(1)\n"
-            "m = ModelParallelUnit()\n"
-            "print(s.world_size, s.tp_size, s.dp_size, s.backend, m.get_data_parallel_world_size())\n"
-            "destroy_distributed()\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = (
+        "import os\n"
+        "for k in ('RANK','WORLD_SIZE','LOCAL_RANK','MASTER_ADDR','MASTER_PORT'): os.environ.pop(k, None)\n"
+        "from parallel_latent.parallel import init_distributed, destroy_distributed, ModelParallelUnit\n"
+        "s = init_distributed(1)\n"
+        "m = ModelParallelUnit()\n"
+        "print(s.world_size, s.tp_size, s.dp_size, s.backend, m.get_data_parallel_world_size())\n"
+        "destroy_distributed()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1", "1", "gloo", "1"]

@@ -1,0 +1,128 @@
+"""Text in, latents out, and back: the trained autoencoder with the tokenizer it was trained with.
+
+    from parallel_latent import TextAutoencoder
+
+    autoencoder = TextAutoencoder.from_checkpoint("runs/tiny")   # run, checkpoints, step or portable dir
+    latents = autoencoder.encode(["It is a truth universally acknowledged."])
+    latents.latents.shape                  # [N, T, d]; latents.attention_mask [N, T] marks real tokens
+    autoencoder.decode(latents)            # ["It is a truth universally acknowledged."]
+
+This module sits above both the model and the checkpoint packages (the model does not know how it
+is stored). In one process it needs no process group; at TP=N every rank of the TP group builds it
+with its ``tp_group`` and calls the same methods with the same texts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_autoencoder, resolve_portable_dir
+from parallel_latent.config import TokenizerConfig, build_dataclass
+from parallel_latent.data import tokenize_samples
+from parallel_latent.model import LatentAutoencoder
+from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
+
+__all__ = ["Latents", "TextAutoencoder", "load_checkpoint_tokenizer"]
+
+
+@dataclass
+class Latents:
+    """One row per input text: ``latents`` [N, T, d] and ``attention_mask`` [N, T] (1 = a real
+    token); ``truncated`` [N] says which texts were longer than ``T`` tokens and were cut."""
+
+    latents: torch.Tensor
+    attention_mask: torch.Tensor
+    truncated: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+def load_checkpoint_tokenizer(directory: Path, manifest: dict):
+    """The tokenizer a portable checkpoint was trained with, checked against its recorded facts."""
+    section = ((manifest.get("config") or {}).get("tokenizer")) or {}
+    tokenizer = load_tokenizer(build_dataclass(TokenizerConfig, section, str(directory), "tokenizer"))
+    saved, facts = manifest.get("tokenizer") or {}, tokenizer_facts(tokenizer)
+    for key in ("vocab_size", "mask_token_id", "pad_token_id"):
+        if key in saved and saved[key] != facts[key]:
+            raise CheckpointError(
+                f"{directory}: trained with a tokenizer whose {key}={saved[key]}, "
+                f"but {section.get('name_or_path', 'offline')} gives {facts[key]}"
+            )
+    return tokenizer
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode (no dropout) inside the block; the caller's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+class TextAutoencoder:
+    """A :class:`LatentAutoencoder` and its tokenizer. Every method runs the model in eval mode and
+    leaves its mode as it found it (a trainer can call them between steps)."""
+
+    def __init__(self, model: LatentAutoencoder, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, tp_group=None) -> TextAutoencoder:
+        """Load from a run directory, a checkpoints directory, a training checkpoint, or a portable
+        or consolidated directory, saved at any TP degree (``tp_group=None``: one process)."""
+        directory = resolve_portable_dir(path)
+        manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
+        model = load_autoencoder(directory, tp_group)
+        return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> Latents:
+        """Latents of ``texts`` (each cut to ``model.max_length`` tokens; an empty text gives a row
+        without tokens)."""
+        cfg = self.model.model_cfg
+        batch = tokenize_samples(texts, self.tokenizer, cfg.max_length, cfg.pad_token_id, keep_empty=True)
+        input_ids, attention_mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        with eval_mode(self.model):
+            latents = self.model.encode(input_ids, attention_mask)
+        return Latents(latents, attention_mask, batch.truncated)
+
+    @torch.no_grad()
+    def decode_ids(self, latents: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Token ids [N, T] (the pad id where ``attention_mask`` is 0)."""
+        d, length = self.model.model_cfg.d_model, self.model.model_cfg.max_length
+        if latents.dim() != 3 or latents.shape[2] != d or latents.shape[1] > length:
+            raise ValueError(f"latents of shape {tuple(latents.shape)} do not fit this model ([N, <={length}, {d}])")
+        if tuple(attention_mask.shape) != tuple(latents.shape[:2]):
+            raise ValueError(
+                f"attention_mask {tuple(attention_mask.shape)} does not match latents {tuple(latents.shape[:2])}"
+            )
+        latents = latents.to(self.device, next(self.model.parameters()).dtype)
+        with eval_mode(self.model):
+            return self.model.decode(latents, attention_mask.to(self.device))
+
+    def decode(self, latents: Latents | torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[str]:
+        """Texts of ``latents`` (a :class:`Latents`, or a tensor with its ``attention_mask``)."""
+        if isinstance(latents, Latents):
+            latents, attention_mask = latents.latents, latents.attention_mask
+        if attention_mask is None:
+            raise ValueError("decode needs the attention_mask that encode returned with the latents")
+        ids = self.decode_ids(latents, attention_mask)
+        lengths = attention_mask.sum(dim=1).tolist()
+        return [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(ids.cpu(), lengths, strict=True)]
+
+    def reconstruct(self, texts: list[str]) -> list[str]:
+        """``decode(encode(texts))``: what the model makes of each text (as far as it saw it)."""
+        return self.decode(self.encode(texts))
