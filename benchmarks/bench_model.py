@@ -186,6 +186,7 @@ def model_vs_plain(args) -> None:
             vocab_size=args.vocab,
             mask_token_id=args.vocab - 2,
             pad_token_id=args.vocab - 1,
+            head="normal",  # the plain twin has a head of its own
         )
         ours = LatentAutoencoder(model_cfg, feature_cfg, seed=0).train()
         plain = plain_twin(ours).train()

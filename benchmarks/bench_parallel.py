@@ -3,6 +3,14 @@
 1. TP=1 overhead: ParallelMLP at TP=1 vs a plain nn.Sequential MLP of the same shape (one process).
 2. TP=2 on two CPU processes: our Column/Row MLP vs torch.distributed.tensor.parallel's
    ColwiseParallel/RowwiseParallel on the same shapes, both timed in the same processes.
+3. The frozen feature pass per rank, counted (torch.utils.flop_counter.FlopCounterMode), replicated
+   vs split over the TP group, at TP=2 and 4 (four CPU processes): deterministic.
+4. Activations saved for backward per rank by the Perceiver blocks (saved_tensors_hooks), with and
+   without sequence parallelism at TP=2 and 4, next to this block's tensor-by-tensor accounting in
+   the manner of Korthikanti et al. (2022): deterministic.
+5. Step time (forward + backward of the whole autoencoder) on 2 CPU processes at TP=2: the split
+   feature pass vs the replicated one, on a model whose frozen pass is most of a rank's work (the
+   share is printed); the overlapped backward collective vs not overlapped.
 
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 30]
@@ -122,6 +130,201 @@ def tp2_vs_torch(args) -> None:
     mp.spawn(_tp2_worker, args=(free_port(), args), nprocs=2, join=True)
 
 
+# --------------------------------------------------------------------------- #
+# 3-5: the TP throughput switches (issue: TP=N does no redundant work).
+# --------------------------------------------------------------------------- #
+
+
+def _configs(d: int, t: int, encoder: int, decoder: int, gpt2_layers: int, vocab: int):
+    from parallel_latent.config import FeatureModelConfig, ModelConfig
+
+    model = ModelConfig(
+        d_model=d, n_heads=4, n_encoder_layers=encoder, n_decoder_layers=decoder, max_length=t, dropout=0.1,
+        vocab_size=vocab, mask_token_id=vocab - 2, pad_token_id=vocab - 1,
+    )  # fmt: skip
+    return model, FeatureModelConfig(n_layer=gpt2_layers, n_head=4, n_embd=d, n_positions=max(64, t))
+
+
+def _batch(batch: int, t: int, vocab: int):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab - 2, (batch, t), generator=gen), torch.ones(batch, t, dtype=torch.long)
+
+
+def _pool_task(rank: int, port: int, world: int, task, args, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = task(args)
+    if rank == 0:
+        results.put(out)
+    dist.destroy_process_group()
+
+
+def _run(world: int, task, args):
+    import torch.multiprocessing as mp
+
+    from tests.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    mp.spawn(_pool_task, args=(free_port(), world, task, args, results), nprocs=world, join=True)
+    return results.get()
+
+
+def _frozen_flops(args) -> list[tuple[int, float, float]]:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel_latent.model import LatentAutoencoder
+    from parallel_latent.parallel import initialize_model_parallel
+
+    rows = []
+    for tp in (2, 4):
+        state = initialize_model_parallel(tp)
+        model_cfg, feature_cfg = _configs(768, 64, 1, 1, 12, 512)  # configs/gpt2.yaml's GPT-2, T = 64
+        ids, mask = _batch(8, 64, 512)
+        counts = []
+        for split in (False, True):
+            model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=state.tp_group, split_feature_model=split)
+            with FlopCounterMode(display=False) as counter:
+                model.features(ids, mask)
+            counts.append(counter.get_total_flops())
+        rows.append((tp, *counts))
+    return rows
+
+
+def frozen_pass_flops(args) -> None:
+    for tp, replicated, split in _run(4, _frozen_flops, args):
+        print(
+            f"frozen feature pass per rank at TP={tp} (GPT-2 small, 10 blocks run, micro-batch 8 x 64): "
+            f"replicated {replicated / 1e9:.2f} GFLOP, split {split / 1e9:.2f} GFLOP, ratio {split / replicated:.3f} "
+            f"(1/tp = {1 / tp:.3f})"
+        )
+
+
+def _predicted_block_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: bool) -> int:
+    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor:
+    the three LayerNorms' inputs and statistics (stream, context, MLP), the region entries'
+    (gathered) inputs, q/k/v with the log-sum-exp and the key mask, the output projection's input,
+    GELU's input, the hidden dropout mask and output, the two output dropout masks (bool).
+    Sequence parallelism divides what lives between the regions (LayerNorm inputs and statistics,
+    output dropout masks) by t; the region entries keep the gathered input (Megatron all-gathers it
+    again in backward instead, which would save that too at the price of a second all-gather)."""
+    between = 1 / t if sp else 1
+    lns = 4 * b * (s + c + s) * h * between + 8 * b * (s + c + s) * between  # inputs + mean/rstd
+    entries = 4 * b * (c + s) * h + 4 * b * s * h  # attention's cat(context, stream), the MLP's input
+    attention = 4 * b * (s + 2 * (c + s)) * h / t + 4 * b * (a // t) * s + 4 * b * (c + s)  # q, k, v; lse; mask
+    projection_in = 4 * b * s * h / t
+    mlp = 4 * b * s * 4 * h / t + b * s * 4 * h / t + 4 * b * s * 4 * h / t  # GELU in, mask, dropout out
+    masks = 2 * b * s * h * between  # attention and MLP output dropout (bool)
+    return int(lns + entries + attention + projection_in + mlp + masks)
+
+
+def _saved_bytes(args) -> list[tuple]:
+    from parallel_latent.config import ModelConfig
+    from parallel_latent.model.perceiver import PerceiverStack
+    from parallel_latent.parallel import DropoutRNG, TensorParallelOptions, initialize_model_parallel
+    from parallel_latent.parallel.mappings import split_along_sequence
+
+    b, s, h, a, layers = 4, 64, 128, 4, 2
+    cfg = ModelConfig(d_model=h, n_heads=a, max_length=s, dropout=0.1)
+    rows = []
+    for tp in (2, 4):
+        state = initialize_model_parallel(tp)
+        for sp in (False, True):
+            stack = PerceiverStack(cfg, layers, DropoutRNG(seed=1), state.tp_group, TensorParallelOptions(sp)).train()
+            parameters = {p.untyped_storage().data_ptr() for p in stack.parameters()}
+            gen = torch.Generator().manual_seed(0)
+            x, context = torch.randn(b, s, h, generator=gen), torch.randn(b, s, h, generator=gen)
+            mask = torch.ones(b, s, dtype=torch.bool)
+            if sp:
+                x, context = split_along_sequence(x, state.tp_group), split_along_sequence(context, state.tp_group)
+            x.requires_grad_()
+            seen: dict[int, int] = {}
+
+            def pack(tensor, seen=seen, parameters=parameters):
+                pointer = tensor.untyped_storage().data_ptr()
+                if pointer not in parameters:
+                    seen[pointer] = max(seen.get(pointer, 0), tensor.untyped_storage().nbytes())
+                return tensor
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                stack(x, context, mask)
+            predicted = layers * _predicted_block_bytes(b, s, s, h, a, tp, sp)
+            rows.append((tp, sp, sum(seen.values()), predicted))
+    return rows
+
+
+def saved_activation_bytes(args) -> None:
+    rows = _run(4, _saved_bytes, args)
+    for tp, sp, measured, predicted in rows:
+        print(
+            f"activations saved for backward per rank, 2 Perceiver blocks (B=4, T=S=64, d=128, 4 heads), "
+            f"TP={tp}, sequence parallel {'on ' if sp else 'off'}: {measured / 2**20:.2f} MiB measured, "
+            f"{predicted / 2**20:.2f} MiB by the accounting"
+        )
+    for tp in (2, 4):
+        (off,) = [r for r in rows if r[0] == tp and not r[1]]
+        (on,) = [r for r in rows if r[0] == tp and r[1]]
+        print(f"TP={tp}: sequence parallel / not: measured {on[2] / off[2]:.3f}, accounting {on[3] / off[3]:.3f}")
+
+
+def _timed(args) -> dict:
+    import torch.distributed as dist
+
+    from parallel_latent.config import Config
+    from parallel_latent.metrics import model_flops_per_sample
+    from parallel_latent.model import LatentAutoencoder
+    from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
+
+    state = initialize_model_parallel(2)
+    model_cfg, feature_cfg = _configs(128, 32, 1, 1, 14, 512)  # a deep frozen GPT-2, a small Perceiver
+    flops = model_flops_per_sample(Config(model=model_cfg, feature_model=feature_cfg))
+    per_rank_trainable = 3 * flops["trainable_forward"] / 2
+    share = flops["frozen_forward"] / (flops["frozen_forward"] + per_rank_trainable)
+    ids, mask = _batch(args.batch, 32, 512)
+    variants = {
+        "replicated": {"split_feature_model": False},
+        "split": {"split_feature_model": True},
+        "overlap on": {"split_feature_model": True, "tp_options": TensorParallelOptions(overlap_comm=True)},
+        "overlap off": {"split_feature_model": True, "tp_options": TensorParallelOptions(overlap_comm=False)},
+    }
+    models = {name: LatentAutoencoder(model_cfg, feature_cfg, tp_group=state.tp_group, **kw).train()
+              for name, kw in variants.items()}  # fmt: skip
+
+    def step(model):
+        def run():
+            dist.barrier()
+            start = time.perf_counter()
+            model(ids, mask).loss.backward()
+            return time.perf_counter() - start
+
+        return run
+
+    med = interleaved({name: step(model) for name, model in models.items()}, args.repeats)
+    return {"share": share, **med}
+
+
+def timed_switches(args) -> None:
+    med = _run(2, _timed, args)
+    print(
+        f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, 12 frozen GPT-2 blocks of width 128 "
+        f"under 1+1 Perceiver blocks): the frozen pass is {med['share'] * 100:.0f}% of a rank's replicated work"
+    )
+    print(
+        f"  split feature pass {med['split'] * 1e3:.1f} ms vs replicated {med['replicated'] * 1e3:.1f} ms: "
+        f"ratio {med['split'] / med['replicated']:.3f} (goal <= 0.85)"
+    )
+    print(
+        f"  backward collective overlapped {med['overlap on'] * 1e3:.1f} ms vs not {med['overlap off'] * 1e3:.1f} ms: "
+        f"ratio {med['overlap on'] / med['overlap off']:.3f} (goal <= 1.0)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
@@ -129,10 +332,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=["tp1", "tp2", "flops", "memory", "switches"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    tp1_overhead(args)
-    tp2_vs_torch(args)
+    sections = {
+        "tp1": tp1_overhead,
+        "tp2": tp2_vs_torch,
+        "flops": frozen_pass_flops,
+        "memory": saved_activation_bytes,
+        "switches": timed_switches,
+    }
+    for name, section in sections.items():
+        if args.only in (None, name):
+            section(args)
 
 
 if __name__ == "__main__":

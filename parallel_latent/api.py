@@ -1,6 +1,6 @@
 """Text in, latents out, and back: the trained autoencoder with the tokenizer it was trained with.
 
-    from parallel_latent import TextAutoencoder
+    from parallel_latent.api import TextAutoencoder
 
     autoencoder = TextAutoencoder.from_checkpoint("runs/tiny")   # run, checkpoints, step or portable dir
     latents = autoencoder.encode(["It is a truth universally acknowledged."])
@@ -8,8 +8,10 @@
     autoencoder.decode(latents)            # ["It is a truth universally acknowledged."]
 
 This module sits above both the model and the checkpoint packages (the model does not know how it
-is stored). In one process it needs no process group; at TP=N every rank of the TP group builds it
-with its ``tp_group`` and calls the same methods with the same texts.
+is stored). In one process it needs no process group. At TP=N every rank of a tensor-parallel group
+loads it with that ``tp_group`` (each rank then holds only its slices of the split layers) and calls
+the same methods with the same texts, in the same order: the forward passes are collectives over
+the group, and every rank gets the same latents and the same texts back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from parallel_latent.config import TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
+from parallel_latent.quality import detokenize
 
 __all__ = ["Latents", "TextAutoencoder", "load_checkpoint_tokenizer"]
 
@@ -76,12 +79,17 @@ class TextAutoencoder:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, tp_group=None) -> TextAutoencoder:
+    def from_checkpoint(
+        cls, path: str | Path, tp_group=None, device: str | torch.device | None = None
+    ) -> TextAutoencoder:
         """Load from a run directory, a checkpoints directory, a training checkpoint, or a portable
-        or consolidated directory, saved at any TP degree (``tp_group=None``: one process)."""
+        or consolidated directory, saved at any TP degree (``tp_group=None``: one process), onto
+        ``device`` (default: the CPU)."""
         directory = resolve_portable_dir(path)
         manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
         model = load_autoencoder(directory, tp_group)
+        if device is not None:
+            model = model.to(device)
         return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest))
 
     @property
@@ -119,9 +127,7 @@ class TextAutoencoder:
             latents, attention_mask = latents.latents, latents.attention_mask
         if attention_mask is None:
             raise ValueError("decode needs the attention_mask that encode returned with the latents")
-        ids = self.decode_ids(latents, attention_mask)
-        lengths = attention_mask.sum(dim=1).tolist()
-        return [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(ids.cpu(), lengths, strict=True)]
+        return detokenize(self.tokenizer, self.decode_ids(latents, attention_mask), attention_mask)
 
     def reconstruct(self, texts: list[str]) -> list[str]:
         """``decode(encode(texts))``: what the model makes of each text (as far as it saw it)."""

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from parallel_latent import inference
 from parallel_latent.checkpoint import cli as checkpoint_cli
+from parallel_latent.data import cli as data_cli
 from parallel_latent.errors import (
     PATH_ERRORS,
     UsageError,
@@ -183,7 +184,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # Validate here, in one process, so bad input costs one line and no launch.
             from parallel_latent.train import preflight
 
-            preflight(cfg, args.nproc, args.config)
+            preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
             return _launch_local(args.nproc, _rank_argv(args))
         tp = cfg.parallel.tensor_parallel
         if tp > 1:  # one process from a shell: say how to get the processes the config needs
@@ -292,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_cli.add_subcommands(sub)
     inference.add_subcommands(sub)
+    data_cli.add_subcommands(sub)
     return parser
 
 

@@ -81,6 +81,11 @@ class ModelConfig:
     mask_token_id: int = 50257
     pad_token_id: int = 50258
     activation_checkpointing: bool = False
+    # The decoder's projection to the vocabulary. tied: the feature model's (resized) token table
+    # itself, times a learned scale (GPT-2's weight tying; no weight of its own, and tokens that
+    # never occur in training stay reachable). token_table_init: a trainable copy of that table,
+    # rescaled to rows of norm ~1. normal: a trainable matrix drawn from N(0, init_std).
+    head: Literal["tied", "token_table_init", "normal"] = "tied"
 
 
 @dataclass
@@ -106,21 +111,44 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # "" = the bundled corpus
-    format: Literal["auto", "text", "jsonl"] = "auto"
-    text_field: str = "text"  # JSONL key holding the sample text
+    # "" = the bundled corpus; a text/JSONL/parquet/CSV file or a directory of them; a directory
+    # written by datasets' save_to_disk; hf:NAME[:CONFIG] (a hub dataset); or a prepared copy.
+    path: str = ""
+    format: Literal["auto", "text", "jsonl", "parquet", "csv"] = "auto"  # auto: by file suffix
+    text_field: str = "text"  # JSONL key, parquet/CSV/dataset column holding the sample text
     sample_unit: Literal["line", "paragraph"] = "line"  # text files only
+    split: str = "train"  # hub datasets and saved DatasetDicts
     eval_fraction: float = 0.02
     min_eval_samples: int = 16
     max_samples: int = 0  # 0 = all
-    num_workers: int = 0
+    num_workers: int = 0  # processes that tokenize while preparing; 0 = by corpus size and CPUs
+    # Where prepared copies live; "" = $PARALLEL_LATENT_DATA_CACHE, else ~/.cache/parallel-latent/data.
+    cache_dir: str = ""
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel: int = 1
+    # A TP group all-reduces twice per block forward and backward: it belongs inside a node. Set
+    # true only on purpose (e.g. nodes with one GPU each).
+    allow_tp_across_nodes: bool = False
     zero_stage: int = 2
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # ZeRO's gradient reduction: buckets of this many elements are reduced (and, with
+    # zero_overlap_comm, reduced while backward still runs); a model of ~130M parameters in one
+    # default 5e8 bucket would reduce all at once after backward. auto = on with CUDA.
+    reduce_bucket_size: int = 25_000_000
+    allgather_bucket_size: int = 50_000_000
+    zero_overlap_comm: Literal["auto", "on", "off"] = "auto"
+    # TP > 1 only. Each TP rank runs the frozen feature model on 1/tp of the micro-batch and one
+    # all-gather assembles the features (a trainable feature model stays replicated).
+    split_feature_model: bool = True
+    # Between the TP regions each rank holds 1/tp of the positions (model.max_length must divide):
+    # the activations there take 1/tp of the memory, all-reduces become reduce-scatter + all-gather.
+    sequence_parallel: bool = False
+    # The column-parallel backward starts its input-gradient collective before the weight
+    # gradient and lets them overlap; off only to measure what that buys.
+    tp_overlap_comm: bool = True
 
 
 @dataclass
@@ -156,6 +184,9 @@ class TrainingConfig:
     precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
     eval_every: int = 100  # 0 = never
     eval_batches: int = 4
+    # Held-out samples whose reconstructions each evaluation writes (run_dir/reconstructions/,
+    # TensorBoard); the first ones of the evaluated samples, the same at every evaluation.
+    eval_reconstructions: int = 8
     log_every: int = 10
     max_nonfinite_steps: int = 10  # stop after this many consecutive inf/nan losses
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -388,6 +419,11 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
 
     # data
     require(data.text_field != "", "data.text_field must not be empty")
+    require(data.split != "", "data.split must not be empty")
+    require(
+        not data.path.startswith("hf:") or len(data.path) > 3,
+        f"data.path={data.path}: expected hf:NAME or hf:NAME:CONFIG",
+    )
     require(
         0.0 <= data.eval_fraction < 1.0,
         f"data.eval_fraction={data.eval_fraction} must be in [0, 1)",
@@ -410,6 +446,13 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         0 <= parallel.zero_stage <= 3,
         f"parallel.zero_stage={parallel.zero_stage} must be 0, 1, 2 or 3",
     )
+    at_least(parallel, "parallel", 1, "reduce_bucket_size", "allgather_bucket_size")
+    if parallel.sequence_parallel and tp > 1:
+        require(
+            model.max_length % tp == 0,
+            f"parallel.sequence_parallel: model.max_length={model.max_length} is not divisible by "
+            f"parallel.tensor_parallel={tp} (each rank holds max_length / tensor_parallel positions)",
+        )
 
     # optimizer and schedule
     require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be > 0")
@@ -430,7 +473,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
 
     # training
     at_least(training, "training", 0, "seed", "global_batch_size", "eval_every")
-    at_least(training, "training", 0, "max_nonfinite_steps")
+    at_least(training, "training", 0, "max_nonfinite_steps", "eval_reconstructions")
     at_least(training, "training", 1, "max_steps", "micro_batch_size", "grad_accum_steps")
     at_least(training, "training", 1, "eval_batches", "log_every")
     if training.global_batch_size:
@@ -474,11 +517,20 @@ def resolved_global_batch_size(cfg: Config, world_size: int) -> int:
     return training.micro_batch_size * training.grad_accum_steps * dp_size(cfg, world_size)
 
 
-def validate_world(cfg: Config, world_size: int, source: str = "<runtime>") -> None:
-    """Raise ConfigError if ``cfg`` cannot run on ``world_size`` processes."""
+def validate_world(
+    cfg: Config, world_size: int, source: str = "<runtime>", processes_per_node: int | None = None
+) -> None:
+    """Raise ConfigError if ``cfg`` cannot run on ``world_size`` processes, ``processes_per_node``
+    of them per node (None: unknown, not checked)."""
     tp = cfg.parallel.tensor_parallel
     if world_size < 1 or world_size % tp:
         raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+    if processes_per_node and processes_per_node % tp and not cfg.parallel.allow_tp_across_nodes:
+        raise ConfigError(
+            f"{source}: parallel.tensor_parallel={tp} does not divide the {processes_per_node} processes per node: "
+            "tensor-parallel groups (consecutive ranks) would span nodes; choose a divisor of "
+            f"{processes_per_node}, or set parallel.allow_tp_across_nodes=true"
+        )
     training = cfg.training
     data_parallel = world_size // tp
     actual = training.micro_batch_size * training.grad_accum_steps * data_parallel

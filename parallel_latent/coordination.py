@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "all_gather_value",
     "all_ranks_agree",
     "barrier",
     "broadcast_value",
@@ -62,6 +63,15 @@ def broadcast_value(value: Any, src: int = 0) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=src, group=control_group())
     return box[0]
+
+
+def all_gather_value(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), indexed by global rank, on every rank."""
+    if not _active():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=control_group())
+    return values
 
 
 def all_ranks_agree(flag: bool) -> bool:

@@ -19,7 +19,9 @@ import copy
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -109,10 +111,26 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
         "zero_allow_untested_optimizer": True,  # torch.optim.AdamW under ZeRO
         "steps_per_print": NEVER,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every forward and step; we time
+        # steps ourselves, on the host.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "dump_state": False,
     }
     if stage >= 1:
-        config["zero_optimization"].update({"contiguous_gradients": True, "overlap_comm": False})
+        parallel = cfg.parallel
+        # Overlapping the gradient reduction with backward needs CUDA streams; on CPU it only
+        # adds copies.
+        overlap = parallel.zero_overlap_comm == "on" or (
+            parallel.zero_overlap_comm == "auto" and resolve_device(cfg) == "cuda"
+        )
+        config["zero_optimization"].update(
+            {
+                "contiguous_gradients": True,
+                "overlap_comm": overlap,
+                "reduce_bucket_size": parallel.reduce_bucket_size,
+                "allgather_bucket_size": parallel.allgather_bucket_size,
+            }
+        )
     if training.precision in ("bf16", "fp16"):
         # DeepSpeed casts parameters to the 16-bit dtype but leaves buffers as loaded; the
         # model's frozen buffers (the decoder's mask vector) feed the same matmuls as its
@@ -306,7 +324,13 @@ def initialize_engine(
     optimizer = build_optimizer(trainable, cfg, device, mpu)
     scheduler = build_lr_scheduler(optimizer, cfg)
     ds_config = deepspeed_config(cfg, world_size, overrides)
+    # DeepSpeed would otherwise call set_device(LOCAL_RANK) itself, which is wrong under srun with
+    # one GPU per task (every task sees its GPU as device 0): it follows our one device choice.
+    device_args = None
+    if device == "cuda":
+        device_args = SimpleNamespace(device_rank=torch.cuda.current_device(), local_rank=int(os.environ["LOCAL_RANK"]))
     engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+        args=device_args,
         model=model,
         model_parameters=trainable,
         optimizer=optimizer,

@@ -19,29 +19,48 @@ from parallel_latent.errors import UsageError, require_file, require_new_file
 
 
 @torch.no_grad()
-def evaluate_texts(autoencoder, texts: list[str], batch_size: int = 32) -> dict:
-    """Loss per token, token accuracy and exact-match rate of whole sequences."""
+def evaluate_ids(
+    autoencoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int = 32, truncated: int = 0
+) -> dict:
+    """Loss per token, token accuracy, exact-match rate of whole sequences and corpus BLEU of the
+    reconstructions against the inputs as the model saw them, for tokenised samples [N, T]
+    (``truncated``: how many of them were cut to ``max_length`` tokens, reported as is)."""
     from parallel_latent.api import eval_mode
-    from parallel_latent.data import tokenize_samples
+    from parallel_latent.quality import corpus_bleu, detokenize
 
-    model, cfg = autoencoder.model, autoencoder.model.model_cfg
-    data = tokenize_samples(texts, autoencoder.tokenizer, cfg.max_length, cfg.pad_token_id)
+    model, tokenizer = autoencoder.model, autoencoder.tokenizer
     loss_sum = tokens = correct = exact = 0.0
+    references, hypotheses = [], []
     with eval_mode(model):
-        for start in range(0, len(data.texts), batch_size):
-            out = model(data.input_ids[start : start + batch_size], data.attention_mask[start : start + batch_size])
+        for start in range(0, input_ids.shape[0], batch_size):
+            ids = input_ids[start : start + batch_size].to(autoencoder.device)
+            mask = attention_mask[start : start + batch_size].to(autoencoder.device)
+            out = model(ids, mask, return_predictions=True)
             loss_sum += out.loss_sum.item()
             tokens += out.num_tokens.item()
             correct += out.num_correct.item()
             exact += out.num_exact.item()
-    n = len(data.texts)
+            references += detokenize(tokenizer, ids, mask)
+            hypotheses += detokenize(tokenizer, out.predictions, mask)
+    n = input_ids.shape[0]
     return {
         "samples": n,
         "tokens": int(tokens),
+        "truncated": int(truncated),
         "loss": loss_sum / max(tokens, 1),
         "token_accuracy": correct / max(tokens, 1),
         "exact_match": exact / max(n, 1),
+        "bleu": corpus_bleu(hypotheses, references) if n else None,
     }
+
+
+def evaluate_texts(autoencoder, texts: list[str], batch_size: int = 32) -> dict:
+    """:func:`evaluate_ids` of ``texts``, each cut to the model's ``max_length`` tokens."""
+    from parallel_latent.data import tokenize_samples
+
+    cfg = autoencoder.model.model_cfg
+    data = tokenize_samples(texts, autoencoder.tokenizer, cfg.max_length, cfg.pad_token_id)
+    return evaluate_ids(autoencoder, data.input_ids, data.attention_mask, batch_size, data.num_truncated)
 
 
 def read_texts(args: argparse.Namespace) -> list[str]:
@@ -108,18 +127,23 @@ def cmd_decode(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from parallel_latent.checkpoint import PortableCheckpoint, resolve_portable_dir
     from parallel_latent.config import config_from_dict
-    from parallel_latent.data import build_datasets, read_samples
+    from parallel_latent.data import build_datasets, get_batch, read_samples
 
     autoencoder = _load(args)
-    if args.data:
+    if args.data:  # any corpus, e.g. out-of-domain text
         texts = read_samples(args.data)
-    else:  # the run's own held-out split
+        if args.max_samples:
+            texts = texts[: args.max_samples]
+        result = evaluate_texts(autoencoder, texts, args.batch_size)
+    else:  # the run's own held-out split, the very token ids the trainer evaluates
         manifest = PortableCheckpoint(resolve_portable_dir(args.checkpoint), verify_checksums=False).manifest
         cfg = config_from_dict(manifest["config"], source=str(args.checkpoint))
-        texts = list(build_datasets(cfg, autoencoder.tokenizer)[1].texts)
-    if args.max_samples:
-        texts = texts[: args.max_samples]
-    print(json.dumps(evaluate_texts(autoencoder, texts, args.batch_size)))
+        held_out = build_datasets(cfg, autoencoder.tokenizer, announce=False)[1]  # stdout is the JSON result
+        indices = list(range(min(len(held_out), args.max_samples) if args.max_samples else len(held_out)))
+        batch = get_batch(held_out, indices)
+        truncated = int(held_out.truncated_at(indices).sum()) if hasattr(held_out, "truncated_at") else 0
+        result = evaluate_ids(autoencoder, batch["input_ids"], batch["attention_mask"], args.batch_size, truncated)
+    print(json.dumps(result))
     return 0
 
 
@@ -143,14 +167,17 @@ def add_subcommands(sub) -> None:
     decode.add_argument("latents", help="the .safetensors file written by encode")
     decode.set_defaults(handler=cmd_decode)
 
-    evaluate = sub.add_parser("evaluate", help="loss, token accuracy and exact match of a checkpoint")
+    evaluate = sub.add_parser("evaluate", help="loss, token accuracy, exact match and BLEU of a checkpoint")
     evaluate.add_argument("--checkpoint", required=True, help=checkpoint_help)
     evaluate.add_argument(
-        "--data", default=None, help="text/JSONL file or directory (default: the run's held-out split)"
+        "--data",
+        default=None,
+        help="text/JSONL file or directory, e.g. another corpus to measure out-of-domain text "
+        "(default: the run's held-out split)",
     )
     evaluate.add_argument("--batch-size", type=int, default=32)
     evaluate.add_argument("--max-samples", type=int, default=0, help="0 = all")
     evaluate.set_defaults(handler=cmd_evaluate)
 
 
-__all__ = ["add_subcommands", "evaluate_texts", "read_texts"]
+__all__ = ["add_subcommands", "evaluate_ids", "evaluate_texts", "read_texts"]

@@ -64,7 +64,9 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
       24 * T * f^2 + 4 * T^2 * f.
 
     ``train = 3 * trainable_forward + frozen_forward`` (if the feature model is configured
-    trainable, it moves to the first term).  The returned dict also holds the parts.
+    trainable, it moves to the first term), less one head forward when the head is tied to the
+    frozen token table: its backward computes the input's gradient only (2x, not 3x).  The
+    returned dict also holds the parts.
     """
     model, feature = cfg.model, cfg.feature_model
     d, t, r = model.d_model, model.max_length, model.mlp_ratio
@@ -80,6 +82,7 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
     }
     perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["query_mlp"] + parts["head"]
     gpt2 = parts["gpt2_linear"] + parts["gpt2_attention"]
+    head_weight_frozen = getattr(model, "head", "normal") == "tied" and feature.frozen
     if feature.frozen:
         trainable_forward, frozen_forward = perceiver, gpt2
     else:
@@ -88,13 +91,17 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
         **parts,
         "trainable_forward": trainable_forward,
         "frozen_forward": frozen_forward,
-        "train": 3 * trainable_forward + frozen_forward,
+        "train": 3 * trainable_forward + frozen_forward - (parts["head"] if head_weight_frozen else 0.0),
     }
 
 
 # Dense (no sparsity) peak FLOP/s per device, by dtype.  fp32 means plain fp32 (PyTorch does not
 # use TF32 for matmuls by default).  Matched by substring of torch.cuda.get_device_name().
+# More specific names come first: "H100 NVL" before "H100". The NVL parts (PCIe cards bridged in
+# pairs) have their own, lower clocks: 1,671 TFLOP/s bf16 *with sparsity*, so 835 dense.
 PEAK_FLOPS_TABLE: list[tuple[str, dict[str, float]]] = [
+    ("H200 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
     ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
@@ -123,18 +130,22 @@ def peak_flops_per_device(device: str, precision: str, env: dict | None = None) 
     if env.get(PEAK_FLOPS_ENV):
         return float(env[PEAK_FLOPS_ENV]), f"${PEAK_FLOPS_ENV}"
     if device == "cuda" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, by_dtype in PEAK_FLOPS_TABLE:
-            if key in name:
-                if precision not in by_dtype:
-                    return math.nan, f"table: {key} has no {precision} peak: set ${PEAK_FLOPS_ENV}"
-                return by_dtype[precision], f"table: {key} {precision}"
-        return math.nan, f"unknown GPU {name!r}: set ${PEAK_FLOPS_ENV}"
+        return gpu_peak_flops(torch.cuda.get_device_name(), precision)
     threads = torch.get_num_threads()
     per_cycle = 16 if precision == "fp64" else 32  # a 256-bit FMA holds 4 doubles or 8 floats
     return CPU_FLOPS_PER_CORE * per_cycle / 32 * threads, (
         f"CPU assumption: {threads} thread(s) x {per_cycle} FLOP/cycle x 3 GHz"
     )
+
+
+def gpu_peak_flops(name: str, precision: str) -> tuple[float, str]:
+    """(dense peak FLOP/s, source) of the GPU called ``name`` (torch.cuda.get_device_name())."""
+    for key, by_dtype in PEAK_FLOPS_TABLE:
+        if key in name:
+            if precision not in by_dtype:
+                return math.nan, f"table: {key} has no {precision} peak: set ${PEAK_FLOPS_ENV}"
+            return by_dtype[precision], f"table: {key} {precision}"
+    return math.nan, f"unknown GPU {name!r}: set ${PEAK_FLOPS_ENV}"
 
 
 def peak_memory_bytes(device: str) -> tuple[int, str]:

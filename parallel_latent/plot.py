@@ -35,6 +35,7 @@ FIGURES = {
             ("eval", "eval_exact_match", "held-out exact match"),
         ],
     ),
+    "bleu.png": ("Reconstruction BLEU", "corpus BLEU (0-100)", [("eval", "eval_bleu", "held-out BLEU")]),
     "throughput.png": ("Throughput", "tokens / s", [("train", "tokens_per_s", "tokens/s (non-pad)")]),
     "lr.png": (
         "Learning rate and gradient norm",

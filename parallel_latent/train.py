@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.config import Config, ConfigError, save_config, validate_world
-from parallel_latent.data import ShardedBatchSampler, build_datasets, get_batch, list_data_files
+from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
+from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
@@ -79,16 +80,15 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIRNAME
 
 
-def preflight(cfg: Config, world_size: int, source: str = "<config>") -> None:
+def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
     """Everything about ``cfg`` that can be checked without building anything: the world size
     against TP and the batch sizes, the device, the data path, the checkpoint to resume.
     Raises ConfigError / DataError with one line; writes nothing."""
-    validate_world(cfg, world_size, source)
+    validate_world(cfg, world_size, source, processes_per_node)
     device = resolve_device(cfg)
     if cfg.training.precision == "fp16" and device != "cuda":
         raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
-    if cfg.data.path:
-        list_data_files(cfg.data.path, cfg.data.format)  # DataError if missing or empty
+    check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
     run_dir = Path(cfg.logging.run_dir)
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
     if blocking is not None and not blocking.is_dir():
@@ -105,6 +105,39 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>") -> None:
         raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
     elif resume != "auto" and not Path(resume).is_dir():
         raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
+
+
+def require_shared_run_dir(run_dir: Path, source: str) -> None:
+    """Checkpoints are written by every rank into one directory tree and published by rank 0; a
+    run directory on node-local disks (or a relative path from different working directories)
+    would be a different directory per node, and the job would hang at its first save or resume.
+    Refuse it at start-up, in seconds, on every rank (collective). Nothing is created: the probe
+    goes into the nearest existing ancestor and is removed."""
+    probe_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not directory_is_shared(probe_dir):
+        raise ConfigError(
+            f"{source}: logging.run_dir={run_dir} is not one directory for all ranks (node-local disks, or a "
+            "relative path from different working directories): put the run directory on a file system "
+            "every node shares"
+        )
+
+
+def load_tokenizer_once_per_node(cfg: Config):
+    """The tokenizer, fetched by the first process of each node before the others look for it in
+    the (node-local) hub cache: one download per node instead of one per rank."""
+    from parallel_latent.model.tokenizer import load_tokenizer
+
+    with main_first(per_node=True):
+        return load_tokenizer(cfg.tokenizer)
+
+
+def build_model_once_per_node(cfg: Config, tp_group):
+    """The model; a pretrained feature model is fetched from the hub by the first process of each
+    node before the others read it from the cache."""
+    from parallel_latent.model import build_model
+
+    with main_first(per_node=True) if cfg.feature_model.pretrained else contextlib.nullcontext():
+        return build_model(cfg, tp_group)
 
 
 # --------------------------------------------------------------------------- #
@@ -147,8 +180,8 @@ class StopRequest:
 
 
 # Layout of the per-step statistics vector (float64: exact integer counts up to 2**53).
-LOSS_SUM, TOKENS, CORRECT, EXACT, SAMPLES, STOP = range(6)
-NUM_STATS = 6
+LOSS_SUM, TOKENS, CORRECT, EXACT, SAMPLES = range(5)
+NUM_STATS = 5
 
 
 class Trainer:
@@ -156,14 +189,14 @@ class Trainer:
         self.source = source
         self.deepspeed_overrides = deepspeed_overrides
         self.start_time = time.perf_counter()
-        world = launcher_environment()["world_size"]
-        preflight(cfg, world, source)
+        launcher = launcher_environment()
+        preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
         self.state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend)
+        require_shared_run_dir(Path(cfg.logging.run_dir), source)
 
-        from parallel_latent.model import build_model
-        from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+        from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
 
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tokenizer = load_tokenizer_once_per_node(cfg)
         self.tokenizer_facts = tokenizer_facts(self.tokenizer)
         self.cfg = cfg = apply_tokenizer_facts(cfg, self.tokenizer_facts)
         self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
@@ -177,7 +210,7 @@ class Trainer:
             seed=cfg.training.seed,
             drop_last=True,
         )
-        model = build_model(cfg, self.state.tp_group)
+        model = build_model_once_per_node(cfg, self.state.tp_group)
         self.bundle: EngineBundle = initialize_engine(model, cfg, self.state.world_size, deepspeed_overrides)
         self.engine = self.bundle.engine
         self.model = self.engine.module
@@ -220,19 +253,22 @@ class Trainer:
         or a run directory).  The checkpoint package restores weights, optimizer, schedule,
         engine counters and every RNG, also at another TP x DP layout; the data position and
         our counters come back from the client state saved by :meth:`save`."""
-        from parallel_latent.checkpoint import find_latest_checkpoint, load_training_checkpoint
+        from parallel_latent.checkpoint import find_latest_checkpoint, load_training_checkpoint, resolve_checkpoint
 
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return
-        if resume == "auto":
-            path = find_latest_checkpoint(checkpoints_dir(self.run_dir))
-            if path is None:
-                return
-        else:
-            path = Path(resume)
-            if (path / CHECKPOINTS_DIRNAME).is_dir():  # a run directory
-                path = checkpoints_dir(path)
+        # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a
+        # rank that resumed and one that started fresh would wait for each other forever).
+        path = None
+        if is_main():
+            if resume == "auto":
+                path = find_latest_checkpoint(checkpoints_dir(self.run_dir))
+            else:
+                path = resolve_checkpoint(resume)
+        path = broadcast_value(None if path is None else str(path))
+        if path is None:
+            return
         loaded = load_training_checkpoint(self.engine, path, model=self.model, tp_group=self.state.tp_group)
         client = loaded.client_state
         self.step = int(client.get("step", loaded.step))
@@ -270,20 +306,24 @@ class Trainer:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
 
-    def train_step(self) -> tuple[torch.Tensor, bool]:
-        """One optimizer step: (this rank's statistics vector, whether the update was applied)."""
+    def train_step(self, stop_requested: bool = False) -> StepOutcome:
+        """One optimizer step. Nothing here reads a device value: the statistics stay on the
+        device (read once per log line) and the only per-step collective outside the engine is a
+        host-side one, over gloo (the step's token count and the stop votes)."""
         state, engine, rng = self.state, self.engine, self.model.dropout_rng
         self.step_lr = self.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
         micro_batches = [get_batch(self.train_set, self.sampler.next_batch()) for _ in range(self.grad_accum)]
-        step_tokens = torch.tensor(
-            [sum(int(b["attention_mask"].sum()) for b in micro_batches)], dtype=torch.float64, device=self.device
-        )
-        dist.all_reduce(step_tokens, group=state.dp_group)
+        # Batches are still host tensors here: their token counts cost no device sync.
+        local_tokens = sum(int(b["attention_mask"].numpy().sum()) for b in micro_batches)
+        votes = torch.tensor([float(local_tokens), 1.0 if stop_requested else 0.0], dtype=torch.float64)
+        dist.all_reduce(votes, group=state.control_group)  # over the world: TP ranks count alike
+        tokens_all, stop_votes = votes.numpy().tolist()  # numpy(): a host tensor, by construction
+        step_tokens = tokens_all / state.tp_size
         # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
         # dp_size data-parallel ranks; this weight undoes both and normalises by the step's
         # global token count instead.
-        weight_per_token = state.dp_size * self.grad_accum / max(step_tokens.item(), 1.0)
-        stats = torch.zeros(NUM_STATS, dtype=torch.float64)
+        weight_per_token = state.dp_size * self.grad_accum / max(step_tokens, 1.0)
+        step_stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
         for micro_step, batch in enumerate(micro_batches):
             input_ids, attention_mask = self._to_device(batch)
             # Masks keyed on (optimizer step, position in the step's global batch): the same masks
@@ -291,30 +331,37 @@ class Trainer:
             rng.step = self.step
             rng.sample_offset = (micro_step * state.dp_size + state.dp_rank) * self.micro_batch
             out = engine(input_ids, attention_mask)
-            engine.backward(out.loss_sum.float() * weight_per_token)
+            engine.backward(out.loss_sum * weight_per_token)
             engine.step()
-            stats[LOSS_SUM] += out.loss_sum.detach().double().cpu()
-            stats[TOKENS] += float(out.num_tokens)
-            stats[CORRECT] += float(out.num_correct)
-            stats[EXACT] += float(out.num_exact)
-            stats[SAMPLES] += input_ids.shape[0]
-        return stats, bool(engine.was_step_applied())
+            counts = torch.stack([out.num_tokens, out.num_correct, out.num_exact]).to(torch.float64)
+            step_stats[LOSS_SUM] += out.loss_sum.detach().to(torch.float64)
+            step_stats[TOKENS : EXACT + 1] += counts
+            step_stats[SAMPLES] += input_ids.shape[0]
+        applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
+        return StepOutcome(
+            step_stats, applied, stop_votes > 0, step_tokens, self.micro_batch * self.grad_accum * state.dp_size
+        )
 
     def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics
         (same samples, the loss is reduced over the vocabulary slices), so this is the sum over
-        the data-parallel group, plus the stop votes of every rank."""
-        reduced = stats.to(self.device)
+        the data-parallel group (on the host: the one read of these numbers)."""
+        reduced = stats.to(self.device, copy=True)
         dist.all_reduce(reduced)
-        return reduced.cpu() / self.state.tp_size  # STOP > 0 iff any rank voted to stop
+        return reduced.cpu() / self.state.tp_size
 
     # -- evaluation ------------------------------------------------------------ #
 
     def evaluate(self) -> dict[str, float] | None:
-        """Loss, token accuracy and exact-match rate on the held-out split (the same numbers on
-        every rank).  Uses the first ``eval_batches * micro_batch * dp_size`` held-out samples,
+        """Loss, token accuracy, exact-match rate and BLEU on the held-out split (the same numbers
+        on every rank).  Uses the first ``eval_batches * micro_batch * dp_size`` held-out samples,
         rounded down to a multiple of dp_size; DP rank r takes the r-th contiguous share, so
-        every rank runs the same number of forwards (ZeRO-3 gathers parameters over DP)."""
+        every rank runs the same number of forwards (ZeRO-3 gathers parameters over DP).
+
+        BLEU scores each reconstruction against its input as the model saw it (its first
+        ``max_length`` tokens): the predicted ids are gathered over DP, rank 0 scores them with
+        sacrebleu and broadcasts the score.  Rank 0 keeps the first
+        ``training.eval_reconstructions`` samples with their reconstructions (``eval_examples``)."""
         cfg, state = self.cfg, self.state
         limit = cfg.training.eval_batches * self.micro_batch * state.dp_size
         total = min(len(self.eval_set), limit) // state.dp_size * state.dp_size
@@ -323,37 +370,85 @@ class Trainer:
         share = total // state.dp_size
         start = state.dp_rank * share
         stats = torch.zeros(NUM_STATS, dtype=torch.float64)
+        predictions = []
         self.engine.eval()
         try:
             with torch.no_grad():
                 for offset in range(0, share, self.micro_batch):
                     indices = list(range(start + offset, start + min(offset + self.micro_batch, share)))
                     input_ids, attention_mask = self._to_device(get_batch(self.eval_set, indices))
-                    out = self.engine(input_ids, attention_mask)
+                    out = self.engine(input_ids, attention_mask, return_predictions=True)
                     stats[LOSS_SUM] += out.loss_sum.double().cpu()
                     stats[TOKENS] += float(out.num_tokens)
                     stats[CORRECT] += float(out.num_correct)
                     stats[EXACT] += float(out.num_exact)
                     stats[SAMPLES] += len(indices)
+                    predictions.append(out.predictions)
         finally:
             self.engine.train()
         totals = self._reduce_stats(stats)
         tokens = max(totals[TOKENS].item(), 1.0)
+        bleu = self._score_reconstructions(total, self._gather_over_dp(torch.cat(predictions)))
         return {
             "eval_loss": totals[LOSS_SUM].item() / tokens,
             "eval_token_accuracy": totals[CORRECT].item() / tokens,
             "eval_exact_match": totals[EXACT].item() / max(totals[SAMPLES].item(), 1.0),
+            "eval_bleu": bleu,
             "eval_samples": int(totals[SAMPLES].item()),
         }
 
-    def reconstructions(self, count: int = NUM_RECONSTRUCTION_EXAMPLES) -> list[tuple[str, str]]:
-        """A few held-out sentences and what the model makes of them (collective: all ranks)."""
-        from parallel_latent.api import TextAutoencoder
+    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every DP rank's equally sized ``tensor``, concatenated in DP-rank order (every rank)."""
+        if self.state.dp_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.state.dp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.state.dp_group)
+        return torch.cat(parts)
 
-        texts = self.eval_set.texts[:count]
-        with self._gathered_parameters():
-            decoded = TextAutoencoder(self.model, self.tokenizer).reconstruct(texts)
-        return list(zip(texts, decoded, strict=True))
+    def _eval_truncated(self, count: int) -> torch.Tensor | None:
+        """Which of the first ``count`` held-out samples were cut to ``max_length`` tokens."""
+        if hasattr(self.eval_set, "truncated_at"):
+            return torch.as_tensor(self.eval_set.truncated_at(list(range(count))))
+        truncated = getattr(self.eval_set, "truncated", None)
+        return None if truncated is None else torch.as_tensor(truncated[:count])
+
+    def _score_reconstructions(self, total: int, predicted: torch.Tensor) -> float:
+        """Corpus BLEU of the first ``total`` held-out samples' reconstructions (collective); keeps
+        the examples of this evaluation on rank 0."""
+        from parallel_latent.quality import corpus_bleu, reconstruction_records
+
+        score = torch.zeros(1, dtype=torch.float64, device=self.device)
+        self.eval_examples, self.eval_examples_step = [], self.step
+        if self.is_main:
+            batch, cut = get_batch(self.eval_set, list(range(total))), self._eval_truncated(total)
+            records = reconstruction_records(
+                self.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), cut
+            )
+            score[0] = corpus_bleu([r["reconstruction"] for r in records], [r["input"] for r in records])
+            self.eval_examples = records[: self.cfg.training.eval_reconstructions]
+        dist.broadcast(score, src=0)
+        return score.item()
+
+    def reconstructions(self, count: int = NUM_RECONSTRUCTION_EXAMPLES) -> list[tuple[str, str]]:
+        """A few held-out samples as the model saw them (a cut one marked) and their reconstructions:
+        those of this step's evaluation if there was one, else computed now (collective: all ranks)."""
+        from parallel_latent.api import eval_mode
+        from parallel_latent.quality import reconstruction_records, truncation_note
+
+        if getattr(self, "eval_examples_step", None) == self.step:
+            records = self.eval_examples[:count]
+        else:
+            count = min(count, len(self.eval_set))
+            batch = get_batch(self.eval_set, list(range(count)))
+            input_ids, attention_mask = self._to_device(batch)
+            with self._gathered_parameters(), eval_mode(self.model), torch.no_grad():
+                predicted = self.model(input_ids, attention_mask, return_predictions=True).predictions
+            cut = self._eval_truncated(count)
+            records = reconstruction_records(
+                self.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), cut
+            )
+        note = truncation_note(self.cfg.model.max_length)
+        return [(r["input"] + (f" {note}" if r["truncated"] else ""), r["reconstruction"]) for r in records]
 
     @contextmanager
     def _gathered_parameters(self):
@@ -372,7 +467,7 @@ class Trainer:
     def run(self, stop: StopRequest) -> TrainResult:
         cfg, training = self.cfg, self.cfg.training
         max_steps = training.max_steps
-        window = _Window()
+        window = self._new_window()
         final_eval: dict[str, float] | None = None
         eval_step = -1
         stopped_by = "max_steps"
@@ -384,24 +479,19 @@ class Trainer:
             eval_step = self.step  # and no second evaluation of the same weights
         while self.step < max_steps:
             started = time.perf_counter()
-            stats, applied = self.train_step()
-            stats[STOP] = 1.0 if stop.requested else 0.0
-            totals = self._reduce_stats(stats)
+            outcome = self.train_step(stop.requested)
             self.step += 1
-            elapsed = time.perf_counter() - started
-
-            finite = applied and math.isfinite(totals[LOSS_SUM].item())
-            if finite:
+            if outcome.applied:
                 self.consecutive_nonfinite = 0
-            else:
+            else:  # a non-finite loss or gradient: DeepSpeed skipped the update
                 self.consecutive_nonfinite += 1
                 self.skipped_steps += 1
-            window.add(totals, elapsed, finite)
+            window.add(outcome, time.perf_counter() - started)
 
             postfix = {}
             if self.step % training.log_every == 0 or self.step == max_steps:
                 postfix = self._log(window)
-                window = _Window()
+                window = self._new_window()
             self.logger.advance(1, **postfix)
             if training.eval_every and self.step % training.eval_every == 0:
                 final_eval, eval_step = self._evaluate_and_log(), self.step
@@ -410,7 +500,7 @@ class Trainer:
             if limit and self.consecutive_nonfinite >= limit:
                 self.logger.close()
                 raise NonFiniteTrainingError(self._nonfinite_message(limit))
-            if totals[STOP].item() > 0:
+            if outcome.stop:
                 stopped_by = "signal"
                 break
             # No checkpoint in the middle of a non-finite streak: `latest` keeps pointing at
@@ -467,25 +557,55 @@ class Trainer:
             self.logger.write({"kind": "eval", "step": self.step, **result})
             self.logger.print(
                 f"step {self.step}: held-out loss {result['eval_loss']:.4f}, token accuracy "
-                f"{result['eval_token_accuracy']:.4f}, exact match {result['eval_exact_match']:.4f} "
-                f"({result['eval_samples']} samples)"
+                f"{result['eval_token_accuracy']:.4f}, exact match {result['eval_exact_match']:.4f}, "
+                f"BLEU {result['eval_bleu']:.2f} ({result['eval_samples']} samples)"
             )
+            if self.is_main and self.eval_examples:
+                self._write_reconstructions(self.eval_examples)
         return result
 
+    def _write_reconstructions(self, records: list[dict]) -> None:
+        """``run_dir/reconstructions/step_<step>.jsonl`` and TensorBoard text: the same held-out
+        samples at every evaluation, so their lines show how the reconstructions evolve."""
+        import json
+
+        directory = self.run_dir / "reconstructions"
+        directory.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"step": self.step, "index": i, **r}) + "\n" for i, r in enumerate(records)]
+        (directory / f"step_{self.step:08d}.jsonl").write_text("".join(lines), encoding="utf-8")
+        writer = self.logger.tensorboard
+        if writer is not None:
+
+            def cell(text: str) -> str:
+                return text.replace("|", "\\|").replace("\n", " ")
+
+            table = ["| input (as the model saw it) | reconstruction | exact |", "| --- | --- | --- |"]
+            table += [
+                f"| {cell(r['input'])}{' *(cut)*' if r['truncated'] else ''} | {cell(r['reconstruction'])} | "
+                f"{'yes' if r['exact'] else 'no'} |"
+                for r in records
+            ]
+            writer.add_text("eval/reconstructions", "\n".join(table), self.step)
+
+    def _new_window(self) -> _Window:
+        return _Window(torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device))
+
     def _log(self, window: _Window) -> dict[str, str]:
-        """Write the window's metrics line; return the progress bar's new postfix."""
+        """Write the window's metrics line; return the progress bar's new postfix. The one place
+        per log interval where training statistics leave the device."""
         seconds = max(window.seconds, 1e-9)
         samples_per_s = window.samples_processed / seconds
         model_flops_per_s = self.flops_per_sample * samples_per_s
         memory, _ = peak_memory_bytes(self.device_kind)
         grad_norm = self.engine.get_global_grad_norm()
-        finite = window.tokens > 0
+        loss_sum, tokens, correct, exact, samples = self._reduce_stats(window.stats).tolist()
+        finite = tokens > 0
         record = {
             "kind": "train",
             "step": self.step,
-            "loss": window.loss_sum / window.tokens if finite else math.nan,
-            "token_accuracy": window.correct / window.tokens if finite else math.nan,
-            "exact_match": window.exact / window.samples if finite else math.nan,
+            "loss": loss_sum / tokens if finite else math.nan,
+            "token_accuracy": correct / tokens if finite else math.nan,
+            "exact_match": exact / samples if finite else math.nan,
             "lr": self.step_lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens": int(window.tokens_processed),  # non-pad tokens of the window, all ranks
@@ -518,8 +638,22 @@ class Trainer:
             f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}",
             flush=True,
         )
+        if s.tp_size > 1:
+            print(f"tensor parallelism: {self._tp_options_line()}", flush=True)
         if self.device_kind == "cpu":
             print(f"MFU peak: {self.peak_flops_source}", flush=True)
+
+    def _tp_options_line(self) -> str:
+        parallel, model = self.cfg.parallel, self.model
+        if model.split_feature_model:
+            features = "frozen feature pass split over the TP group (one all-gather of the features)"
+        elif not self.cfg.feature_model.frozen:
+            features = "feature pass replicated on every TP rank (the feature model trains)"
+        else:
+            features = "feature pass replicated on every TP rank (parallel.split_feature_model=false)"
+        sequence = "sequence parallel" if model.sequence_parallel else "no sequence parallelism"
+        overlap = "backward collective overlapped" if parallel.tp_overlap_comm else "backward collective not overlapped"
+        return f"{features}; {sequence}; {overlap}"
 
     def _print_summary(self, result: TrainResult) -> None:
         lines = [f"done: {result.step} steps in {result.wall_time_s:.0f} s ({result.skipped_steps} skipped)"]
@@ -527,10 +661,12 @@ class Trainer:
             e = result.final_eval
             lines.append(
                 f"held-out: loss {e['eval_loss']:.4f}, token accuracy {e['eval_token_accuracy']:.4f}, "
-                f"exact match {e['eval_exact_match']:.4f}"
+                f"exact match {e['eval_exact_match']:.4f}, BLEU {e['eval_bleu']:.2f}"
             )
+        if result.reconstructions:
+            lines.append("held-out samples, as the model saw them, and their reconstructions:")
         for original, reconstructed in result.reconstructions:
-            lines.append(f"  text:          {original}")
+            lines.append(f"  input:         {original}")
             lines.append(f"  reconstructed: {reconstructed}")
         if result.checkpoint:
             lines.append(f"checkpoint: {result.checkpoint}")
@@ -539,31 +675,32 @@ class Trainer:
 
 @dataclass
 class _Window:
-    """Statistics accumulated between two log lines.  Throughput counts every step; loss,
-    accuracy and exact match count only the steps whose loss was finite (the others were
-    skipped and would turn the window's means into NaN)."""
+    """Statistics accumulated between two log lines. Throughput counts every step (host numbers);
+    loss, accuracy and exact match (this rank's, on the device) count only the steps that were
+    applied (a skipped step's non-finite loss would turn the window's means into NaN)."""
 
+    stats: torch.Tensor  # [NUM_STATS] float64 on the training device
     steps: int = 0
     seconds: float = 0.0
     tokens_processed: float = 0.0
     samples_processed: float = 0.0
-    loss_sum: float = 0.0
-    tokens: float = 0.0
-    correct: float = 0.0
-    exact: float = 0.0
-    samples: float = 0.0
 
-    def add(self, totals: torch.Tensor, seconds: float, finite: bool) -> None:
+    def add(self, outcome: StepOutcome, seconds: float) -> None:
         self.steps += 1
         self.seconds += seconds
-        self.tokens_processed += totals[TOKENS].item()
-        self.samples_processed += totals[SAMPLES].item()
-        if finite:
-            self.loss_sum += totals[LOSS_SUM].item()
-            self.tokens += totals[TOKENS].item()
-            self.correct += totals[CORRECT].item()
-            self.exact += totals[EXACT].item()
-            self.samples += totals[SAMPLES].item()
+        self.tokens_processed += outcome.tokens
+        self.samples_processed += outcome.samples
+        if outcome.applied:
+            self.stats += outcome.stats
+
+
+@dataclass
+class StepOutcome:
+    stats: torch.Tensor  # this rank's [NUM_STATS] statistics of the step, on the device
+    applied: bool  # False: DeepSpeed skipped a non-finite update
+    stop: bool  # some rank received SIGTERM / SIGINT
+    tokens: float  # non-pad tokens of the step's global batch
+    samples: int  # samples of the step's global batch
 
 
 def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> TrainResult:

@@ -104,7 +104,7 @@ def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"parallel-latent: error: {config}: model.dropuot: unknown key, did you mean 'dropout'? (known: d_model, "
         "n_heads, n_encoder_layers, n_decoder_layers, mlp_ratio, max_length, dropout, init_std, vocab_size, "
-        "mask_token_id, pad_token_id, activation_checkpointing)"
+        "mask_token_id, pad_token_id, activation_checkpointing, head)"
     ]
     assert not run_dir.exists()
 
@@ -249,6 +249,11 @@ BAD_PATHS = [
     (["inspect", "{dir}"], "no complete training checkpoint here"),
     (["reshard", "{file}"], "is a file; expected a checkpoint"),
     (["reshard", "{dir}"], "no complete training checkpoint here"),
+    (["prepare", "--config", "{dir}"], "cannot read config file"),
+    (["prepare", "--config", "{missing}"], "config file not found"),
+    (["prepare", "--config", "CONFIG", "data.path={dir}"], "{dir}: directory contains no"),
+    (["prepare", "--config", "CONFIG", "data.path={missing}"], "{missing}: data path does not exist"),
+    (["prepare", "--config", "CONFIG", "data.cache_dir={file}"], "{file}: cannot create the data cache directory"),
 ]
 
 

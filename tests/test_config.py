@@ -61,8 +61,9 @@ def test_tiny_yaml_loads_with_demo_values():
         64,
     )
     assert (cfg.parallel.tensor_parallel, cfg.parallel.zero_stage) == (2, 2)
-    assert cfg.training.max_steps == 700 and cfg.training.micro_batch_size == 16
-    assert cfg.optimizer.lr == 3e-3 and cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.training.max_steps == 500 and cfg.training.micro_batch_size == 16
+    assert cfg.optimizer.lr == 2.5e-3 and cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.model.head == "tied" and cfg.training.eval_batches == 7
     assert cfg.training.log_every == 10 and cfg.training.eval_every == 100
     assert cfg.logging.run_dir == "runs/tiny"
 
@@ -115,7 +116,7 @@ def test_unknown_section():
         ("model", "d_model", "64", "model.d_model: expected int, got str '64'"),
         ("model", "d_model", True, "model.d_model: expected int, got bool True"),
         ("model", "d_model", 64.0, "model.d_model: expected int, got float 64.0"),
-        ("model", "dropout", "0.1", "model.dropout: expected float, got str '0.1'"),
+        ("model", "dropout", "a tenth", "model.dropout: expected float, got str 'a tenth'"),
         ("model", "dropout", False, "model.dropout: expected float, got bool False"),
         (
             "model",
@@ -130,7 +131,7 @@ def test_unknown_section():
             "training",
             "precision",
             "fp8",
-            "training.precision: 'fp8' is not one of fp32, bf16, fp16",
+            "training.precision: 'fp8' is not one of fp32, bf16, fp16, fp64",
         ),
         (
             "schedule",
@@ -138,7 +139,7 @@ def test_unknown_section():
             "exp",
             "schedule.decay: 'exp' is not one of cosine, constant, linear",
         ),
-        ("data", "format", "csv", "data.format: 'csv' is not one of auto, text, jsonl"),
+        ("data", "format", "xml", "data.format: 'xml' is not one of auto, text, jsonl, parquet, csv"),
         ("data", "sample_unit", "word", "data.sample_unit: 'word' is not one of line, paragraph"),
         ("parallel", "backend", "mpi", "parallel.backend: 'mpi' is not one of auto, gloo, nccl"),
         ("training", "device", "tpu", "training.device: 'tpu' is not one of auto, cpu, cuda"),
@@ -381,3 +382,28 @@ def test_global_batch_size_must_match_the_world():
     assert message.startswith("configs/tiny.yaml: training.global_batch_size=64 != ")
     assert "micro_batch_size=16" in message and "grad_accum_steps=2" in message
     assert "data-parallel size 4" in message and message.endswith("= 128")
+
+
+@pytest.mark.parametrize("written", ["5e-3", "1e-4", "3E-5", "2.5E+1", ".5", "7"])
+def test_floats_as_people_write_them(tmp_path, written):
+    """YAML 1.1 (PyYAML) reads 5e-3 as a string; wherever a float is expected it is the number,
+    in a file and on the command line."""
+    path = write_yaml(tmp_path, f"optimizer:\n  lr: {written}\n  eps: {written}\n")
+    from_file = load_config(path)
+    assert from_file.optimizer.lr == from_file.optimizer.eps == float(written)
+    overridden = load_config(TINY, [f"optimizer.lr={written}", f"model.init_std={written}"])
+    assert overridden.optimizer.lr == overridden.model.init_std == float(written)
+
+
+@pytest.mark.parametrize("written", ["1e-3x", "inf", "nan", "1_000", "five"])
+def test_strings_that_are_not_numbers_stay_errors(written):
+    message = config_error({"optimizer": {"lr": written}})
+    assert f"optimizer.lr: expected float, got str '{written}'" in message
+
+
+def test_floats_inside_lists_too():
+    assert load_config(TINY, ["optimizer.betas=[9E-1, 9.5e-1]"]).optimizer.betas == [0.9, 0.95]
+
+
+def test_an_integer_key_does_not_take_a_float_literal():
+    assert "training.max_steps: expected int, got str '1e3'" in config_error({"training": {"max_steps": "1e3"}})

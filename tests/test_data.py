@@ -1,4 +1,5 @@
-"""Corpus reading, tokenisation to fixed length, held-out split, DP-sharded sampling."""
+"""Corpus reading, tokenisation to fixed length, held-out split, DP-sharded sampling (the in-memory
+reader, the lazy split and sampler; preparation is tested in tests/data/)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,21 @@ import operator
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from parallel_latent.config import Config, TokenizerConfig, config_from_dict
 from parallel_latent.data import (
     DataError,
+    DatasetView,
+    HeldOutSplit,
+    KeyedPermutation,
     ShardedBatchSampler,
-    TokenizedDataset,
     build_datasets,
     bundled_corpus_path,
     get_batch,
     read_samples,
-    split_indices,
     tokenize_samples,
 )
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
@@ -146,7 +149,16 @@ def test_empty_corpus(tmp_path):
 
 def test_directory_without_data_files(tmp_path):
     (tmp_path / "readme.md").write_text("x")
-    assert data_error(tmp_path) == f"{tmp_path}: directory contains no *.txt or *.jsonl files"
+    (tmp_path / "empty.txt").write_text("")  # an empty file holds no samples: left out
+    assert data_error(tmp_path) == f"{tmp_path}: directory contains no *.txt, *.jsonl, *.parquet or *.csv files"
+    assert data_error(tmp_path, format="jsonl") == f"{tmp_path}: directory contains no *.jsonl files"
+
+
+def test_binary_file(tmp_path):
+    # UTF-16 text is valid UTF-8 byte by byte, but full of NUL bytes.
+    path = tmp_path / "utf16.txt"
+    path.write_bytes("hi there\n".encode("utf-16-le"))
+    assert data_error(path) == f"{path}: binary data (NUL byte at offset 1), not UTF-8 text"
 
 
 @pytest.mark.parametrize(
@@ -215,29 +227,43 @@ def test_get_batch():
 
 
 # --------------------------------------------------------------------------- #
-# Held-out split.
+# Held-out split: a fixed keyed permutation, nothing per sample in memory.
 # --------------------------------------------------------------------------- #
 
 
+def test_keyed_permutation_is_a_bijection_for_every_size():
+    for n in (1, 2, 3, 5, 16, 17, 1000, 4097):
+        values = KeyedPermutation(n, key=99)(np.arange(n))
+        assert sorted(values.tolist()) == list(range(n)), n
+    perm = KeyedPermutation(1000, key=7)
+    assert perm(np.arange(1000)).tolist() != list(range(1000))
+    assert perm([5, 3]).tolist() == [perm([5])[0], perm([3])[0]]  # a pure function of the position
+    assert perm(np.arange(1000)).tolist() != KeyedPermutation(1000, key=8)(np.arange(1000)).tolist()
+    with pytest.raises(IndexError):
+        perm([1000])
+
+
 def test_split_is_deterministic_disjoint_and_complete():
-    train, held_out = split_indices(1000, eval_fraction=0.05, min_eval_samples=16)
-    assert (train, held_out) == split_indices(1000, eval_fraction=0.05, min_eval_samples=16)
+    split = HeldOutSplit(1000, eval_fraction=0.05, min_eval_samples=16)
+    held_out = split.held_out_rows(np.arange(split.num_eval)).tolist()
+    train = split.train_rows(np.arange(split.num_train)).tolist()
+    again = HeldOutSplit(1000, eval_fraction=0.05, min_eval_samples=16)
+    assert again.held_out_rows(np.arange(50)).tolist() == held_out
     assert len(held_out) == 50 and len(train) == 950
     assert sorted(train + held_out) == list(range(1000))
-    assert train == sorted(train) and held_out == sorted(held_out)
-    assert held_out != list(range(50))  # shuffled, not the head of the file
+    assert sorted(held_out) != list(range(50))  # shuffled, not the head of the file
 
 
 def test_split_sizes():
-    assert len(split_indices(100, 0.02, 16)[1]) == 16  # the minimum wins
-    assert len(split_indices(101, 0.5, 0)[1]) == 51  # rounded up
-    assert split_indices(10, 0.0, 0) == (list(range(10)), [])
-    assert len(split_indices(17, 0.0, 16)[0]) == 1
+    assert HeldOutSplit(100, 0.02, 16).num_eval == 16  # the minimum wins
+    assert HeldOutSplit(101, 0.5, 0).num_eval == 51  # rounded up
+    assert HeldOutSplit(10, 0.0, 0).num_eval == 0
+    assert HeldOutSplit(17, 0.0, 16).num_train == 1
 
 
 def test_split_too_small_is_a_clear_error():
     with pytest.raises(DataError) as caught:
-        split_indices(16, 0.02, 16, source="tiny.txt")
+        HeldOutSplit(16, 0.02, 16, source="tiny.txt")
     assert str(caught.value) == (
         "tiny.txt: corpus of 16 samples is too small to hold out 16 for evaluation and still "
         "train (data.eval_fraction=0.02, data.min_eval_samples=16)"
@@ -246,26 +272,31 @@ def test_split_too_small_is_a_clear_error():
 
 def test_build_datasets(tokenizer, tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_text("\n".join(f"Sentence number {i} of the test corpus." for i in range(200)))
-    cfg = config_from_dict(
-        {
-            "data": {"path": str(path), "eval_fraction": 0.1, "min_eval_samples": 4},
-            "model": {"max_length": 6},
-        }
-    )
+    texts = [f"Sentence number {i} of the test corpus." for i in range(200)]
+    path.write_text("\n".join(texts))
+    overrides = {"path": str(path), "eval_fraction": 0.1, "min_eval_samples": 4, "cache_dir": str(tmp_path / "c")}
+    cfg = config_from_dict({"data": overrides, "model": {"max_length": 6}})
     cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
     train, held_out = build_datasets(cfg, tokenizer)
-    assert isinstance(train, TokenizedDataset)
+    assert isinstance(train, DatasetView) and isinstance(held_out, DatasetView)
     assert (len(train), len(held_out)) == (180, 20)
-    assert train.input_ids.shape == (180, 6) and held_out.input_ids.shape == (20, 6)
-    assert not set(train.texts) & set(held_out.texts)
-    assert build_datasets(cfg, tokenizer)[1].texts == held_out.texts  # deterministic
-    assert held_out.num_truncated == 20  # every sample is longer than 6 tokens
+    batch = get_batch(train, list(range(180)))
+    assert batch["input_ids"].shape == (180, 6) and batch["input_ids"].dtype == torch.long
+    assert get_batch(held_out, torch.arange(20))["attention_mask"].shape == (20, 6)
+    # Texts as the model saw them: the first 6 tokens, decoded.
+    reference = tokenize_samples(texts, tokenizer, 6, cfg.model.pad_token_id)
+    seen = {tokenizer.decode(row.tolist()) for row in reference.input_ids}
+    assert set(train.texts) | set(held_out.texts) == seen and not set(train.texts) & set(held_out.texts)
+    assert list(build_datasets(cfg, tokenizer)[1].texts) == list(held_out.texts)  # deterministic
+    assert held_out.truncated_at(range(20)).all()  # every sample is longer than 6 tokens
+    rows = np.concatenate([train.rows(range(180)), held_out.rows(range(20))])
+    assert sorted(rows.tolist()) == list(range(200))
 
-    capped = config_from_dict({"data": {"path": str(path), "max_samples": 50}})
+    capped = config_from_dict({"data": {**overrides, "max_samples": 50, "eval_fraction": 0.02, "min_eval_samples": 16}})
     train, held_out = build_datasets(capped, tokenizer)
     assert (len(train), len(held_out)) == (34, 16)
-    assert train.input_ids.shape[1] == 32
+    assert get_batch(train, [0])["input_ids"].shape[1] == 32
+    assert max(train.rows(range(34)).max(), held_out.rows(range(16)).max()) < 50  # the first 50 samples
 
 
 def test_build_datasets_on_the_bundled_corpus(tokenizer):
@@ -273,9 +304,11 @@ def test_build_datasets_on_the_bundled_corpus(tokenizer):
     train, held_out = build_datasets(cfg, tokenizer)
     assert len(train) + len(held_out) == len(read_samples(""))
     assert len(held_out) == max(16, math.ceil(0.02 * len(read_samples(""))))
-    assert (train.input_ids[train.attention_mask == 0] == cfg.model.pad_token_id).all()
+    batch = get_batch(train, range(len(train)))
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == cfg.model.pad_token_id).all()
     # Most samples fit in T=32 tokens.
-    assert train.num_truncated < 0.3 * len(train)
+    assert train.truncated_at(range(len(train))).sum() < 0.3 * len(train)
+    assert train.data.num_truncated == int(np.asarray(train.data.truncated).sum())
 
 
 # --------------------------------------------------------------------------- #
@@ -294,8 +327,11 @@ def test_dp_ranks_get_disjoint_batches_covering_the_epoch():
     assert all(len(indices) == 4 * 8 for indices in per_rank)  # 100 // 24 = 4 batches each
     flat = functools.reduce(operator.iadd, per_rank, [])
     assert len(set(flat)) == len(flat) == 96
-    epoch_order = torch.randperm(100, generator=torch.Generator().manual_seed(5)).tolist()
+    epoch_order = samplers[0].epoch_order(0, np.arange(100)).tolist()
+    assert sorted(epoch_order) == list(range(100))
     assert sorted(flat) == sorted(epoch_order[:96])
+    # Rank r's micro-batch b holds positions (b * dp_size + r) * batch_size ... of the epoch order.
+    assert samplers[1].batch_at(0, 2) == epoch_order[(2 * 3 + 1) * 8 : (2 * 3 + 2) * 8]
 
 
 def test_same_dp_rank_gets_identical_batches():
@@ -305,13 +341,15 @@ def test_same_dp_rank_gets_identical_batches():
     assert take(first, 20) == take(second, 20)
 
 
-def test_order_is_a_function_of_seed_plus_epoch():
+def test_order_is_a_function_of_seed_and_epoch():
     sampler = ShardedBatchSampler(64, 4, seed=10)
     flat = functools.reduce(operator.iadd, sampler.epoch_batches(0), [])
-    assert flat == torch.randperm(64, generator=torch.Generator().manual_seed(10)).tolist()
-    assert sampler.epoch_batches(2) == ShardedBatchSampler(64, 4, seed=11).epoch_batches(1)
+    assert sorted(flat) == list(range(64)) and flat != list(range(64))
+    assert sampler.epoch_batches(3) == ShardedBatchSampler(64, 4, seed=10).epoch_batches(3)
     assert sampler.epoch_batches(0) != sampler.epoch_batches(1)
     assert sampler.epoch_batches(0) != ShardedBatchSampler(64, 4, seed=99).epoch_batches(0)
+    # Seed and epoch do not simply add up: seed 11's epoch 1 is not seed 10's epoch 2.
+    assert sampler.epoch_batches(2) != ShardedBatchSampler(64, 4, seed=11).epoch_batches(1)
 
 
 def test_global_batches_do_not_depend_on_the_dp_split():

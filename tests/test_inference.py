@@ -9,9 +9,12 @@ from parallel_latent.api import TextAutoencoder
 from parallel_latent.checkpoint import save_portable
 from parallel_latent.cli import main
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
+from parallel_latent.data import tokenize_samples
 from parallel_latent.inference import evaluate_texts
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.quality import corpus_bleu, detokenize
+from tests.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
 
@@ -26,8 +29,6 @@ def checkpoint(tmp_path_factory):
     cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
     model = build_model(cfg)
     # A few steps on the texts so the decoder's output is not constant.
-    from parallel_latent.data import tokenize_samples
-
     batch = tokenize_samples(TEXTS, tokenizer, cfg.model.max_length, cfg.model.pad_token_id)
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3)
     for _ in range(5):
@@ -72,3 +73,90 @@ def test_decode_rejects_a_wrong_file(checkpoint, tmp_path, capsys):
     assert main(["decode", "--checkpoint", str(directory), str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a readable latents file" in err[0]
+
+
+def test_evaluate_reports_bleu_of_reconstructions_against_what_the_model_saw(checkpoint, tmp_path, capsys):
+    """Another corpus (out of domain, one line cut at max_length) through --data: BLEU is corpus BLEU
+    of what reconstruct returns against the texts as far as the model saw them."""
+    directory, model, tokenizer = checkpoint
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Stocks rallied on Tuesday as technology shares rose for a third day in a row on strong earnings.",
+    ]
+    data = tmp_path / "news.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert main(["evaluate", "--checkpoint", str(directory), "--data", str(data)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    autoencoder = TextAutoencoder(model, tokenizer)
+    batch = tokenize_samples(texts, tokenizer, model.model_cfg.max_length, model.model_cfg.pad_token_id)
+    seen = detokenize(tokenizer, batch.input_ids, batch.attention_mask)
+    assert seen[0] == texts[0] and texts[1].startswith(seen[1]) and seen[1] != texts[1]
+    assert (got["samples"], got["truncated"]) == (2, 1)
+    assert got["bleu"] == corpus_bleu(autoencoder.reconstruct(texts), seen)
+
+
+# --------------------------------------------------------------------------- #
+# The Python text API at TP=2: every rank of the group calls it with the same texts.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    from tests.distributed import DistributedPool
+
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+def text_api_at_tp2(directory: str, texts: list[str]):
+    from parallel_latent.parallel import initialize_model_parallel
+
+    state = initialize_model_parallel(2)
+    autoencoder = TextAutoencoder.from_checkpoint(directory, tp_group=state.tp_group)
+    latents = autoencoder.encode(texts)
+    return (
+        latents.latents,
+        latents.attention_mask,
+        autoencoder.decode_ids(latents.latents, latents.attention_mask),
+        autoencoder.decode(latents),
+        autoencoder.reconstruct(texts),
+    )
+
+
+def test_text_api_round_trip_in_one_process_and_at_tp2(checkpoint, pool2):
+    directory, _, _ = checkpoint
+    single = TextAutoencoder.from_checkpoint(directory)
+    latents = single.encode(TEXTS)
+    assert latents.truncated.tolist() == [False, False, False]
+    assert single.decode(latents) == single.reconstruct(TEXTS)
+    with torch.no_grad():
+        logits = single.model.decoder(latents.latents)[..., : single.model.model_cfg.vocab_size]
+    cfg = single.model.model_cfg
+    k = autoencoder_reduction_length(cfg, 3 * cfg.max_length, 2)
+    latents_bound = order_bound(k, terms_scale(max_abs([latents.latents]), k))
+    logits_bound = order_bound(k, terms_scale(max_abs([logits]), k))
+    top2 = logits.topk(2, dim=-1).values
+    decided = ((top2[..., 0] - top2[..., 1]) > 2 * logits_bound) | (latents.attention_mask == 0)
+
+    results = pool2.run(text_api_at_tp2, str(directory), TEXTS)
+    for rank, (tp_latents, mask, ids, decoded, reconstructed) in enumerate(results):
+        # Encode then decode is reconstruct, on every rank, and every rank gets the same answer.
+        assert decoded == reconstructed, f"rank {rank}"
+        assert torch.equal(tp_latents, results[0][0]) and decoded == results[0][3], f"rank {rank}"
+        # The same model as in one process: latents within the summation-order bound, and the same
+        # tokens wherever the choice is decided (all of them for this checkpoint, in practice).
+        assert torch.equal(mask, latents.attention_mask)
+        assert (tp_latents - latents.latents).abs().max().item() <= latents_bound
+        assert torch.equal(ids[decided], single.decode_ids(latents.latents, latents.attention_mask)[decided])
+        if bool(decided.all()):
+            assert decoded == single.decode(latents)
+
+
+def test_the_text_api_is_importable_from_the_package():
+    import parallel_latent
+    from parallel_latent import api
+
+    assert parallel_latent.TextAutoencoder is api.TextAutoencoder and parallel_latent.Latents is api.Latents
+    with pytest.raises(AttributeError):
+        parallel_latent.NoSuchThing  # noqa: B018

@@ -110,10 +110,19 @@ def test_slurm_script_with_stand_in_srun(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
-    """benchmarks/gpu.sh end to end (ALLOW_CPU=1, shrunk model): trains, then prints tokens/s
-    and MFU from the run's metrics."""
+    """benchmarks/gpu.sh end to end (ALLOW_CPU=1, shrunk model, a 2-setting matrix): every setting
+    trains in bf16 with dropout on, then one line each and a table of tokens/s, MFU, peak memory."""
     env = rank_env(
-        {"ALLOW_CPU": "1", "STEPS": "4", "LOG_EVERY": "2", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+        {
+            "ALLOW_CPU": "1",
+            "STEPS": "4",
+            "LOG_EVERY": "2",
+            "PYTHON": sys.executable,
+            "TMPDIR": str(tmp_path),
+            "DROPOUTS": "0.1",
+            "MICRO_BATCHES": "4",
+            "ZERO_STAGES": "1 2",
+        }
     )
     shrink = [
         "model.d_model=32",
@@ -124,7 +133,6 @@ def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
         "feature_model.n_embd=32",
         "feature_model.n_head=4",
         "feature_model.n_layer=3",
-        "training.micro_batch_size=4",
         "data.max_samples=400",
     ]
     result = subprocess.run(
@@ -137,6 +145,21 @@ def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
         check=False,
     )
     assert result.returncode == 0, describe(result)
-    summary = result.stdout.strip().splitlines()[-1]
-    assert summary.startswith("gpt2.yaml, bf16, steps 3-4:") and "tokens/s" in summary and "MFU" in summary
+    lines = result.stdout.strip().splitlines()
+    runs = [line for line in lines if line.startswith("gpt2.yaml, bf16, dropout=0.1, micro_batch_size=4")]
+    assert len(runs) == 2 and all("steps 3-4:" in line and "tokens/s" in line and "MFU" in line for line in runs)
+    assert lines[-3].split() == [
+        "dropout",
+        "micro",
+        "ZeRO",
+        "tokens/s",
+        "step",
+        "ms",
+        "MFU",
+        "%",
+        "peak",
+        "GiB",
+        "switch",
+    ]
+    assert [line.split()[:3] for line in lines[-2:]] == [["0.1", "4", "1"], ["0.1", "4", "2"]]
     assert not list(tmp_path.glob("parallel-latent-gpu-bench.*"))  # cleaned up

@@ -32,9 +32,9 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,10 +42,8 @@ import pytest
 import torch
 
 from parallel_latent.config import load_config
-from tests.distributed import free_port
 from tests.tp_compare import autoencoder_reduction_length, order_bound
 from tests.trainer_runs import (
-    REPO,
     TINY,
     TINY_CONFIG,
     cli_command,
@@ -55,6 +53,7 @@ from tests.trainer_runs import (
     rank_env,
     rank_pids,
     run,
+    run_two_nodes,
     torchrun_command,
     train_args,
     train_records,
@@ -74,6 +73,10 @@ RECIPE = [
     "checkpoint.save_every=5",
     "training.eval_every=5",
 ]
+
+
+# TP=2 x DP=1 at ZeRO-2 with the reference's global batch.
+TP2_ZERO2 = ["parallel.tensor_parallel=2", "parallel.zero_stage=2", "training.micro_batch_size=8"]
 
 
 def curve_bound(step: int) -> float:
@@ -166,6 +169,31 @@ def test_reconstruct_reads_what_training_saved(run_a):
     assert "reconstructed:" in result.stdout
 
 
+def test_resuming_another_model_is_one_line_and_keeps_the_checkpoint(run_a, tmp_path):
+    """A training checkpoint made for another model (here: another vocabulary head) stops the run
+    with one line naming the key, exit 2, and the checkpoint is left as it was."""
+    run_dir = tmp_path / "other"
+    latest = run_a / "checkpoints" / f"step_{STEPS:08d}"
+    before = sorted(p.relative_to(run_a) for p in run_a.rglob("*"))
+    result = run(
+        cli_command(
+            run_dir,
+            *RECIPE,
+            "parallel.tensor_parallel=1",
+            "parallel.zero_stage=2",
+            "training.micro_batch_size=8",
+            "model.head=normal",
+            f"checkpoint.resume={latest}",
+        ),
+        timeout=300,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("parallel-latent: error:")]
+    assert result.returncode == 2 and len(errors) == 1, describe(result)
+    assert "config mismatch: model.head is 'tied' in the checkpoint but 'normal' in the model" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert sorted(p.relative_to(run_a) for p in run_a.rglob("*")) == before
+
+
 def test_from_checkpoint_accepts_every_path_the_cli_accepts(run_a, tmp_path):
     """A run directory, its checkpoints directory, a step directory, the portable weights inside it
     and a consolidated copy all load the same model, with the run's tokenizer."""
@@ -184,25 +212,81 @@ def test_from_checkpoint_accepts_every_path_the_cli_accepts(run_a, tmp_path):
         assert torch.equal(latents, results[0][0]) and decoded == results[0][1]
 
 
-def test_tp2_via_nproc_matches_tp1(run_a, tmp_path):
-    """TP=2 x DP=1 (the CLI re-executing itself under torchrun) = TP=1 x DP=1, ZeRO-2; and
-    DeepSpeed's reported gradient norm agrees: replicated parameters are counted once."""
-    run_dir = tmp_path / "B"
+@pytest.fixture(scope="module")
+def run_b(tmp_path_factory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("B") / "run"
     result = run(
         cli_command(
             run_dir,
             *RECIPE,
-            "parallel.tensor_parallel=2",
-            "parallel.zero_stage=2",
-            "training.micro_batch_size=8",
+            *TP2_ZERO2,
             "model.activation_checkpointing=true",
+            "parallel.sequence_parallel=false",
             nproc=2,
         ),
         timeout=300,
     )
     assert result.returncode == 0, describe(result)
+    return run_dir, result.stdout
+
+
+def test_tp2_via_nproc_matches_tp1(run_a, run_b):
+    """TP=2 x DP=1 (the CLI re-executing itself under torchrun) = TP=1 x DP=1, ZeRO-2; and
+    DeepSpeed's reported gradient norm agrees: replicated parameters are counted once. The frozen
+    feature pass is split over the two ranks (the default)."""
+    run_dir, stdout = run_b
+    assert "frozen feature pass split over the TP group" in stdout
     assert_trained(run_dir)
     assert_same_curve(run_dir, run_a)
+
+
+def test_sequence_parallel_matches_tp1(run_a, tmp_path):
+    """TP=2 with sequence parallelism and dropout on, ZeRO-2: the gradients of the parameters used
+    on half the positions (LayerNorms, biases, positions) are summed over the TP group before
+    DeepSpeed reduces them, and the run is the single-process run."""
+    run_dir = tmp_path / "G"
+    result = run(
+        cli_command(
+            run_dir,
+            *RECIPE,
+            *TP2_ZERO2,
+            "parallel.sequence_parallel=true",
+            "parallel.tp_overlap_comm=false",
+            nproc=2,
+        ),
+        timeout=300,
+    )
+    assert result.returncode == 0, describe(result)
+    assert "sequence parallel; backward collective not overlapped" in result.stdout
+    assert_trained(run_dir)
+    assert_same_curve(run_dir, run_a)
+
+
+def test_a_checkpoint_saved_without_sequence_parallelism_resumes_with_it(run_b, tmp_path):
+    """B's step-5 checkpoint (no sequence parallelism) resumed with it on: steps 6-10 are B's."""
+    source, _ = run_b
+    resumed = tmp_path / "resumed"
+    tag = "step_00000005"
+    shutil.copytree(source / "checkpoints" / tag, resumed / "checkpoints" / tag)
+    (resumed / "checkpoints" / "latest").write_text(tag + "\n")
+    result = run(
+        cli_command(
+            resumed,
+            *RECIPE,
+            *TP2_ZERO2,
+            "parallel.sequence_parallel=true",
+            nproc=2,
+        ),
+        timeout=300,
+    )
+    assert result.returncode == 0, describe(result)
+    assert "at step 5" in result.stdout and "resharded" not in result.stdout
+    mine, theirs = train_records(resumed), {r["step"]: r for r in train_records(source)}
+    assert [r["step"] for r in mine] == list(range(6, STEPS + 1))
+    for record in mine:
+        step = record["step"]
+        assert (record["tokens"], record["samples"]) == (theirs[step]["tokens"], theirs[step]["samples"])
+        assert abs(record["loss"] - theirs[step]["loss"]) <= curve_bound(step) * abs(theirs[step]["loss"])
 
 
 def test_gradient_accumulation_matches_the_doubled_micro_batch(run_a, tmp_path):
@@ -248,7 +332,6 @@ def test_two_nodes_on_one_machine(run_a, tmp_path):
     checkpointing, that trains, checkpoints and reproduces the single-process reference. (ZeRO-3
     trains, resumes and reshards in tests/checkpoint/test_trainer_resume.py; fp64 needs ZeRO 1-2.)"""
     run_dir = tmp_path / "D"
-    port = free_port()
     overrides = train_args(
         run_dir,
         *RECIPE,
@@ -257,32 +340,7 @@ def test_two_nodes_on_one_machine(run_a, tmp_path):
         "training.micro_batch_size=4",
         "model.activation_checkpointing=true",
     )[3:]  # drop "train --config FILE"
-    env = rank_env(
-        {
-            "NNODES": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "NPROC_PER_NODE": "2",
-            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        }
-    )
-    agents = [
-        subprocess.Popen(
-            ["bash", str(REPO / "launch" / "torchrun_multi_node.sh"), str(TINY_CONFIG), *overrides],
-            cwd=REPO,
-            env={**env, "NODE_RANK": str(node)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [agent.communicate(timeout=360)[0] for agent in agents]
-    finally:
-        for agent in agents:
-            kill_tree(agent)
+    agents, outputs = run_two_nodes(overrides)
     for node, (agent, output) in enumerate(zip(agents, outputs, strict=True)):
         assert agent.returncode == 0, f"node {node}: exit {agent.returncode}\n{output[-5000:]}"
     assert "4 rank(s) = TP 2 x DP 2, ZeRO stage 1" in "".join(outputs)  # rank 0 is on either node

@@ -16,6 +16,7 @@ from parallel_latent.engine import deepspeed_config, lr_factor, merge_overrides,
 from parallel_latent.metrics import (
     PEAK_FLOPS_ENV,
     MetricsLogger,
+    gpu_peak_flops,
     model_flops_per_sample,
     peak_flops_per_device,
     read_metrics,
@@ -74,10 +75,20 @@ def test_deepspeed_overrides_merge_deeply():
     assert ds["zero_optimization"] == {
         "stage": 2,
         "contiguous_gradients": True,
-        "overlap_comm": False,
+        "overlap_comm": False,  # auto: off on CPU
         "reduce_bucket_size": 123,
+        "allgather_bucket_size": 50_000_000,
     }
     assert ds["steps_per_print"] == 5
+    assert ds["timers"] == {"throughput": {"enabled": False, "synchronized": False}}  # no device syncs
+    tuned = deepspeed_config(
+        cfg_with(parallel={"zero_overlap_comm": "on", "reduce_bucket_size": 1000, "allgather_bucket_size": 2000}), 1
+    )
+    assert tuned["zero_optimization"]["overlap_comm"] is True
+    assert (tuned["zero_optimization"]["reduce_bucket_size"], tuned["zero_optimization"]["allgather_bucket_size"]) == (
+        1000,
+        2000,
+    )
     base = {"a": {"b": 1}}
     assert merge_overrides(base, {"a": {"c": 2}}) == {"a": {"b": 1, "c": 2}} and base == {"a": {"b": 1}}
 
@@ -119,10 +130,12 @@ def test_weight_decay_only_on_matrices():
 # --------------------------------------------------------------------------- #
 
 
-def test_flop_formula_matches_the_real_models_forward_matmuls():
+@pytest.mark.parametrize(("head", "head_rows"), [("normal", 1024), ("tied", 1000)])
+def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows):
     """The docstring formula counts the linear-layer FLOPs that torch's FlopCounterMode measures
     on the real model (TP=1, train mode so the query MLP runs on [B, T, d]).  The counter does not
-    see the fused CPU attention kernel, and the model's head is padded to 1024 rows here."""
+    see the fused CPU attention kernel; the normal head is padded to 1024 rows here, the tied one
+    multiplies the 1000 rows of the token table only."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from parallel_latent.model import build_model
@@ -139,6 +152,7 @@ def test_flop_formula_matches_the_real_models_forward_matmuls():
                 "mask_token_id": 998,
                 "pad_token_id": 999,
                 "dropout": 0.1,
+                "head": head,
             },
             "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32},
         }
@@ -149,22 +163,37 @@ def test_flop_formula_matches_the_real_models_forward_matmuls():
     with FlopCounterMode(display=False) as counter:
         model(ids, torch.ones_like(ids))
     parts = model_flops_per_sample(cfg)
-    linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * 1024 / 1000 + parts["gpt2_linear"]
+    linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * head_rows / 1000 + parts["gpt2_linear"]
     assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
-    assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"]
+    # A head tied to the frozen table computes no weight gradient: its backward is one forward's work.
+    tied_frozen = parts["head"] if head == "tied" else 0.0
+    assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"] - tied_frozen
     assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
 
 
 def test_flops_trainable_feature_model_costs_backward_too():
     frozen = model_flops_per_sample(cfg_with())
     trainable = model_flops_per_sample(cfg_with(feature_model={"frozen": False}))
+    # The tied table trains too then: the head costs its full 3x.
     assert trainable["train"] == 3 * (frozen["trainable_forward"] + frozen["frozen_forward"])
 
 
 def test_peak_flops_env_override_and_cpu_assumption(monkeypatch):
     assert peak_flops_per_device("cpu", "fp32", env={PEAK_FLOPS_ENV: "1.5e12"}) == (1.5e12, f"${PEAK_FLOPS_ENV}")
     peak, source = peak_flops_per_device("cpu", "fp32", env={})
-    assert peak == pytest.approx(torch.get_num_threads() * 96e9) and "CPU assumption" in source
+    assert peak == torch.get_num_threads() * 96e9 and "CPU assumption" in source
+    assert peak_flops_per_device("cpu", "fp64", env={})[0] == torch.get_num_threads() * 48e9
+
+
+def test_gpu_peaks_use_the_most_specific_table_row():
+    assert gpu_peak_flops("NVIDIA H200", "bf16") == (989e12, "table: H200 bf16")
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", "bf16")[0] == 989e12
+    # NVL parts have their own dense peaks, not the SXM ones their names contain.
+    assert gpu_peak_flops("NVIDIA H100 NVL", "bf16") == (835e12, "table: H100 NVL bf16")
+    assert gpu_peak_flops("NVIDIA H200 NVL", "bf16")[0] == 835e12
+    assert gpu_peak_flops("NVIDIA H100 PCIe", "bf16")[0] == 756e12
+    assert math.isnan(gpu_peak_flops("Some Future GPU", "bf16")[0])
+    assert math.isnan(gpu_peak_flops("NVIDIA H200", "fp64")[0])  # not in the table: MFU is null, not invented
 
 
 # --------------------------------------------------------------------------- #

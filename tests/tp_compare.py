@@ -124,6 +124,8 @@ def count_collectives(monkeypatch_target=dist):
         "reduce_scatter",
         "broadcast",
         "reduce_scatter_tensor",
+        "all_gather_single",
+        "reduce_scatter_single",
     ):
         fn = getattr(monkeypatch_target, name)
         originals[name] = fn
@@ -141,3 +143,17 @@ def count_collectives(monkeypatch_target=dist):
             setattr(monkeypatch_target, name, fn)
 
     return log, restore
+
+
+def collectives_of(forward) -> tuple[list, list]:
+    """The collectives (name, numel, op) that ``forward()`` issues, and those of the backward of
+    the scalar it returns."""
+    log, restore = count_collectives()
+    try:
+        loss = forward()
+        forward_log = list(log)
+        log.clear()
+        loss.backward()
+        return forward_log, list(log)
+    finally:
+        restore()

@@ -141,3 +141,38 @@ def kill_tree(process: subprocess.Popen) -> None:
         except (ProcessLookupError, PermissionError):
             process.kill()
     process.wait(timeout=30)
+
+
+def run_two_nodes(overrides: list[str], workdirs: tuple[Path, Path] = (REPO, REPO), timeout: float = 360):
+    """launch/torchrun_multi_node.sh twice, NODE_RANK 0 and 1, 2 ranks each, c10d rendezvous on
+    127.0.0.1: one 4-rank job whose "nodes" may run in different working directories. Returns the
+    agents (finished) and their outputs."""
+    from tests.distributed import free_port
+
+    env = rank_env(
+        {
+            "NNODES": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "NPROC_PER_NODE": "2",
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        }
+    )
+    agents = [
+        subprocess.Popen(
+            ["bash", str(REPO / "launch" / "torchrun_multi_node.sh"), str(TINY_CONFIG), *overrides],
+            cwd=workdir,
+            env={**env, "NODE_RANK": str(node)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node, workdir in enumerate(workdirs)
+    ]
+    try:
+        outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            kill_tree(agent)
+    return agents, outputs

@@ -45,6 +45,15 @@ MANIFEST_NAME = "manifest.json"
 MODEL_PREFIX = "model"
 # Model config keys that do not change the weights: a checkpoint loads whatever they are set to.
 RUNTIME_ONLY_MODEL_KEYS = frozenset({"dropout", "activation_checkpointing", "init_std"})
+# Model config keys added after checkpoints were already written, with the value that the code
+# behaved as before the key existed: such a checkpoint means that value, not today's default.
+MODEL_KEYS_ADDED_LATER = {"head": "normal"}
+
+
+def saved_model_config(manifest: dict) -> dict:
+    """The manifest's model config, with the keys it predates filled in (see MODEL_KEYS_ADDED_LATER)."""
+    saved = manifest.get("model_config") or {}
+    return {**MODEL_KEYS_ADDED_LATER, **saved} if saved else saved
 
 
 # --------------------------------------------------------------------------- #
@@ -506,7 +515,13 @@ class PortableCheckpoint:
 
 def check_model_config(checkpoint: PortableCheckpoint, model: nn.Module) -> None:
     """Fail with the first differing key when the checkpoint was made for another model config."""
-    saved = checkpoint.manifest.get("model_config")
+    compare_model_configs(checkpoint.manifest, model, checkpoint.directory)
+
+
+def compare_model_configs(record: dict, model: nn.Module, where: Path | str) -> None:
+    """``record`` holds the model config a checkpoint was made for (a manifest, or a training
+    checkpoint's state): one line naming the first key that differs from ``model``'s."""
+    saved = saved_model_config(record)
     current = getattr(model, "model_cfg", None)
     if not saved or current is None:
         return
@@ -516,7 +531,7 @@ def check_model_config(checkpoint: PortableCheckpoint, model: nn.Module) -> None
             continue
         if saved.get(key) != current.get(key):
             raise CheckpointError(
-                f"{checkpoint.directory}: config mismatch: model.{key} is {saved.get(key)!r} in "
+                f"{where}: config mismatch: model.{key} is {saved.get(key)!r} in "
                 f"the checkpoint but {current.get(key)!r} in the model"
             )
 
@@ -666,7 +681,7 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
     if not manifest.get("model_config") or not manifest.get("feature_model_config"):
         raise CheckpointError(f"{directory}: the manifest has no model config; not a LatentAutoencoder checkpoint")
     source = f"{directory / MANIFEST_NAME}"
-    model_cfg = build_dataclass(ModelConfig, manifest["model_config"], source, "model_config")
+    model_cfg = build_dataclass(ModelConfig, saved_model_config(manifest), source, "model_config")
     feature_cfg = build_dataclass(FeatureModelConfig, manifest["feature_model_config"], source, "feature_model_config")
     architecture = manifest.get("feature_model_architecture")
     if architecture:

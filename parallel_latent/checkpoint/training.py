@@ -45,7 +45,15 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError
-from .portable import _barrier, _is_global_rank0, _plain, fsync_directory, save_portable, write_json_atomic
+from .portable import (
+    _barrier,
+    _is_global_rank0,
+    _plain,
+    compare_model_configs,
+    fsync_directory,
+    save_portable,
+    write_json_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +391,7 @@ def save_training_checkpoint(
     engine.save_checkpoint(str(checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False)
 
     rng_file = _rng_file(staging, rank)
-    rng_file.parent.mkdir(exist_ok=True)
+    rng_file.parent.mkdir(parents=True, exist_ok=True)
     with open(rng_file, "w", encoding="utf-8") as handle:
         json.dump(capture_rng_state(model), handle)
     if export_portable:
@@ -480,6 +488,8 @@ def load_training_checkpoint(
         client = json.loads((step_dir / CLIENT_STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{step_dir / CLIENT_STATE_FILE}: unreadable ({error})") from None
+    # Another model (e.g. another vocabulary head) would fail deep in DeepSpeed's state-dict load.
+    compare_model_configs({"model_config": (client.get("config") or {}).get("model")}, model, step_dir)
 
     if same_layout:
         with weights_only_loading(engine):

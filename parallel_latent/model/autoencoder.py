@@ -11,8 +11,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
-from parallel_latent.parallel import DropoutRNG, mark_replicated, vocab_parallel_argmax, vocab_parallel_cross_entropy
+from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
+from parallel_latent.parallel import (
+    DropoutRNG,
+    TensorParallelOptions,
+    gather_from_sequence_parallel_region,
+    group_size,
+    mark_replicated,
+    split_along_sequence,
+    split_batch_and_gather,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 
 from .features import FeatureModel
 from .perceiver import LatentDecoder, PerceiverEncoder
@@ -30,12 +40,34 @@ class AutoencoderOutput:
     exact_match: torch.Tensor  # fraction of sequences with every non-pad token right
     num_exact: torch.Tensor  # int: such sequences
     latents: torch.Tensor | None = None
+    predictions: torch.Tensor | None = None  # [B, T] argmax ids, the pad id at pad positions
 
 
 class LatentAutoencoder(nn.Module):
-    def __init__(self, model_cfg: ModelConfig, feature_cfg: FeatureModelConfig, tp_group=None, seed: int = 1234):
+    """The autoencoder of ``model_cfg`` over the feature model of ``feature_cfg``.
+
+    At TP > 1: ``split_feature_model`` runs the frozen feature model on 1/tp of the micro-batch per
+    rank (one all-gather assembles the features; a trainable feature model stays replicated);
+    ``tp_options`` say how the TP regions communicate (sequence parallelism, the backward overlap).
+    None of these changes a parameter: a checkpoint loads with any of them.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        feature_cfg: FeatureModelConfig,
+        tp_group=None,
+        seed: int = 1234,
+        *,
+        split_feature_model: bool = True,
+        tp_options: TensorParallelOptions | None = None,
+    ):
         super().__init__()
         self.model_cfg, self.feature_cfg, self.tp_group = model_cfg, feature_cfg, tp_group
+        options = (tp_options or TensorParallelOptions()).active(tp_group)
+        self.sequence_parallel = options.sequence_parallel
+        # Split only frozen work: a trained feature model would need its gradients back from every rank.
+        self.split_feature_model = split_feature_model and feature_cfg.frozen and group_size(tp_group) > 1
         self.dropout_rng = DropoutRNG(seed=seed)
         # Built on the CPU in a fixed order under fixed seeds, identical at every TP degree (layers
         # draw full master weights, then slice). The Perceiver gets its own seed so its init does not
@@ -45,18 +77,25 @@ class LatentAutoencoder(nn.Module):
             torch.default_generator.manual_seed(seed)
             self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size)
             if self.feature_model.width != model_cfg.d_model:
-                raise ValueError(
+                raise ConfigError(
                     f"feature_model.name_or_path={feature_cfg.name_or_path} has width "
                     f"{self.feature_model.width} but model.d_model={model_cfg.d_model}: they must match"
+                    + (f" (model.head={model_cfg.head} reads its token table)" if model_cfg.head != "normal" else "")
                 )
             torch.default_generator.manual_seed(seed + 1)
-            self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group)
+            self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group, options)
             # The mask vector is the mask row of the feature model's resized token table. That GPT-2
             # was loaded and resized by the same code, under the same seed, so a second load for this
             # one row would give the very same table: it is not loaded twice.
             mask_vector = self.feature_model.token_table[model_cfg.mask_token_id]
             self.decoder = LatentDecoder(
-                model_cfg, mask_vector, self.dropout_rng, tp_group, train_mask_vector=not feature_cfg.frozen
+                model_cfg,
+                mask_vector,
+                self.dropout_rng,
+                tp_group,
+                train_mask_vector=not feature_cfg.frozen,
+                token_embedding=self.feature_model.gpt2.wte,
+                options=options,
             )
         mark_replicated(self)
 
@@ -67,26 +106,50 @@ class LatentAutoencoder(nn.Module):
     def _check_length(self, length: int) -> None:
         if length > self.model_cfg.max_length:
             raise ValueError(f"sequence length {length} exceeds model.max_length={self.model_cfg.max_length}")
+        if self.sequence_parallel and length % group_size(self.tp_group):
+            raise ValueError(
+                f"sequence length {length} is not divisible by tensor_parallel={group_size(self.tp_group)} "
+                "(sequence parallelism): pad to model.max_length"
+            )
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The feature model's output [B, T, f], every row on every rank (computed once per TP
+        group when the pass is split)."""
+        if self.split_feature_model:
+            return split_batch_and_gather(self.feature_model, (input_ids, attention_mask), self.tp_group)
+        return self.feature_model(input_ids, attention_mask)
+
+    def _encode_local(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Latents of this rank's positions (all of them unless sequence parallel)."""
+        self._check_length(input_ids.shape[1])
+        return self.encoder(self.features(input_ids, attention_mask), attention_mask)
+
+    def _whole(self, latents: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence_parallel_region(latents, self.tp_group) if self.sequence_parallel else latents
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Latents [B, T, d] of ``input_ids`` [B, T] (differentiable; wrap in no_grad for inference)."""
-        self._check_length(input_ids.shape[1])
-        features = self.feature_model(input_ids, attention_mask)
-        return self.encoder(features, attention_mask)
+        return self._whole(self._encode_local(input_ids, attention_mask))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T]: argmax over the full vocabulary; the pad id where ``attention_mask`` is 0."""
         self._check_length(latents.shape[1])
+        if self.sequence_parallel:
+            latents = split_along_sequence(latents, self.tp_group)
         ids = vocab_parallel_argmax(self.decoder(latents), self.model_cfg.vocab_size, self.tp_group)
         if attention_mask is not None:
             ids = ids.masked_fill(attention_mask == 0, self.model_cfg.pad_token_id)
         return ids
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, return_latents: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        return_latents: bool = False,
+        return_predictions: bool = False,
     ) -> AutoencoderOutput:
-        latents = self.encode(input_ids, attention_mask)
+        latents = self._encode_local(input_ids, attention_mask)
         logits = self.decoder(latents)  # this rank's vocabulary slice, never gathered
         is_token = attention_mask.bool()
         target = input_ids.masked_fill(~is_token, IGNORE_INDEX)  # every non-pad position is a target
@@ -98,6 +161,11 @@ class LatentAutoencoder(nn.Module):
         num_correct = correct.sum()
         num_exact = (correct | ~is_token).all(dim=1).sum()
         denominator = num_tokens.clamp(min=1)
+        predictions = None
+        if return_predictions:  # what decode() returns, from the same logits (two [B, T] reductions)
+            with torch.no_grad():
+                predictions = vocab_parallel_argmax(logits.detach(), self.model_cfg.vocab_size, self.tp_group)
+            predictions = predictions.masked_fill(~is_token, self.model_cfg.pad_token_id)
         return AutoencoderOutput(
             loss=loss_sum / denominator,
             loss_sum=loss_sum,
@@ -106,10 +174,20 @@ class LatentAutoencoder(nn.Module):
             token_accuracy=num_correct / denominator,
             exact_match=num_exact / max(input_ids.shape[0], 1),
             num_exact=num_exact,
-            latents=latents if return_latents else None,
+            latents=self._whole(latents) if return_latents else None,
+            predictions=predictions,
         )
 
 
 def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
-    """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed."""
-    return LatentAutoencoder(cfg.model, cfg.feature_model, tp_group=tp_group, seed=cfg.training.seed)
+    """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
+    with the parallel options of ``cfg.parallel``."""
+    parallel = cfg.parallel
+    return LatentAutoencoder(
+        cfg.model,
+        cfg.feature_model,
+        tp_group=tp_group,
+        seed=cfg.training.seed,
+        split_feature_model=parallel.split_feature_model,
+        tp_options=TensorParallelOptions(parallel.sequence_parallel, parallel.tp_overlap_comm),
+    )

@@ -96,5 +96,12 @@ class FeatureModel(nn.Module):
         return super().train(mode and not self.frozen)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Features of right-padded ``input_ids``. GPT-2 is causal, so a real token never attends
+        to the padding after it: the padding mask changes only the features at pad positions,
+        which the encoder masks out. GPT-2 gets the plain causal mask instead, ready-made: from a
+        padding mask (or none) transformers derives it with data-dependent checks that read the
+        device on the host at every forward."""
+        length = input_ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril_()[None, None]
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            return self.gpt2(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return self.gpt2(input_ids=input_ids, attention_mask=causal, use_cache=False).last_hidden_state

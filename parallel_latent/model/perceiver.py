@@ -7,9 +7,17 @@ A Perceiver block (pre-LayerNorm, the Perceiver-resampler form)::
 
 Attention and MLP are Megatron-split (two all-reduces forward, two backward per block); the
 LayerNorms, latents, position tables and the query scale are replicated on every TP rank.
+
+With sequence parallelism (``TensorParallelOptions.sequence_parallel``) the stream and the context
+hold this rank's 1/tp of the positions between the TP regions: LayerNorms, residuals, positions and
+dropout run on 1/tp of the activations, and each all-reduce becomes an all-gather at a region's
+entry plus a reduce-scatter at its exit. The parameters used there see only this rank's positions,
+so their gradients are summed over the TP group (``mark_sequence_parallel``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -20,10 +28,20 @@ from parallel_latent.parallel import (
     DropoutRNG,
     ParallelAttention,
     ParallelMLP,
+    TensorParallelOptions,
     VocabParallelHead,
+    copy_to_tp_region,
+    group_rank,
+    group_size,
+    mark_sequence_parallel,
     normal_init,
     scaled_init,
+    scatter_to_sequence_parallel_region,
+    split_along_sequence,
 )
+from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
+
+SINGLE_PROCESS = TensorParallelOptions()
 
 
 def _position_table(length: int, width: int, std: float) -> nn.Parameter:
@@ -32,11 +50,37 @@ def _position_table(length: int, width: int, std: float) -> nn.Parameter:
     return table
 
 
+def _local_rows(length: int, tp_group, sequence_parallel: bool) -> slice:
+    """The positions this rank holds between the regions: all, or its 1/tp under sequence parallelism."""
+    if not sequence_parallel:
+        return slice(0, length)
+    size = group_size(tp_group)
+    if length % size != 0:
+        raise ValueError(f"sequence length {length} is not divisible by tensor_parallel={size} (sequence parallelism)")
+    per_rank = length // size
+    start = group_rank(tp_group) * per_rank
+    return slice(start, start + per_rank)
+
+
+def _mark_sequence_parallel(tp_group, *modules_or_params) -> None:
+    for item in modules_or_params:
+        for param in item.parameters() if isinstance(item, nn.Module) else [item]:
+            mark_sequence_parallel(param, tp_group)
+
+
 class PerceiverBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, num_layers: int, rng: DropoutRNG, tp_group=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_layers: int,
+        rng: DropoutRNG,
+        tp_group=None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
+    ):
         super().__init__()
         d = cfg.d_model
         init, output_init = normal_init(cfg.init_std), scaled_init(cfg.init_std, num_layers)
+        comm = {"sequence_parallel": options.sequence_parallel, "overlap_comm": options.overlap_comm}
         self.ln_query = nn.LayerNorm(d)
         self.ln_context = nn.LayerNorm(d)
         self.attn = ParallelAttention(
@@ -47,6 +91,7 @@ class PerceiverBlock(nn.Module):
             tp_group=tp_group,
             init_method=init,
             output_init_method=output_init,
+            **comm,
         )
         self.ln_mlp = nn.LayerNorm(d)
         self.mlp = ParallelMLP(
@@ -57,7 +102,10 @@ class PerceiverBlock(nn.Module):
             tp_group=tp_group,
             init_method=init,
             output_init_method=output_init,
+            **comm,
         )
+        if options.sequence_parallel:
+            _mark_sequence_parallel(tp_group, self.ln_query, self.ln_context, self.ln_mlp)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(
@@ -73,9 +121,16 @@ class PerceiverStack(nn.Module):
     coordinates), so the trainer must only not advance ``rng.step`` between forward and backward.
     """
 
-    def __init__(self, cfg: ModelConfig, num_layers: int, rng: DropoutRNG, tp_group=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_layers: int,
+        rng: DropoutRNG,
+        tp_group=None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
+    ):
         super().__init__()
-        self.blocks = nn.ModuleList(PerceiverBlock(cfg, num_layers, rng, tp_group) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(PerceiverBlock(cfg, num_layers, rng, tp_group, options) for _ in range(num_layers))
         self.activation_checkpointing = cfg.activation_checkpointing
 
     def forward(self, x, context, context_mask=None):
@@ -96,17 +151,73 @@ class PerceiverEncoder(nn.Module):
     any model trained on the latents, can rely on.
     """
 
-    def __init__(self, cfg: ModelConfig, rng: DropoutRNG, tp_group=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rng: DropoutRNG,
+        tp_group=None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
+    ):
         super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
         self.latents = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
         self.positions = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
-        self.stack = PerceiverStack(cfg, cfg.n_encoder_layers, rng, tp_group)
+        self.stack = PerceiverStack(cfg, cfg.n_encoder_layers, rng, tp_group, options)
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        if self.sequence_parallel:
+            _mark_sequence_parallel(tp_group, self.latents, self.positions, self.ln_f)
 
     def forward(self, features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Latents of this rank's positions (all of them unless sequence parallel)."""
         batch, length, _ = features.shape
-        x = (self.latents[:length] + self.positions[:length]).expand(batch, -1, -1)
+        rows = _local_rows(length, self.tp_group, self.sequence_parallel)
+        x = (self.latents[rows] + self.positions[rows]).expand(batch, -1, -1)
+        if self.sequence_parallel:  # the features are whole on every rank: keep this rank's positions
+            if features.requires_grad:  # a trained feature model needs every position's gradient
+                features = scatter_to_sequence_parallel_region(features, self.tp_group)
+            else:
+                features = split_along_sequence(features, self.tp_group)
         return self.ln_f(self.stack(x, features, attention_mask))
+
+
+def token_table_scale(table: torch.Tensor) -> float:
+    """The factor that gives the rows of ``table`` [V, d] a root-mean-square norm of 1 (standard
+    deviation 1/sqrt(d)), whatever the feature model's scale (0.02 for a random GPT-2, ~0.14 for
+    the pretrained one).
+
+    The final LayerNorm gives the decoder's output a norm of about sqrt(d), so a hidden state
+    aligned with a row scores about sqrt(d) (8 at d=64, 28 at d=768) against ~N(0, 1) for an
+    unrelated row: the softmax starts decisive enough to learn from, at every width, for a head
+    whose rows cannot move (tied) as for one that starts there (token_table_init). Computed in
+    float64 from the whole table, which every TP rank holds: the same number at every TP degree."""
+    return 1.0 / (math.sqrt(table.shape[1]) * table.detach().double().std().item())
+
+
+def _copy_of(table: torch.Tensor, factor: float) -> InitMethod:
+    def init(tensor: torch.Tensor) -> None:
+        tensor.copy_(table.detach() * factor)
+
+    return init
+
+
+def build_head(cfg: ModelConfig, token_embedding: nn.Module | None, tp_group=None) -> nn.Module:
+    """The projection to the vocabulary that ``cfg.head`` names (see ModelConfig.head)."""
+    if cfg.head == "normal":
+        return VocabParallelHead(cfg.d_model, cfg.vocab_size, tp_group=tp_group, init_method=normal_init(cfg.init_std))
+    if token_embedding is None:
+        raise ValueError(f"model.head={cfg.head} needs the feature model's token embedding")
+    table = token_embedding.weight
+    if tuple(table.shape) != (cfg.vocab_size, cfg.d_model):
+        raise ValueError(
+            f"model.head={cfg.head}: the token table is {list(table.shape)}, the head needs "
+            f"[model.vocab_size={cfg.vocab_size}, model.d_model={cfg.d_model}]"
+        )
+    factor = token_table_scale(table)
+    if cfg.head == "tied":
+        return TiedVocabParallelHead(token_embedding, cfg.vocab_size, tp_group=tp_group, scale=factor)
+    # token_table_init: every rank takes the full rescaled table and keeps its rows, as a TP=1
+    # model would (the master-weight split), so gathered weights equal TP=1's bit for bit.
+    return VocabParallelHead(cfg.d_model, cfg.vocab_size, tp_group=tp_group, init_method=_copy_of(table, factor))
 
 
 class LatentDecoder(nn.Module):
@@ -114,7 +225,8 @@ class LatentDecoder(nn.Module):
 
     Every position is a query made from the mask vector: mask -> query MLP -> x scale -> + positions.
     The latents get the same positions; the queries attend to cat(latents, queries) through the
-    blocks; LayerNorm; vocabulary-parallel projection.
+    blocks; LayerNorm; vocabulary-parallel projection (``cfg.head``; ``token_embedding`` is the
+    feature model's token embedding, which the ``tied`` head uses and ``token_table_init`` copies).
     """
 
     def __init__(
@@ -124,9 +236,12 @@ class LatentDecoder(nn.Module):
         rng: DropoutRNG,
         tp_group=None,
         train_mask_vector: bool = False,
+        token_embedding: nn.Module | None = None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
     ):
         super().__init__()
         d = cfg.d_model
+        self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
         self.positions = _position_table(cfg.max_length, d, cfg.init_std)
         mask_vector = mask_vector.detach().clone().float()
         if train_mask_vector:  # the feature model trains, so does the vector copied from it
@@ -140,22 +255,40 @@ class LatentDecoder(nn.Module):
         # Starts as the identity. Shape [1] rather than 0-dim, so code that flattens, partitions or
         # reshards parameters (ZeRO, checkpoints) sees an ordinary 1-D tensor.
         self.query_scale = nn.Parameter(torch.ones(1))
-        self.stack = PerceiverStack(cfg, cfg.n_decoder_layers, rng, tp_group)
+        self.stack = PerceiverStack(cfg, cfg.n_decoder_layers, rng, tp_group, options)
         self.ln_f = nn.LayerNorm(d)
-        self.head = VocabParallelHead(d, cfg.vocab_size, tp_group=tp_group, init_method=normal_init(cfg.init_std))
+        self.head = build_head(cfg, token_embedding, tp_group)
+        # Under sequence parallelism the head's entry all-gathers the positions (and its backward
+        # reduce-scatters), like every column-parallel entry.
+        self.head.sequence_parallel, self.head.overlap_comm = options.sequence_parallel, options.overlap_comm
+        if self.sequence_parallel:
+            _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
+            if isinstance(self.head, TiedVocabParallelHead):
+                _mark_sequence_parallel(tp_group, self.head.log_scale)  # applied on this rank's positions
 
     def queries(self, batch: int, length: int) -> torch.Tensor:
-        """The prepared queries [B, T, d]."""
+        """The prepared queries [B, T, d] (this rank's positions of them under sequence parallelism,
+        for a sequence of ``length``)."""
+        rows = _local_rows(length, self.tp_group, self.sequence_parallel)
+        local = rows.stop - rows.start
         if self.training and self.query_mlp.hidden_dropout.p > 0:
             # Dropout draws a different mask per (sample, position): the MLP must see [B, T, d].
-            queries = self.query_mlp(self.mask_vector.expand(batch, length, -1))
+            queries = self.query_mlp(self.mask_vector.expand(batch, length, -1)) * self.query_scale
+            if self.sequence_parallel:  # every position's gradient reaches the replicated MLP
+                queries = scatter_to_sequence_parallel_region(queries, self.tp_group)
         else:
             # Same input everywhere and no dropout: compute once, broadcast (autograd sums the grads).
-            queries = self.query_mlp(self.mask_vector.view(1, 1, -1)).expand(batch, length, -1)
-        return queries * self.query_scale + self.positions[:length]
+            query = self.query_mlp(self.mask_vector.view(1, 1, -1)) * self.query_scale
+            if self.sequence_parallel:  # each rank's positions add their share of its gradient
+                query = copy_to_tp_region(query, self.tp_group)
+            queries = query.expand(batch, local, -1)
+        return queries + self.positions[rows]
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = latents.shape
-        positions = self.positions[:length]
+        """Logits [B, T, V_padded / tp] from latents [B, T, d] (this rank's T/tp positions of them
+        under sequence parallelism; the logits always cover every position)."""
+        batch, local, _ = latents.shape
+        length = local * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        positions = self.positions[_local_rows(length, self.tp_group, self.sequence_parallel)]
         x = self.stack(self.queries(batch, length), latents + positions)
         return self.head(self.ln_f(x))

@@ -4,7 +4,17 @@ coordinate-keyed dropout and the vocabulary-parallel loss. Nothing here knows th
 from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_argmax, vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, normal_init, scaled_init
-from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    split_along_sequence,
+    split_batch_and_gather,
+)
 from .mlp import ParallelMLP
 from .random import DropoutRNG, ParallelDropout
 from .state import (
@@ -22,7 +32,14 @@ from .state import (
     initialize_model_parallel,
     launcher_environment,
 )
-from .utils import group_rank, group_size, mark_replicated, pad_vocab_size
+from .utils import (
+    TensorParallelOptions,
+    group_rank,
+    group_size,
+    mark_replicated,
+    mark_sequence_parallel,
+    pad_vocab_size,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -33,9 +50,11 @@ __all__ = [
     "ParallelMLP",
     "ParallelState",
     "RowParallelLinear",
+    "TensorParallelOptions",
     "VocabParallelHead",
     "copy_to_tp_region",
     "destroy_distributed",
+    "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "get_dp_group",
     "get_dp_rank",
@@ -50,11 +69,16 @@ __all__ = [
     "initialize_model_parallel",
     "launcher_environment",
     "mark_replicated",
+    "mark_sequence_parallel",
     "normal_init",
     "pad_vocab_size",
     "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "scaled_init",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
+    "split_along_sequence",
+    "split_batch_and_gather",
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
 ]

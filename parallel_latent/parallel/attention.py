@@ -1,9 +1,15 @@
 """Multi-head attention with the heads split over the tensor-parallel group.
 
 q, k and v are column-parallel (each rank owns ``n_heads / tp`` whole heads), the output projection
-is row-parallel, so one attention costs one all-reduce forward and one backward. Keys and values
+is row-parallel, so one attention costs one collective forward and one backward. Keys and values
 may come from a context tensor, optionally with the query stream appended (the Perceiver-resampler
-form). The region is entered once, on one tensor, so the backward all-reduce is single even then.
+form). The region is entered once, on one tensor, for all three projections
+(:func:`column_parallel_projections`), so the backward collective is single even then, and
+overlapped with the weight gradients.
+
+Sequence parallelism: the stream (and a context that needs a gradient) hold this rank's positions;
+the region's entry all-gathers them along the sequence (one all-gather of cat(context, stream)) and
+the output projection reduce-scatters back to this rank's positions.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
-from .mappings import copy_to_tp_region
+from .projection import Projection, column_parallel_projections
 from .random import DropoutRNG, ParallelDropout
 from .utils import divide, group_size
 
@@ -30,6 +36,8 @@ class ParallelAttention(nn.Module):
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
         bias: bool = True,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
     ):
         super().__init__()
         if hidden_size % num_heads != 0:
@@ -38,6 +46,8 @@ class ParallelAttention(nn.Module):
         self.heads_per_rank = divide(num_heads, tp, "attention heads")
         self.head_dim = hidden_size // num_heads
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.overlap_comm = overlap_comm
         column = dict(bias=bias, input_is_copied=True, tp_group=tp_group, init_method=init_method)
         self.query = ColumnParallelLinear(hidden_size, hidden_size, **column)
         # No key bias: q.(k + b) shifts every score of a query by the same amount, which softmax
@@ -51,26 +61,75 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True,
             tp_group=tp_group,
             init_method=output_init_method or init_method,
+            sequence_parallel=self.sequence_parallel,
         )
         # Attention-probability dropout is not offered: SDPA's internal RNG is not TP-invariant.
-        self.output_dropout = ParallelDropout(dropout, rng, partition_dim=None, tp_group=tp_group)
-
-    def _enter_region(self, x, context, attend_to_self):
-        """Return (query input, key/value input) after a single copy-to-TP-region."""
-        if context is None:
-            x = copy_to_tp_region(x, self.tp_group)
-            return x, x
-        if not context.requires_grad:
-            # A frozen context needs no gradient, so it need not pass through the region's entry.
-            x = copy_to_tp_region(x, self.tp_group)
-            return x, (torch.cat([context, x], dim=1) if attend_to_self else context)
-        joint = copy_to_tp_region(torch.cat([context, x], dim=1), self.tp_group)
-        n_context = context.shape[1]
-        return joint[:, n_context:], (joint if attend_to_self else joint[:, :n_context])
+        # Under sequence parallelism the output holds this rank's positions (dim 1).
+        self.output_dropout = ParallelDropout(
+            dropout, rng, partition_dim=1 if self.sequence_parallel else None, tp_group=tp_group
+        )
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         b, n, _ = t.shape
         return t.view(b, n, self.heads_per_rank, self.head_dim).transpose(1, 2)
+
+    def _project(self, x, context, context_mask, attend_to_self):
+        """q [B, T, d/tp] of the (whole) stream, k and v of the keys, and the keys' mask."""
+        tp = group_size(self.tp_group)
+        device, batch = x.device, x.shape[0]
+        prefix = None
+        if context is None:
+            region_input, q_index, kv_index = x, None, None
+            key_mask = None
+        elif not context.requires_grad and not self.sequence_parallel:
+            # A frozen context needs no gradient: it is concatenated inside the region, whole on
+            # every rank, and only the stream's gradient is reduced.
+            prefix, region_input = context, x
+            n_context, n_stream = context.shape[1], x.shape[1]
+            q_index = torch.arange(n_context, n_context + n_stream, device=device)
+            kv_index = None if attend_to_self else torch.arange(n_context, device=device)
+            key_mask = self._key_mask(context_mask, [(context_mask, n_stream)], batch, attend_to_self)
+        else:
+            # One tensor enters the region: cat(context, stream) (this rank's positions of both
+            # under sequence parallelism, which the all-gather lays out rank after rank).
+            region_input = torch.cat([context, x], dim=1)
+            n_context, n_stream = context.shape[1], x.shape[1]
+            chunk, ranks = n_context + n_stream, tp if self.sequence_parallel else 1
+            starts = torch.arange(ranks, device=device)[:, None] * chunk
+            q_index = (starts + n_context + torch.arange(n_stream, device=device)).reshape(-1)
+            kv_index = None if attend_to_self else (starts + torch.arange(n_context, device=device)).reshape(-1)
+            pieces = None
+            if context_mask is not None:
+                # The context mask is whole on every rank; cut it like the context was cut.
+                per_rank = context_mask.shape[1] // ranks
+                pieces = [(context_mask[:, r * per_rank : (r + 1) * per_rank], n_stream) for r in range(ranks)]
+            key_mask = self._key_mask(context_mask, pieces, batch, attend_to_self)
+        q, k, v = column_parallel_projections(
+            region_input,
+            [
+                Projection(self.query.weight, self.query.bias, q_index),
+                Projection(self.key.weight, self.key.bias, kv_index),
+                Projection(self.value.weight, self.value.bias, kv_index),
+            ],
+            self.tp_group,
+            sequence_parallel=self.sequence_parallel,
+            overlap=self.overlap_comm,
+            prefix=prefix,
+        )
+        return q, k, v, key_mask
+
+    @staticmethod
+    def _key_mask(context_mask, pieces, batch, attend_to_self):
+        """[B, keys] bool in the keys' order: each piece of the context mask, followed (when the
+        stream attends to itself) by that many always-visible stream positions."""
+        if context_mask is None:
+            return None
+        parts = []
+        for piece, n_stream in pieces:
+            parts.append(piece.bool())
+            if attend_to_self:
+                parts.append(piece.new_ones(batch, n_stream, dtype=torch.bool))
+        return torch.cat(parts, dim=1)
 
     def forward(
         self,
@@ -79,19 +138,16 @@ class ParallelAttention(nn.Module):
         context_mask: torch.Tensor | None = None,
         attend_to_self: bool = True,
     ) -> torch.Tensor:
-        """``x`` [B, T, d] queries; ``context`` [B, S, d]; ``context_mask`` [B, S], True = attend.
+        """``x`` [B, T, d] queries; ``context`` [B, S, d]; ``context_mask`` [B, S], True = attend
+        (always the whole context's mask, also under sequence parallelism, where ``x`` and the
+        context hold this rank's T/tp and S/tp positions).
 
         With a context and ``attend_to_self`` the keys are ``cat(context, x)``; the query stream's
         own positions are never masked.
         """
-        q_in, kv_in = self._enter_region(x, context, attend_to_self)
-        q, k, v = self._heads(self.query(q_in)), self._heads(self.key(kv_in)), self._heads(self.value(kv_in))
-        mask = None
-        if context is not None and context_mask is not None:
-            mask = context_mask.bool()
-            if attend_to_self:
-                mask = torch.cat([mask, mask.new_ones(x.shape[0], x.shape[1])], dim=1)
-            mask = mask[:, None, None, :]
+        q, k, v, key_mask = self._project(x, context, context_mask, attend_to_self)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         b, _, t, _ = out.shape
         out = out.transpose(1, 2).reshape(b, t, self.heads_per_rank * self.head_dim)

@@ -20,13 +20,12 @@ def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
     return x
 
 
-def _mask_padding(logits: torch.Tensor, vocab_size: int, start: int) -> torch.Tensor:
-    local_vocab = logits.shape[-1]
-    padded_from = vocab_size - start  # local column where padding begins (may be <= 0 or > local)
-    if padded_from < local_vocab:
-        column = torch.arange(local_vocab, device=logits.device)
-        logits = logits.masked_fill(column >= padded_from, float("-inf"))
-    return logits
+def _local_max(logits: torch.Tensor, real: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max and argmax over this rank's real (unpadded) columns, without copying the logits."""
+    if real == 0:  # a rank that holds only padding
+        shape = logits.shape[:-1]
+        return logits.new_full(shape, float("-inf")), torch.zeros(shape, dtype=torch.long, device=logits.device)
+    return logits[..., :real].max(dim=-1)
 
 
 def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> torch.Tensor:
@@ -39,21 +38,29 @@ def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> tor
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, ignore_index, group):
+        # One temporary of the logits' size, in at least fp32 (a bf16 softmax loses the target's
+        # probability; fp64 stays fp64): the shifted logits, exponentiated and normalised in
+        # place, and saved as the softmax for backward. The max and the target logit are read
+        # from the logits themselves (exact in any dtype).
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
-        # At least fp32 (a bf16 softmax loses the target's probability); fp64 stays fp64.
-        logits = _mask_padding(logits.to(torch.promote_types(logits.dtype, torch.float32)), vocab_size, start)
+        real = max(0, min(local_vocab, vocab_size - start))  # columns past it are padding
 
-        local_max, local_argmax = logits.max(dim=-1)
+        local_max, local_argmax = _local_max(logits, real)
+        local_max = local_max.to(compute_dtype)
         global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
 
         ignored = target == ignore_index
-        in_range = (target >= start) & (target < start + local_vocab) & ~ignored
+        in_range = (target >= start) & (target < start + real) & ~ignored
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
 
-        exp_logits = (logits - global_max.unsqueeze(-1)).exp_()
-        target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1) - global_max
-        target_logit = torch.where(in_range, target_logit, torch.zeros_like(target_logit))
+        exp_logits = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))  # the temporary
+        if real < local_vocab:
+            exp_logits[..., real:] = float("-inf")  # padding gets no probability
+        exp_logits.exp_()
+        target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
+        target_logit = torch.where(in_range, target_logit - global_max, torch.zeros_like(target_logit))
         sums = torch.stack([exp_logits.sum(dim=-1), target_logit])
         sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
 
@@ -96,7 +103,6 @@ def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int, tp_group=None) 
     """Global token ids of the argmax over the full (unpadded) vocabulary, from split logits:
     two [B, T]-sized reductions instead of gathering [B, T, V]."""
     start = group_rank(tp_group) * logits.shape[-1]
-    logits = _mask_padding(logits, vocab_size, start)
-    local_max, local_argmax = logits.max(dim=-1)
+    local_max, local_argmax = _local_max(logits, max(0, min(logits.shape[-1], vocab_size - start)))
     global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, tp_group)
     return _argmax_from_local(local_max, local_argmax, global_max, start, tp_group)

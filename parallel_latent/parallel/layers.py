@@ -12,11 +12,27 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .mappings import copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
-from .utils import divide, group_rank, group_size, pad_vocab_size, set_tensor_parallel_attributes
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+from .projection import Projection, column_parallel_projections
+from .utils import (
+    divide,
+    group_rank,
+    group_size,
+    mark_sequence_parallel,
+    pad_vocab_size,
+    set_tensor_parallel_attributes,
+)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -52,8 +68,11 @@ class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns (output features) over the TP group.
 
     The output stays split unless ``gather_output``; the input gradient is all-reduced at the
-    region's entry. ``input_is_copied`` lets a caller that feeds several column-parallel layers
-    from one tensor enter the region once (one backward all-reduce instead of several).
+    region's entry (:mod:`.projection`: started asynchronously and overlapped with the weight
+    gradient unless ``overlap_comm`` is off). With ``sequence_parallel`` the input holds this
+    rank's positions: it is all-gathered along the sequence and the gradient reduce-scattered.
+    ``input_is_copied`` lets a caller that feeds several column-parallel layers from one tensor
+    enter the region itself (one backward collective instead of several).
     """
 
     def __init__(
@@ -65,6 +84,8 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         skip_bias_add: bool = False,
         input_is_copied: bool = False,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
         tp_group=None,
         init_method: InitMethod | None = None,
         dtype=None,
@@ -74,6 +95,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.skip_bias_add, self.input_is_copied = gather_output, skip_bias_add, input_is_copied
+        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
         self.tp_group = tp_group
         self.out_per_rank = divide(out_features, group_size(tp_group), "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
@@ -88,10 +110,17 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
-        if not self.input_is_copied:
-            x = copy_to_tp_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        if self.input_is_copied:
+            y = F.linear(x, self.weight, bias)
+        else:
+            (y,) = column_parallel_projections(
+                x,
+                [Projection(self.weight, bias)],
+                self.tp_group,
+                sequence_parallel=self.sequence_parallel,
+                overlap=self.overlap_comm,
+            )
         if self.gather_output:
             y = gather_from_tp_region(y, self.tp_group)
         return (y, self.bias) if self.skip_bias_add else y
@@ -117,6 +146,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
         tp_group=None,
         init_method: InitMethod | None = None,
         dtype=None,
@@ -125,6 +155,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        # The sum of the ranks' partial products is reduce-scattered along the sequence: each rank
+        # keeps its positions (sequence parallelism), instead of all-reduced.
+        self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
         self.in_per_rank = divide(in_features, group_size(tp_group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
@@ -133,13 +166,19 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             set_tensor_parallel_attributes(self.bias, False, None)
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias, tp_group)  # added on this rank's positions only
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            y = reduce_from_tp_region(partial, self.tp_group)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias
@@ -189,6 +228,125 @@ class VocabParallelHead(ColumnParallelLinear):
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size} (padded {self.padded_vocab_size}), " + super().extra_repr()
+
+
+class _TiedVocabLogits(torch.autograd.Function):
+    """``x @ table[start:stop]^T`` in the first columns of ``width``: this rank's slice of the logits
+    (columns past ``stop - start`` are vocabulary padding, zero).
+
+    The table is saved as the parameter itself, not as a view of its rows: ZeRO-3 swaps a
+    partitioned parameter's storage between forward and backward (as DeepSpeed's own linear does).
+    Its gradient exists only for this rank's rows, so backward all-gathers the rows of every rank:
+    a table that every rank of the group holds (and trains) gets the whole gradient, the same bits
+    on each rank, and the replicas cannot drift apart.
+    """
+
+    @staticmethod
+    def forward(ctx, x, table, start, stop, width, group):
+        ctx.rows, ctx.width, ctx.group, ctx.x_shape = (start, stop), width, group, x.shape
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, table)
+        flat = x.reshape(-1, x.shape[-1])
+        # Written in place into the padded layout: padding the logits afterwards would copy the
+        # largest tensor of the model once more.
+        logits = flat.new_empty(flat.shape[0], width)
+        torch.mm(flat, table[start:stop].t(), out=logits[:, : stop - start])
+        logits[:, stop - start :].zero_()
+        return logits.view(*x.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, table = ctx.saved_tensors
+        (start, stop), width, group = ctx.rows, ctx.width, ctx.group
+        # Strided views, no copies: the padded columns have no parameter behind them.
+        grad = grad.reshape(-1, width)[:, : stop - start]
+        grad_x = grad_table = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ table[start:stop]).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            rows = grad.t() @ x.reshape(-1, x.shape[-1])
+            if group_size(group) == 1:
+                grad_table = rows
+            else:
+                padded = rows.new_zeros(width, rows.shape[1])
+                padded[: stop - start] = rows
+                parts = [torch.empty_like(padded) for _ in range(group_size(group))]
+                dist.all_gather(parts, padded, group=group)
+                grad_table = torch.cat(parts)[: table.shape[0]]
+        return grad_x, grad_table, None, None, None, None
+
+
+def _register_table_with_zero3(head: TiedVocabParallelHead, args) -> None:
+    # ZeRO-3 partitions every parameter and gathers one only around the forward and backward of
+    # the module that owns it; the table belongs to another module, so tell DeepSpeed that this
+    # one uses it too. Runs before DeepSpeed's own pre-forward hook (prepended at construction),
+    # and only once DeepSpeed has converted the table (it then is already imported).
+    table = head.table
+    if hasattr(table, "ds_id") and id(table) not in getattr(head, "_external_params", {}):
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(head, table)
+
+
+class TiedVocabParallelHead(nn.Module):
+    """Projection to the vocabulary through an embedding table that every rank of the TP group
+    holds whole (weight tying, as GPT-2 ties its LM head to its token table):
+    ``logits = (exp(log_scale) * x) @ table^T``, with a learned scalar scale, starting at ``scale``.
+
+    Same layout as :class:`VocabParallelHead`: the vocabulary is padded to a multiple of
+    ``128 * tp``, each rank computes the logits of its slice only (padded columns are zero and
+    masked by the vocab-parallel loss), and the logits are never gathered. The head holds no
+    weight of its own: it reads its rows of the owner's table at every forward, so the table is
+    stored, trained and partitioned (ZeRO-3) once, by its owner. The scale multiplies the input
+    before it enters the tensor-parallel region, so its gradient is reduced with the input's. It
+    is the softmax temperature that a frozen table cannot learn in its rows; learned in log space,
+    an optimizer step changes it by a fraction of itself whatever its size.
+    """
+
+    def __init__(self, embedding: nn.Module, vocab_size: int, *, tp_group=None, scale: float = 1.0):
+        super().__init__()
+        rows, self.hidden_size = embedding.weight.shape
+        if rows != vocab_size:
+            raise ValueError(f"the tied table has {rows} rows but the vocabulary has {vocab_size} tokens")
+        self.vocab_size, self.tp_group = vocab_size, tp_group
+        self.padded_vocab_size = pad_vocab_size(vocab_size, group_size(tp_group))
+        self.out_per_rank = self.padded_vocab_size // group_size(tp_group)
+        # A tuple, not an attribute nn.Module would register: the table is the owner's parameter,
+        # and registering it here would put it in this module's state_dict and parameters() too.
+        self._embedding = (embedding,)
+        # Shape [1], not 0-dim: ZeRO and checkpoints flatten and partition ordinary 1-D tensors.
+        self.log_scale = nn.Parameter(torch.full((1,), math.log(scale)))
+        set_tensor_parallel_attributes(self.log_scale, False, None)
+        self.register_forward_pre_hook(_register_table_with_zero3, prepend=True)
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    @property
+    def vocab_start(self) -> int:
+        return group_rank(self.tp_group) * self.out_per_rank
+
+    @property
+    def vocab_rows(self) -> tuple[int, int]:
+        """The table rows ``[start, stop)`` behind this rank's logits (fewer than ``out_per_rank``, or
+        none, where the slice reaches into the padding)."""
+        start = min(self.vocab_start, self.vocab_size)
+        return start, min(start + self.out_per_rank, self.vocab_size)
+
+    # Under sequence parallelism x holds this rank's positions: the entry gathers them.
+    sequence_parallel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        entry = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tp_region
+        x = entry(x * self.log_scale.exp(), self.tp_group)
+        start, stop = self.vocab_rows
+        return _TiedVocabLogits.apply(x, self.table, start, stop, self.out_per_rank, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"tied, in={self.hidden_size}, vocab={self.vocab_size} (padded {self.padded_vocab_size}, "
+            f"{self.out_per_rank}/rank)"
+        )
 
 
 def scaled_init(std: float, num_layers: int) -> InitMethod:

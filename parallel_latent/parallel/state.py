@@ -183,9 +183,8 @@ def initialize_model_parallel(tensor_parallel: int) -> ParallelState:
     backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    control_group = dist.group.WORLD
-    if backend != "gloo":
-        control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    # Its own group even over gloo: the default group's timeout guards the training collectives.
+    control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
     _STATE = ParallelState(
         rank=rank,
         world_size=world,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -42,3 +44,35 @@ def mark_replicated(module: torch.nn.Module) -> None:
     for param in module.parameters():
         if not hasattr(param, "tensor_model_parallel"):
             set_tensor_parallel_attributes(param, False, None)
+
+
+def mark_sequence_parallel(param: torch.nn.Parameter, group) -> None:
+    """``param`` is replicated over the TP group but used on each rank's positions only (a
+    LayerNorm or bias between the regions, under sequence parallelism): each rank's gradient is a
+    partial sum over its positions. A hook sums the incoming gradient over the group before it is
+    accumulated, so the optimizer (and ZeRO's reduction, which reads the accumulated gradient at any
+    stage) sees the whole gradient, the same on every rank. One small all-reduce per such parameter
+    per backward."""
+    param.sequence_parallel = True
+    if group_size(group) == 1 or getattr(param, "_sequence_parallel_hook", None) is not None:
+        return
+
+    def sum_over_group(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # the incoming gradient may be shared with other consumers
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param._sequence_parallel_hook = param.register_hook(sum_over_group)
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """How the TP regions of a model communicate; neither option changes its parameters, so a
+    checkpoint saved with one setting loads with the other."""
+
+    sequence_parallel: bool = False  # 1/tp of the positions per rank between the regions
+    overlap_comm: bool = True  # the column-parallel backward overlaps its input-gradient collective
+
+    def active(self, group) -> TensorParallelOptions:
+        """These options as they apply to ``group``: nothing to split at TP=1."""
+        return TensorParallelOptions(self.sequence_parallel and group_size(group) > 1, self.overlap_comm)

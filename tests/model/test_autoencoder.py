@@ -10,8 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from parallel_latent.api import TextAutoencoder
-from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, TokenizerConfig
+from parallel_latent.config import (
+    Config,
+    ConfigError,
+    FeatureModelConfig,
+    ModelConfig,
+    TokenizerConfig,
+    config_from_dict,
+)
 from parallel_latent.model import LatentAutoencoder, build_model
+from parallel_latent.model.perceiver import token_table_scale
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
@@ -229,9 +237,14 @@ def test_overfits_a_small_batch():
     assert overfit(model, ids, mask, max_steps=150) > 0, "token accuracy did not reach 100% in 150 steps"
 
 
-def test_reconstruct_texts_after_overfitting_with_the_real_tokenizer():
+@pytest.mark.parametrize("head", ["tied", "normal"])
+def test_reconstruct_texts_after_overfitting_with_the_real_tokenizer(head):
     tokenizer = load_tokenizer(TokenizerConfig())
-    model_cfg, feature_cfg = tiny_configs(dropout=0.0)
+    # A frozen head must tell 50,259 fixed rows apart: at d=32 a few are out of reach of any
+    # hidden state (their row is nearly inside the others' cone); tiny.yaml's d=64 reaches them.
+    width = 64 if head == "tied" else D
+    model_cfg, feature_cfg = tiny_configs(dropout=0.0, head=head, d_model=width)
+    feature_cfg = dataclasses.replace(feature_cfg, n_embd=width)
     cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=feature_cfg), tokenizer_facts(tokenizer))
     model = build_model(cfg)
     texts = ["Hello world", "It is a truth universally acknowledged"]
@@ -242,3 +255,79 @@ def test_reconstruct_texts_after_overfitting_with_the_real_tokenizer():
     model.train()
     assert TextAutoencoder(model, tokenizer).reconstruct(texts + [""]) == texts + [""]
     assert model.training  # the mode is restored
+
+
+# --------------------------------------------------------------------------- #
+# The vocabulary head: tied to the feature model's token table, initialised from it, or normal.
+# --------------------------------------------------------------------------- #
+
+
+def _head_input(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("head", ["tied", "token_table_init", "normal"])
+def test_head_options_project_as_documented(head):
+    model = LatentAutoencoder(*tiny_configs(head=head), seed=4)
+    table, projection = model.feature_model.token_table, model.decoder.head
+    factor = token_table_scale(table)
+    # The rescaled table has rows of RMS norm 1: standard deviation 1/sqrt(d).
+    assert abs((table.detach().double() * factor).std().item() - D**-0.5) <= 1e-12
+    x = _head_input()
+    logits = projection(x)
+    assert logits.shape == (B, T, 384)  # 300 padded to a multiple of 128
+    assert torch.count_nonzero(logits[..., VOCAB:]) == 0  # padded columns never carry a score
+    if head == "tied":
+        assert {n for n, _ in projection.named_parameters()} == {"log_scale"}
+        assert projection.log_scale.exp().item() == pytest.approx(factor, rel=1e-6)
+        want = F.linear(x * projection.log_scale.exp(), table)
+    else:
+        assert torch.count_nonzero(projection.weight[VOCAB:]) == 0
+        want = F.linear(x, projection.weight[:VOCAB])
+        if head == "token_table_init":
+            assert torch.equal(projection.weight[:VOCAB], table.detach() * factor)
+        else:
+            assert (
+                abs(projection.weight[:VOCAB].std().item() - model.model_cfg.init_std) < 0.1 * model.model_cfg.init_std
+            )
+    # One dot product of d terms per logit, blocked differently by the two kernels.
+    assert (logits[..., :VOCAB] - want).abs().max().item() <= order_bound(D, terms_scale(max_abs([want]), D))
+
+
+def test_tied_head_holds_no_weight_of_its_own():
+    tied, normal = (LatentAutoencoder(*tiny_configs(head=h), seed=4) for h in ("tied", "normal"))
+    count = sum(p.numel() for p in tied.trainable_parameters())
+    assert count == sum(p.numel() for p in normal.trainable_parameters()) - 384 * D + 1
+    state = tied.state_dict()
+    assert "decoder.head.log_scale" in state and not any(
+        k.startswith("decoder.head.") and k != "decoder.head.log_scale" for k in state
+    )
+    assert tied.decoder.head.table is tied.feature_model.gpt2.wte.weight  # read at every forward, never copied
+    ids, mask = tiny_batch()
+    tied.train()
+    tied(ids, mask).loss.backward()
+    assert tied.decoder.head.log_scale.grad is not None and tied.feature_model.token_table.grad is None
+
+
+def test_tied_head_gradients_equal_plain_autograd():
+    """The head's own backward (strided views, no padding copies) against torch's autograd of the
+    same product, for the input, the scale and a trainable table."""
+    model_cfg, feature_cfg = tiny_configs(head="tied")
+    model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, frozen=False), seed=4)
+    projection = model.decoder.head
+    x = _head_input().requires_grad_()
+    weight = torch.randn(B, T, 384, generator=torch.Generator().manual_seed(1))
+    ours = torch.autograd.grad((projection(x) * weight).sum(), [x, projection.log_scale, projection.table])
+    plain_logits = F.linear(x * projection.log_scale.exp(), projection.table)
+    plain = torch.autograd.grad((plain_logits * weight[..., :VOCAB]).sum(), [x, projection.log_scale, projection.table])
+    for name, got, want in zip(("input", "log_scale", "table"), ours, plain, strict=True):
+        # Sums over the vocabulary (input), the B*T positions (table), or both (the scale).
+        k = VOCAB + B * T + D
+        assert (got - want).abs().max().item() <= order_bound(k, terms_scale(max_abs([want]), k)), name
+
+
+def test_an_unknown_head_is_one_config_line():
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({"model": {"head": "shared"}}, source="x.yaml")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("x.yaml: model.head: 'shared' is not one of tied")

@@ -6,6 +6,8 @@ Real gloo ranks; the TP=1 twin is built inside each rank from the same seed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import Counter
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.model import LatentAutoencoder
-from parallel_latent.parallel import initialize_model_parallel
+from parallel_latent.parallel import initialize_model_parallel, split_along_sequence
 from tests.model.test_autoencoder import (
     VOCAB,
     B,
@@ -27,7 +29,7 @@ from tests.model.test_autoencoder import (
 from tests.tp_compare import (
     adam_steps_bound,
     argmax_agrees,
-    count_collectives,
+    collectives_of,
     gather_full,
     max_abs,
     max_param_diff,
@@ -61,17 +63,29 @@ def _replicated(model, grads: bool = False) -> dict[str, torch.Tensor]:
 
 
 def _logits(model, latents, group):
+    """Logits of every position from the latents of every position."""
+    if model.sequence_parallel:  # the decoder reads this rank's positions
+        latents = split_along_sequence(latents, group)
     with torch.no_grad():
         logits = model.decoder(latents)
     return gather_full(logits, SPLIT_ON_LAST_DIM, group)[..., :VOCAB]
 
 
-def compare_with_tp1(tp: int, dropout: float) -> dict:
-    """{quantity: (difference from TP=1, its bound)}, plus exact properties."""
+def head_configs(dropout: float, head: str = "tied", frozen: bool = True):
+    model_cfg, feature_cfg = tiny_configs(dropout, head=head)
+    return model_cfg, dataclasses.replace(feature_cfg, frozen=frozen)
+
+
+def compare_with_tp1(tp: int, dropout: float, head: str = "tied", frozen: bool = True, **options) -> dict:
+    """{quantity: (difference from TP=1, its bound)}, plus exact properties. ``options``: the TP
+    model's parallel options (split_feature_model, tp_options)."""
     state = initialize_model_parallel(tp)
     group, k = state.tp_group, reduction_length_of_model(tp)
-    ref = LatentAutoencoder(*tiny_configs(dropout), seed=1).train()
-    par = LatentAutoencoder(*tiny_configs(dropout), tp_group=group, seed=1).train()
+    if not frozen:  # gradients also run back through the GPT-2 block kept (attention, MLP) to the table
+        k += 2 * (D + 4 * D + 2 * T) + VOCAB
+    configs = head_configs(dropout, head, frozen)
+    ref = LatentAutoencoder(*configs, seed=1).train()
+    par = LatentAutoencoder(*configs, tp_group=group, seed=1, **options).train()
     result = {"weights_at_init": max(max_param_diff(ref, par, group).values())}
 
     ids, mask = tiny_batch(seed=0)
@@ -98,8 +112,8 @@ def compare_with_tp1(tp: int, dropout: float) -> dict:
     result["replicated_grad_spread"] = replicated_spread(_replicated(par, grads=True), group)
 
     # Five AdamW steps in float64 (see tests/tp_compare.py for why not fp32).
-    ref64 = LatentAutoencoder(*tiny_configs(dropout), seed=1).double().train()
-    par64 = LatentAutoencoder(*tiny_configs(dropout), tp_group=group, seed=1).double().train()
+    ref64 = LatentAutoencoder(*configs, seed=1).double().train()
+    par64 = LatentAutoencoder(*configs, tp_group=group, seed=1, **options).double().train()
     optimizers = [torch.optim.AdamW(m.trainable_parameters(), lr=LR, eps=ADAM_EPS) for m in (ref64, par64)]
     grad_scale = 0.0
     for step in range(STEPS):
@@ -120,12 +134,10 @@ def compare_with_tp1(tp: int, dropout: float) -> dict:
     return result
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_model_at_tp_equals_tp1(pool4, tp, dropout):
-    for rank, res in enumerate(pool4.run(compare_with_tp1, tp, dropout)):
-        where = f"rank {rank} tp={tp} dropout={dropout}"
-        assert res["weights_at_init"] == 0.0, f"{where}: master-weight split differs from TP=1"
+def assert_equals_tp1(results: list[dict], label: str) -> None:
+    for rank, res in enumerate(results):
+        where = f"rank {rank} {label}"
+        assert res["weights_at_init"] == 0.0, f"{where}: gathered weights differ from TP=1"
         for key in ("loss", "latents", "grads", "logits", "weights"):
             diff, bound = res[key]
             assert diff <= bound, f"{where}: {key} differs by {diff:.3g} > bound {bound:.3g}"
@@ -135,26 +147,38 @@ def test_model_at_tp_equals_tp1(pool4, tp, dropout):
         assert res["replicated_spread"] == 0.0, f"{where}: replicated parameters drifted apart"
 
 
-def count_block_collectives(tp: int) -> tuple[list, list]:
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_model_at_tp_equals_tp1(pool4, tp, dropout):
+    """The default options: the frozen feature pass split over the TP group, the backward
+    collective overlapped (tests/model/test_tp_switches.py flips them)."""
+    assert_equals_tp1(pool4.run(compare_with_tp1, tp, dropout), f"tp={tp} dropout={dropout}")
+
+
+@pytest.mark.parametrize(
+    ("head", "frozen", "tp"),
+    [("token_table_init", True, 4), ("normal", True, 4), ("tied", False, 2), ("tied", False, 4)],
+)
+def test_head_options_at_tp_equal_tp1(pool4, head, frozen, tp):
+    """The heads beside the default (tied, frozen features: the test above), and the tied head with
+    a trainable feature model, where the table it reads is a shared, trained parameter: its rows'
+    gradients come from every rank's vocabulary slice, and the replicated table must get all of
+    them, identically on every rank, or its replicas drift apart."""
+    assert_equals_tp1(pool4.run(compare_with_tp1, tp, 0.1, head, frozen), f"tp={tp} head={head} frozen={frozen}")
+
+
+def count_block_collectives(tp: int, **options) -> tuple[list, list]:
     state = initialize_model_parallel(tp)
-    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=1).train()
+    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=1, **options).train()
     ids, mask = tiny_batch()
-    log, restore = count_collectives()
-    try:
-        out = model(ids, mask)
-        forward = list(log)
-        log.clear()
-        out.loss.backward()
-        backward = list(log)
-    finally:
-        restore()
-    return forward, backward
+    return collectives_of(lambda: model(ids, mask).loss)
 
 
 def test_collectives_per_block_are_the_megatron_minimum(pool4):
     layers = tiny_configs()[0].n_encoder_layers, tiny_configs()[0].n_decoder_layers
     blocks = sum(layers)
-    forward, backward = pool4.run(count_block_collectives, 2)[0]
+    # The feature pass replicated, as without the split of tests/model/test_tp_switches.py.
+    forward, backward = pool4.run(count_block_collectives, 2, split_feature_model=False)[0]
     assert all(name == "all_reduce" for name, _, _ in forward + backward)
     forward_sizes = Counter(numel for _, numel, _ in forward)
     # Two [B, T, d] all-reduces per block (attention, MLP); one of d for the query MLP, computed
@@ -179,3 +203,147 @@ def test_overfits_a_small_batch_at_tp2(pool4):
     steps = pool4.run(overfit_at_tp, 2)
     assert steps[0] > 0, "token accuracy did not reach 100% in 150 steps at TP=2"
     assert len(set(steps)) == 1  # every rank saw the same accuracy
+
+
+# --------------------------------------------------------------------------- #
+# The tied head under DeepSpeed ZeRO, and in portable checkpoints.
+# --------------------------------------------------------------------------- #
+
+ZERO_STEPS, ZERO_LR = 3, 0.2
+
+
+def _zero_batch(step: int, dp_rank: int | None = None):
+    ids, mask = tiny_batch(seed=step)
+    if dp_rank is None:
+        return ids, mask
+    half = slice(dp_rank * (B // 2), (dp_rank + 1) * (B // 2))
+    return ids[half], mask[half]
+
+
+def _tied_state(model) -> dict[str, torch.Tensor]:
+    return {"log_scale": model.decoder.head.log_scale, "table": model.feature_model.token_table}
+
+
+def reference_sgd(frozen: bool) -> tuple[dict, float]:
+    """TP=1 without DeepSpeed: SGD on the mean of the two DP halves' mean losses, as DeepSpeed
+    averages the DP ranks' gradients. Returns the tied head's tensors and the largest gradient."""
+    model = LatentAutoencoder(*head_configs(0.0, "tied", frozen), seed=1).train()
+    optimizer = torch.optim.SGD(model.trainable_parameters(), lr=ZERO_LR)
+    grad_scale = 0.0
+    for step in range(ZERO_STEPS):
+        loss = sum(model(*_zero_batch(step, r)).loss for r in (0, 1)) / 2
+        loss.backward()
+        grad_scale = max(grad_scale, max_abs([p.grad for p in model.trainable_parameters()]))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in _tied_state(model).items()}, grad_scale
+
+
+def train_under_zero(zero_stage: int, frozen: bool) -> tuple[dict, float]:
+    """TP=2 x DP=2 through the trainer's engine set-up: ZeRO-3 partitions the frozen or trainable
+    table over DP, and the head, which does not own it, must still see it whole."""
+    from parallel_latent.checkpoint.zero_access import gathered
+    from parallel_latent.config import Config, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainingConfig
+    from parallel_latent.engine import initialize_engine
+
+    state = initialize_model_parallel(2)
+    configs = head_configs(0.0, "tied", frozen)
+    cfg = Config(
+        model=configs[0],
+        feature_model=configs[1],
+        parallel=ParallelConfig(tensor_parallel=2, zero_stage=zero_stage),
+        optimizer=OptimizerConfig(name="sgd", lr=ZERO_LR, weight_decay=0.0, grad_clip=0.0),
+        schedule=ScheduleConfig(warmup_steps=0, decay="constant"),
+        training=TrainingConfig(micro_batch_size=B // 2, device="cpu"),
+    )
+    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=1).train()
+    # ZeRO-3 keeps parameters under 1e5 elements whole on every rank; partition them all.
+    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    engine = initialize_engine(model, cfg, dist.get_world_size(), overrides).engine
+    for step in range(ZERO_STEPS):
+        engine.backward(engine(*_zero_batch(step, state.dp_rank)).loss)
+        engine.step()
+    table = model.feature_model.token_table
+    # Under ZeRO-3 the table rests partitioned (this rank's flat piece only), and DeepSpeed knows
+    # that the head, which does not own it, uses it.
+    facts = {
+        "partitioned": zero_stage < 3 or table.numel() == 0,
+        "registered": zero_stage < 3 or id(table) in model.decoder.head._external_params,
+    }
+    tensors = _tied_state(model)
+    with gathered(list(tensors.values())):
+        whole = {k: v.detach().clone() for k, v in tensors.items()}
+    return whole, replicated_spread(whole, state.tp_group), facts
+
+
+@pytest.mark.parametrize(("stage", "frozen"), [(3, True), (2, False), (3, False)])
+def test_tied_head_under_zero_trains_like_tp1(pool4, stage, frozen):
+    want, grad_scale = reference_sgd(frozen)
+    k = reduction_length_of_model(2) + 2 + (0 if frozen else 2 * (D + 4 * D + 2 * T) + VOCAB)
+    # SGD adds each step's gradient error once; doubled for what the moved weights feed back.
+    bound = 2 * ZERO_STEPS * ZERO_LR * order_bound(k, terms_scale(grad_scale, k))
+    for rank, (got, spread, facts) in enumerate(pool4.run(train_under_zero, stage, frozen)):
+        where = f"ZeRO-{stage} rank {rank} frozen={frozen}"
+        assert facts == {"partitioned": True, "registered": True}, f"{where}: {facts}"
+        assert spread == 0.0, f"{where}: the table or the scale differs across the TP group"
+        if frozen:
+            assert torch.equal(got["table"], want["table"]), f"{where}: the frozen table changed"
+        for name in want:
+            diff = (got[name] - want[name]).abs().max().item()
+            assert diff <= bound, f"{where}: {name} differs from TP=1 by {diff:.3g} > {bound:.3g}"
+
+
+def _loss_and_ids(model) -> tuple[float, torch.Tensor]:
+    model.eval()
+    ids, mask = tiny_batch()
+    with torch.no_grad():
+        out = model(ids, mask, return_predictions=True)
+    return out.loss.item(), out.predictions
+
+
+def save_tied_task(tp: int, directory: str):
+    from parallel_latent.checkpoint import save_portable
+
+    state = initialize_model_parallel(tp)
+    model = LatentAutoencoder(*head_configs(0.0), tp_group=state.tp_group, seed=5)
+    with torch.no_grad():
+        model.decoder.head.log_scale.fill_(0.75)  # not its initial value: a load must read it
+    save_portable(model, directory, tp_group=state.tp_group, step=1)
+    return _loss_and_ids(model)
+
+
+def load_tied_task(tp: int, directory: str):
+    from parallel_latent.checkpoint import load_portable
+
+    state = initialize_model_parallel(tp)
+    model = LatentAutoencoder(*head_configs(0.0), tp_group=state.tp_group, seed=99)  # other weights
+    load_portable(directory, model, state.tp_group)
+    return _loss_and_ids(model), model.decoder.head.log_scale.item()
+
+
+def test_tied_head_is_stored_once_and_loads_at_another_tp(pool4, tmp_path):
+    from safetensors import safe_open
+
+    from parallel_latent.checkpoint import load_autoencoder
+
+    directory = tmp_path / "tied_tp2"
+    want_loss, want_ids = pool4.run(save_tied_task, 2, str(directory))[0]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    tensors = manifest["tensors"]
+    # The head's only tensor is its scale; the table it reads is the feature model's, stored once.
+    assert [name for name in tensors if name.startswith("decoder.head.")] == ["decoder.head.log_scale"]
+    table = tensors["feature_model.gpt2.wte.weight"]
+    assert table["partition_dim"] is None and table["shape"] == [VOCAB, D] and manifest["aliases"] == {}
+    assert [shard["file"] for shard in table["shards"]] == ["model-tp00-of-02.safetensors"]
+    with safe_open(str(directory / "model-tp01-of-02.safetensors"), "pt") as handle:
+        names = handle.keys()
+    assert not any("wte" in name or "decoder.head" in name for name in names)
+
+    k = reduction_length_of_model(4)
+    bound = order_bound(k, terms_scale(abs(want_loss), k))
+    single = load_autoencoder(directory)  # TP=1, one process, config from the manifest
+    got_loss, got_ids = _loss_and_ids(single)
+    assert single.decoder.head.log_scale.item() == 0.75
+    assert abs(got_loss - want_loss) <= bound and torch.equal(got_ids, want_ids)
+    for (loss, ids), log_scale in pool4.run(load_tied_task, 4, str(directory)):
+        assert log_scale == 0.75 and abs(loss - want_loss) <= bound and torch.equal(ids, want_ids)

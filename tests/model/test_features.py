@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
-from parallel_latent.config import FeatureModelConfig, ModelConfig
+from parallel_latent.config import ConfigError, FeatureModelConfig, ModelConfig
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import truncate_to_hidden_state
+from tests.tp_compare import order_bound, terms_scale
 
 D, N_LAYER, SAVED_VOCAB, VOCAB, PAD = 32, 5, 290, 300, 299
 
@@ -51,9 +52,14 @@ def test_features_are_hidden_state_minus_3_of_the_full_model(saved_gpt2):
 
     ids, mask = padded_batch()
     with torch.no_grad():
-        want = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
+        want = full(input_ids=ids, output_hidden_states=True).hidden_states[-3]
+        padded = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
     got = features(ids, mask)
     assert torch.equal(got, want)
+    # GPT-2 is causal: the padding mask changes only the features at pad positions (which the
+    # encoder masks out), so the features of real tokens equal those of a masked run.
+    real = mask.bool()
+    assert torch.equal(got[real], padded[real])
 
     # Only the blocks that index needs are held: not the last two, not the final LayerNorm.
     assert len(features.gpt2.h) == N_LAYER - 2
@@ -130,3 +136,31 @@ def test_unfrozen_feature_model_trains_as_a_replicated_module():
 def test_feature_width_must_match_the_model():
     with pytest.raises(ValueError, match=r"has width 48 but model\.d_model=32"):
         _model(frozen=True, n_embd=48)
+
+
+def test_tied_head_with_the_pretrained_gpt2_is_its_own_output_projection(saved_gpt2):
+    """GPT-2 ties its LM head to its token table: with the pretrained model, the tied decoder head
+    scores with GPT-2's own output projection (resized to our vocabulary), times the learned scale."""
+    model_cfg = ModelConfig(
+        d_model=D, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, max_length=10, vocab_size=VOCAB,
+        mask_token_id=298, pad_token_id=PAD, head="tied",
+    )  # fmt: skip
+    model = LatentAutoencoder(model_cfg, FeatureModelConfig(name_or_path=str(saved_gpt2), pretrained=True))
+    lm_head = GPT2LMHeadModel.from_pretrained(saved_gpt2).lm_head
+    head = model.decoder.head
+    assert head.table is model.feature_model.gpt2.wte.weight
+    assert torch.equal(head.table[:SAVED_VOCAB], lm_head.weight)
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = head(x)[..., :SAVED_VOCAB]
+        want = lm_head(x * head.log_scale.exp())
+    # The same d-term dot products, possibly blocked differently by the two kernels.
+    assert (got - want).abs().max().item() <= order_bound(D, terms_scale(want.abs().max().item(), D))
+
+
+def test_tied_head_needs_the_feature_width_to_be_the_model_width(saved_gpt2):
+    model_cfg = ModelConfig(d_model=48, n_heads=4, max_length=10, vocab_size=VOCAB, mask_token_id=298, pad_token_id=PAD)
+    with pytest.raises(ConfigError) as caught:
+        LatentAutoencoder(model_cfg, FeatureModelConfig(name_or_path=str(saved_gpt2), pretrained=True))
+    message = str(caught.value)
+    assert "\n" not in message and "has width 32 but model.d_model=48" in message and "model.head=tied" in message

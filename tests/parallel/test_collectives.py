@@ -16,18 +16,19 @@ from parallel_latent.parallel import (
     initialize_model_parallel,
     vocab_parallel_cross_entropy,
 )
-from tests.tp_compare import count_collectives
+from tests.tp_compare import collectives_of, count_collectives
 
 B, T, S, D, HEADS, VOCAB = 2, 8, 6, 32, 4, 500
 
 
 class Block(nn.Module):
-    def __init__(self, tp_group):
+    def __init__(self, tp_group, sequence_parallel: bool = False):
         super().__init__()
         rng = DropoutRNG(seed=1)
         self.ln_attn, self.ln_context, self.ln_mlp = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attention = ParallelAttention(D, HEADS, dropout=0.1, rng=rng, tp_group=tp_group)
-        self.mlp = ParallelMLP(D, 4 * D, dropout=0.1, rng=rng, tp_group=tp_group)
+        sp = {"sequence_parallel": sequence_parallel}
+        self.attention = ParallelAttention(D, HEADS, dropout=0.1, rng=rng, tp_group=tp_group, **sp)
+        self.mlp = ParallelMLP(D, 4 * D, dropout=0.1, rng=rng, tp_group=tp_group, **sp)
 
     def forward(self, x, context=None):
         if context is not None and context.requires_grad:
@@ -46,16 +47,27 @@ def count_block(tp: int, context_kind: str) -> dict:
         context = torch.randn(B, S, D)
     elif context_kind == "trained":
         context = torch.randn(B, S, D, requires_grad=True)
-    log, restore = count_collectives()
-    try:
-        out = block(x, context)
-        forward = list(log)
-        log.clear()
-        out.sum().backward()
-        backward = list(log)
-    finally:
-        restore()
+    forward, backward = collectives_of(lambda: block(x, context).sum())
     return {"forward": forward, "backward": backward}
+
+
+def count_sequence_parallel_block(tp: int) -> dict:
+    """A block whose stream and trained context hold this rank's T/tp and S'/tp positions."""
+    state = initialize_model_parallel(tp)
+    torch.manual_seed(0)
+    block = Block(state.tp_group, sequence_parallel=True)
+    n_context = 2 * T  # divisible by 4, like T
+    x = torch.randn(B, T // tp, D, requires_grad=True)
+    context = torch.randn(B, n_context // tp, D, requires_grad=True)
+    shape = []
+
+    def forward():
+        out = block(x, context)
+        shape.append(tuple(out.shape))
+        return out.sum()
+
+    forward_log, backward_log = collectives_of(forward)
+    return {"forward": forward_log, "backward": backward_log, "out_shape": shape[0], "n_context": n_context}
 
 
 def count_head_and_loss(tp: int) -> dict:
@@ -92,6 +104,34 @@ def test_trained_context_enters_the_region_once(pool4):
     res = pool4.run(count_block, 2, "trained")[0]
     assert res["forward"] == [("all_reduce", B * T * D, "SUM")] * 2
     assert sorted(res["backward"]) == sorted([("all_reduce", B * (S + T) * D, "SUM"), ("all_reduce", B * T * D, "SUM")])
+
+
+def test_sequence_parallel_block_costs_two_all_gathers_and_two_reduce_scatters_each_way(pool4):
+    """Megatron's sequence parallelism: each all-reduce becomes a reduce-scatter plus an all-gather
+    of the same total bytes. Forward: the attention entry all-gathers cat(context, stream) once, its
+    exit reduce-scatters the stream; the MLP entry all-gathers, its exit reduce-scatters. Backward:
+    the transpose of each (the "single" collectives log their output size)."""
+    for tp in (2, 4):
+        res = pool4.run(count_sequence_parallel_block, tp)[0]
+        joint, stream = B * (res["n_context"] + T) * D, B * T * D
+        gather, scatter = "all_gather_single", "reduce_scatter_single"
+        assert [(name, numel) for name, numel, _ in res["forward"]] == [
+            (gather, joint),  # attention entry: cat(context, stream), once
+            (scatter, stream // tp),  # attention exit
+            (gather, stream),  # MLP entry
+            (scatter, stream // tp),  # MLP exit
+        ], (tp, res["forward"])
+        backward = [(name, numel) for name, numel, _ in res["backward"]]
+        assert [c for c in backward if c[0] != "all_reduce"] == [
+            (gather, stream),  # MLP exit's transpose
+            (scatter, stream // tp),  # MLP entry's
+            (gather, stream),  # attention exit's
+            (scatter, joint // tp),  # attention entry's: the context's and the stream's gradients
+        ], (tp, backward)
+        # Besides: the gradients of the two row-parallel biases, added on this rank's positions
+        # only, summed over the TP group (d elements each).
+        assert [c for c in backward if c[0] == "all_reduce"] == [("all_reduce", D)] * 2
+        assert res["out_shape"] == (B, T // tp, D)
 
 
 def test_tp1_in_a_multi_rank_world_communicates_nothing(pool4):

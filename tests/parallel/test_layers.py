@@ -17,11 +17,17 @@ from parallel_latent.parallel import (
     initialize_model_parallel,
     vocab_parallel_cross_entropy,
 )
-from parallel_latent.parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from parallel_latent.parallel.mappings import (
+    gather_along_sequence,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+    split_along_sequence,
+)
 from parallel_latent.parallel.utils import group_rank, group_size
 from tests.tp_compare import adam_steps_bound, gather_full, max_abs, max_param_diff, order_bound, terms_scale
 
-B, T, S, D, HEADS, VOCAB = 3, 8, 5, 32, 4, 300
+B, T, S, D, HEADS, VOCAB = 3, 8, 4, 32, 4, 300  # T and S divisible by TP (sequence parallelism)
 STEPS, LR, ADAM_EPS = 5, 1e-2, 1e-8
 
 
@@ -35,7 +41,9 @@ def reduction_length(kind: str, tp: int) -> int:
     tokens = B * T
     return {
         "mlp": D + 4 * D + tp + tokens,
+        "mlp_sp": D + 4 * D + tp + tokens,
         "attention": D + D // HEADS + 2 * (S + T) + D + tp + tokens,
+        "attention_sp": D + D // HEADS + 2 * (S + T) + D + tp + tokens,
         "head": D + VOCAB + tp + tokens,
         "column_gather": D + tokens,
         "column_no_reduce": D + tokens,
@@ -61,10 +69,11 @@ class ColumnParallelNoBackwardReduce(ColumnParallelLinear):
 def _build(kind: str, tp_group, dropout: float, broken: str | None = None):
     torch.manual_seed(1234)
     rng = DropoutRNG(seed=99)
-    if kind == "mlp":
-        module = ParallelMLP(D, 4 * D, dropout=dropout, rng=rng, tp_group=tp_group)
-    elif kind == "attention":
-        module = ParallelAttention(D, HEADS, dropout=dropout, rng=rng, tp_group=tp_group)
+    sp = {"sequence_parallel": kind.endswith("_sp")}
+    if kind.startswith("mlp"):
+        module = ParallelMLP(D, 4 * D, dropout=dropout, rng=rng, tp_group=tp_group, **sp)
+    elif kind.startswith("attention"):
+        module = ParallelAttention(D, HEADS, dropout=dropout, rng=rng, tp_group=tp_group, **sp)
     elif kind == "head":
         module = VocabParallelHead(D, VOCAB, tp_group=tp_group)
     elif kind == "column_gather":
@@ -100,24 +109,37 @@ def _inputs(step: int, dtype: torch.dtype):
 
 
 def _forward_loss(kind, module, x, context, mask, target, tp_group):
-    out = module(x, context=context, context_mask=mask) if kind == "attention" else module(x)
+    out = module(x, context=context, context_mask=mask) if kind.startswith("attention") else module(x)
     if kind == "head":
         loss, correct = vocab_parallel_cross_entropy(out, target, VOCAB, tp_group)
         return out, loss.mean(), correct
-    weight = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    weight = torch.linspace(-1, 1, B * T * out.shape[-1], dtype=out.dtype).view(B, T, -1)
+    if out.shape[1] != T:  # sequence parallel: this rank's positions
+        weight = split_along_sequence(weight, tp_group)
     return out, (out * weight).sum(), None
 
 
 def _step(kind, module, rng, step, dtype, tp_group):
+    """One forward and backward; outputs and input gradients of the whole sequence."""
     rng.step = step
     x, context, mask, target = _inputs(step, dtype)
+    sequence_parallel = kind.endswith("_sp") and group_size(tp_group) > 1
+    if sequence_parallel:  # each rank holds its positions of the stream and the context
+        x, context = split_along_sequence(x, tp_group), split_along_sequence(context, tp_group)
     x.requires_grad_()
     context.requires_grad_()
     out, loss, correct = _forward_loss(kind, module, x, context, mask, target, tp_group)
     loss.backward()
+    x_grad, ctx_grad, loss = x.grad, context.grad, loss.detach()
     if kind in ("head",):
         out = gather_full(out, SPLIT_ON_LAST_DIM, tp_group)[..., :VOCAB]
-    return out.detach(), loss.detach(), correct, x.grad, context.grad, target
+    if sequence_parallel:
+        out, x_grad = gather_along_sequence(out.detach(), tp_group), gather_along_sequence(x_grad, tp_group)
+        if ctx_grad is not None:
+            ctx_grad = gather_along_sequence(ctx_grad, tp_group)
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss, group=tp_group)  # the ranks' positions' shares
+    return out.detach(), loss, correct, x_grad, ctx_grad, target
 
 
 def compare_with_tp1(tp: int, kind: str, dropout: float, broken: str | None = None) -> dict:
@@ -184,8 +206,10 @@ def failures(result: dict) -> list[str]:
 CASES = [
     ("mlp", 0.0),
     ("mlp", 0.1),
+    ("mlp_sp", 0.1),
     ("attention", 0.0),
     ("attention", 0.1),
+    ("attention_sp", 0.1),
     ("head", 0.0),
     ("column_gather", 0.0),
     ("row_scatter", 0.0),

@@ -126,3 +126,44 @@ def test_int32_hash_matches_python_reference():
             for c in range(7):
                 row = (offsets[0] + b) * full[1] + offsets[1] + t
                 assert bool(mask[b, t, c]) == _reference_keep(row, offsets[2] + c, p, key)
+
+
+def test_bf16_dropout_scales_once_without_rounding_the_scale():
+    """A kept bf16 element is x * 1/(1-p) rounded once to bf16: its expected value is x up to that
+    rounding. A scale rounded to bf16 first (1/0.9 -> 1.109375) would make every site 0.16% low."""
+    p = 0.1
+    scale = 1.0 / (1.0 - p)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.rand(8, 16, 64, generator=gen) * 4 - 2).to(torch.bfloat16)
+    rng = DropoutRNG(seed=9)
+    drop = ParallelDropout(p, rng).train()
+    y = drop(x.clone().requires_grad_())
+    keep = keep_mask(tuple(x.shape), p, (rng.seed, rng.step, drop.layer_id), (0, 0, 0), tuple(x.shape))
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y.detach() != 0, keep & (x != 0))
+    want = (x.float() * scale).to(torch.bfloat16)
+    assert torch.equal(y.detach()[keep], want[keep])
+    assert not torch.equal(want[keep], x[keep] * torch.tensor(scale, dtype=torch.bfloat16))  # the old way differs
+    # The expected value: the sum over kept elements is x * scale up to bf16's rounding of each
+    # product (at most half an ulp, 2^-8 relative).
+    exact = (x.double() * scale)[keep]
+    assert (y.detach().double()[keep] - exact).abs().sum() <= 2**-8 * exact.abs().sum()
+    # Backward applies the same mask and scale.
+    leaf = x.clone().requires_grad_()
+    grad = (torch.rand(x.shape, generator=gen) + 0.5).to(torch.bfloat16)
+    drop(leaf).backward(grad)
+    assert torch.equal(leaf.grad[keep], (grad.float() * scale).to(torch.bfloat16)[keep])
+    assert not leaf.grad[~keep].any()
+
+
+def test_compiled_mask_equals_eager():
+    """On CUDA the mask is computed by torch.compile of the same core: the same bits. Checked once,
+    on one shape, on the CPU (compiling takes a while here; the CPU path itself stays eager)."""
+    from parallel_latent.parallel.random import _threshold, keep_mask_core, mask_inputs
+
+    shape, key = (2, 8, 48), (5, 11, 3)
+    inputs = mask_inputs(shape, key, (4, 0, 48), (6, 8, 96), torch.device("cpu"))
+    with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start on a small machine
+        compiled = torch.compile(keep_mask_core, fullgraph=True)
+        assert torch.equal(compiled(*inputs, _threshold(0.1)), keep_mask_core(*inputs, _threshold(0.1)))
+    assert torch.equal(keep_mask_core(*inputs, _threshold(0.1)), keep_mask(shape, 0.1, key, (4, 0, 48), (6, 8, 96)))

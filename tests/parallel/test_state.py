@@ -43,14 +43,24 @@ def test_tp4_and_tp1_layouts(pool4):
 
 
 def test_launcher_environments():
-    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    torchrun = {
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "1234",
+    }
     assert launcher_environment(torchrun) == {
         "rank": 5,
         "world_size": 8,
         "local_rank": 1,
+        "local_world_size": 4,
         "master_addr": "10.0.0.1",
         "master_port": "1234",
     }
+    deepspeed_launcher = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_SIZE": "8"}
+    assert launcher_environment(deepspeed_launcher)["local_world_size"] == 8
     slurm = {
         "SLURM_PROCID": "3",
         "SLURM_NTASKS": "4",
@@ -60,15 +70,66 @@ def test_launcher_environments():
     }
     env = launcher_environment(slurm)
     assert (env["rank"], env["world_size"], env["local_rank"], env["master_addr"]) == (3, 4, 1, "gpu07")
-    mpi = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
-    assert launcher_environment(mpi)["rank"] == 2
+    assert env["local_world_size"] is None  # not said: nothing to check against
+    assert launcher_environment({**slurm, "SLURM_NTASKS_PER_NODE": "2"})["local_world_size"] == 2
+    uneven = {**slurm, "SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}
+    assert launcher_environment(uneven)["local_world_size"] == 4
+    mpi = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    assert (launcher_environment(mpi)["rank"], launcher_environment(mpi)["local_world_size"]) == (2, 2)
     assert launcher_environment({}) == {
         "rank": 0,
         "world_size": 1,
         "local_rank": 0,
+        "local_world_size": 1,
         "master_addr": None,
         "master_port": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("launch", "env", "visible_gpus", "device"),
+    [
+        # torchrun / the deepspeed launcher / accelerate: one process per GPU, all GPUs visible.
+        ("torchrun", {"RANK": "13", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8"}, 8, 5),
+        ("deepspeed", {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_SIZE": "8"}, 8, 3),
+        # srun --gpus-per-task=1: SLURM masks each task to its own GPU, which it sees as device 0.
+        ("srun, 1 GPU per task", {"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_LOCALID": "7"}, 1, 0),
+        # srun with every GPU of the node visible to every task: the local id picks one.
+        ("srun, 8 GPUs per task", {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}, 8, 1),
+        # A CUDA_VISIBLE_DEVICES mask of two GPUs under torchrun with two local ranks.
+        ("mask of 2", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, 1),
+    ],
+)
+def test_one_device_choice_per_launcher(launch, env, visible_gpus, device):
+    from parallel_latent.parallel.state import select_device_index
+
+    assert select_device_index(launcher_environment(env)["local_rank"], visible_gpus) == device, launch
+
+
+def test_two_ranks_on_one_gpu_are_refused():
+    from parallel_latent.parallel.state import select_device_index
+
+    with pytest.raises(RuntimeError, match="local rank 9 has no GPU of its own: 8 are visible"):
+        select_device_index(9, 8)
+    with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+        select_device_index(0, 0)
+
+
+def test_tensor_parallel_groups_stay_inside_a_node():
+    from parallel_latent.config import Config, ConfigError, ModelConfig, ParallelConfig, validate_world
+
+    cfg = Config(model=ModelConfig(d_model=96, n_heads=12), parallel=ParallelConfig(tensor_parallel=12))
+    with pytest.raises(ConfigError, match="tensor_parallel=12 does not divide the 8 processes per node"):
+        validate_world(cfg, 48, "gpt2.yaml", processes_per_node=8)
+    validate_world(cfg, 48, "gpt2.yaml", processes_per_node=12)  # nodes of 12: fine
+    validate_world(cfg, 48, "gpt2.yaml")  # per-node count unknown: not checked
+    cfg.parallel.allow_tp_across_nodes = True
+    validate_world(cfg, 48, "gpt2.yaml", processes_per_node=8)
 
 
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a-b[1,2]", "a-b1")])

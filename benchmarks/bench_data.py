@@ -1,0 +1,301 @@
+"""Data benchmarks: preparing a corpus once, reading it at random, and training from it at scale.
+
+1. **Preparation throughput**: ``prepare`` (load_dataset, .map(num_proc) tokenising to
+   model.max_length, writing the memory-mapped copy) on a 1,000,000-line corpus against one plain
+   batched ``GPT2TokenizerFast`` call over the same lines, in this process, alternated
+   ``--repeats`` times (best of each). Goal: ratio >= 0.8.
+
+2. **Random-access batches** (why training reads a flat token matrix): batches of 16 random rows
+   of the prepared 1M copy, from its numpy memmap (what training reads) against the same rows as a
+   ``datasets`` Arrow dataset (``save_to_disk`` / ``load_from_disk``, numpy format).
+
+3. **Training start at scale**: ``parallel-latent train`` (1 process, TP=1, training.max_steps=1)
+   on the bundled corpus (4,874 lines), on the prepared 1M-line corpus and on a prepared 10M-line
+   corpus (both written and prepared by this benchmark; preparation is not timed here): time to
+   the first step (process start to its metrics line) and the process's peak RSS. Goals: each
+   <= the bundled run's + 100 MB and + 3 s.
+
+    python benchmarks/bench_data.py                       # everything (~15-25 min on 2 cores)
+    python benchmarks/bench_data.py --lines-large 2000000 --work-dir /scratch/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TINY = REPO / "configs" / "tiny.yaml"
+BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
+TRAIN_OVERRIDES = [
+    "parallel.tensor_parallel=1",
+    "training.max_steps=1",
+    "training.eval_every=0",
+    "training.log_every=1",
+    "checkpoint.save_every=0",
+    "checkpoint.export_portable=false",
+    "checkpoint.resume=never",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+
+
+def write_corpus(path: Path, lines: int) -> None:
+    """``lines`` lines: the bundled corpus's sentences over and over."""
+    sentences = [line for line in BUNDLED.read_text(encoding="utf-8").splitlines() if line.strip()]
+    block = "\n".join(sentences) + "\n"
+    with open(path, "w", encoding="utf-8") as handle:
+        whole, rest = divmod(lines, len(sentences))
+        for _ in range(whole):
+            handle.write(block)
+        handle.write("".join(line + "\n" for line in sentences[:rest]))
+
+
+def config(cache: Path, corpus: Path, *overrides: str):
+    from parallel_latent.config import load_config
+    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+    cfg = load_config(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}", *overrides])
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    return apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer)), tokenizer
+
+
+# --------------------------------------------------------------------------- #
+# 1. Preparation throughput.
+# --------------------------------------------------------------------------- #
+
+
+def bench_prepare(corpus: Path, cache: Path, repeats: int) -> dict:
+    """Each round prepares into a fresh cache; the last copy is moved into ``cache`` (its name does
+    not depend on the cache directory), where training finds it later."""
+    from parallel_latent.data import make_spec, prepare
+
+    cfg, tokenizer = config(cache, corpus)
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    plain_times, prepare_times, data = [], [], None
+    for round_index in range(repeats):
+        started = time.perf_counter()
+        tokenizer(lines)
+        plain_times.append(time.perf_counter() - started)
+        spec = make_spec(cfg, tokenizer)
+        spec.cache_dir = cache.parent / f"round{round_index}"
+        started = time.perf_counter()
+        data, created = prepare(spec)
+        prepare_times.append(time.perf_counter() - started)
+        assert created
+        print(
+            f"  round {round_index + 1}: plain call {plain_times[-1]:.1f} s, prepare {prepare_times[-1]:.1f} s",
+            flush=True,
+        )
+    cache.mkdir(parents=True, exist_ok=True)
+    keep = cache / data.path.name
+    shutil.move(str(data.path), keep)
+    for round_index in range(repeats):
+        shutil.rmtree(cache.parent / f"round{round_index}", ignore_errors=True)
+    plain, prepared = min(plain_times), min(prepare_times)
+    return {
+        "lines": len(lines),
+        "plain_lines_per_s": len(lines) / plain,
+        "prepare_lines_per_s": len(lines) / prepared,
+        "ratio": plain / prepared,
+        "samples": len(data),
+        "truncated": data.num_truncated,
+        "copy": keep,
+    }
+
+
+# --------------------------------------------------------------------------- #
+# 2. Random-access batches: memmap vs Arrow.
+# --------------------------------------------------------------------------- #
+
+
+def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: int = 16) -> dict:
+    import datasets
+    import pyarrow as pa
+
+    from parallel_latent.data import PreparedDataset, get_batch
+
+    datasets.disable_progress_bars()
+    data = PreparedDataset(copy)
+    n, length = data.num_samples, data.max_length
+    table = pa.table(
+        {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(data.input_ids).reshape(-1)), length),
+            "length": pa.array(np.asarray(data.lengths)),
+        }
+    )
+    arrow_dir = work / "arrow-copy"
+    datasets.Dataset(table).save_to_disk(str(arrow_dir))
+    del table
+    arrow = datasets.load_from_disk(str(arrow_dir)).with_format("numpy")
+    rng = np.random.default_rng(0)
+    index_sets = [rng.integers(0, n, size=batch_size) for _ in range(batches)]
+
+    def memmap_batch(rows):
+        return get_batch(data, rows)
+
+    def arrow_batch(rows):
+        import torch
+
+        record = arrow[rows.tolist()]
+        ids = torch.from_numpy(record["input_ids"].astype(np.int64))
+        mask = torch.arange(length)[None, :] < torch.from_numpy(record["length"].astype(np.int64))[:, None]
+        return ids, mask
+
+    timings = {}
+    for name, function in (("memmap", memmap_batch), ("arrow", arrow_batch)) * 2:
+        function(index_sets[0])
+        started = time.perf_counter()
+        for rows in index_sets:
+            function(rows)
+        elapsed = (time.perf_counter() - started) / batches
+        timings[name] = min(timings.get(name, elapsed), elapsed)
+    check = rng.integers(0, n, size=batch_size)
+    assert np.array_equal(memmap_batch(check)["input_ids"].numpy(), arrow_batch(check)[0].numpy())
+    shutil.rmtree(arrow_dir, ignore_errors=True)
+    return {"memmap_us": timings["memmap"] * 1e6, "arrow_us": timings["arrow"] * 1e6, "batch": batch_size}
+
+
+# --------------------------------------------------------------------------- #
+# 3. Training start.
+# --------------------------------------------------------------------------- #
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """VmHWM of a running process: the peak resident set of its current program. (ru_maxrss from
+    wait4 would not do: it keeps the high-water mark of the image before exec, i.e. of this
+    benchmark process, which forked the child.)"""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, float]:
+    """(seconds from process start to its first metrics line, peak RSS in MB) of one training run."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY), *TRAIN_OVERRIDES]
+    command += [f"data.path={corpus}", f"data.cache_dir={cache}", f"logging.run_dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    metrics = run_dir / "metrics.jsonl"
+    first_step: list[float] = []
+    peak = 0.0
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output: list[bytes] = []
+    reader = threading.Thread(target=lambda: output.append(process.stdout.read()), daemon=True)
+    reader.start()
+    while process.poll() is None:
+        rss = _peak_rss_mb(process.pid)
+        peak = max(peak, rss or 0.0)
+        if not first_step:
+            try:
+                if any(json.loads(line).get("kind") == "train" for line in metrics.read_text().splitlines()):
+                    first_step.append(time.perf_counter() - started)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.01)
+    reader.join()
+    if process.returncode != 0 or not first_step:
+        raise RuntimeError(f"training on {corpus} failed:\n{b''.join(output).decode()[-3000:]}")
+    return first_step[0], peak
+
+
+def bench_training_start(rows: dict[str, str], cache: Path, work: Path, repeats: int) -> dict[str, dict]:
+    results: dict[str, dict] = {name: {"time": [], "rss": []} for name in rows}
+    for corpus in rows.values():  # warm-up: the bundled corpus is prepared here, files cached
+        time_to_first_step(corpus, cache, work / "run")
+    for _ in range(repeats):
+        for name, corpus in rows.items():
+            seconds, rss = time_to_first_step(corpus, cache, work / "run")
+            results[name]["time"].append(seconds)
+            results[name]["rss"].append(rss)
+    return {name: {"time": min(r["time"]), "rss": max(r["rss"])} for name, r in results.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the throughput corpus")
+    parser.add_argument("--lines-large", type=int, default=10_000_000, help="lines of the large corpus")
+    parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of the throughput part")
+    parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
+    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
+    args = parser.parse_args()
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-data-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "cache"
+    try:
+        print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
+        small = work / f"corpus-{args.lines}.txt"
+        write_corpus(small, args.lines)
+
+        print(f"\n1. preparation throughput, {args.lines:,} lines ({small.stat().st_size / 1e6:.0f} MB):", flush=True)
+        prepared = bench_prepare(small, cache, args.repeats)
+        print(
+            f"plain batched GPT2TokenizerFast call: {prepared['plain_lines_per_s']:,.0f} lines/s; "
+            f"prepare: {prepared['prepare_lines_per_s']:,.0f} lines/s ({prepared['samples']:,} samples, "
+            f"{prepared['truncated']:,} truncated); ratio {prepared['ratio']:.2f} (goal >= 0.8)",
+            flush=True,
+        )
+
+        print(f"\n2. random-access batches of 16 rows from the prepared {args.lines:,}-line copy:", flush=True)
+        access = bench_random_access(prepared["copy"], work)
+        print(
+            f"numpy memmap (what training reads) {access['memmap_us']:.0f} us/batch; datasets Arrow "
+            f"(load_from_disk, numpy format) {access['arrow_us']:.0f} us/batch; "
+            f"ratio {access['arrow_us'] / access['memmap_us']:.0f}x",
+            flush=True,
+        )
+
+        from parallel_latent.data import make_spec, prepare
+
+        large = work / f"corpus-{args.lines_large}.txt"
+        write_corpus(large, args.lines_large)
+        print(f"\n3. training start; preparing the large corpus first ({large.stat().st_size / 1e6:.0f} MB) ...")
+        for corpus in (small, large):
+            cfg, tokenizer = config(cache, corpus)
+            started = time.perf_counter()
+            data, _ = prepare(make_spec(cfg, tokenizer))
+            print(f"  prepared {len(data):,} samples in {time.perf_counter() - started:.0f} s", flush=True)
+        rows = {"bundled (4,874)": "", f"{args.lines:,} lines": str(small), f"{args.lines_large:,} lines": str(large)}
+        start = bench_training_start(rows, cache, work, args.train_repeats)
+        base = start["bundled (4,874)"]
+        print(
+            f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | {'vs bundled':>10}"
+        )
+        for name, result in start.items():
+            print(
+                f"{name:>20} | {result['time']:14.2f} | {result['time'] - base['time']:+10.2f} | "
+                f"{result['rss']:13.0f} | {result['rss'] - base['rss']:+10.0f}"
+            )
+        larger = [r for name, r in start.items() if r is not base]
+        worst_time = max(r["time"] - base["time"] for r in larger)
+        worst_rss = max(r["rss"] - base["rss"] for r in larger)
+        print(
+            f"largest excess over the bundled run: {worst_time:+.2f} s (goal <= +3 s), "
+            f"{worst_rss:+.0f} MB (goal <= +100 MB)",
+            flush=True,
+        )
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

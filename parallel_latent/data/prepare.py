@@ -1,0 +1,537 @@
+"""Preparing a corpus once: tokenise it with Hugging Face ``datasets`` into a prepared copy in the
+cache, fingerprinted, written under a temporary name and published by rename; and opening it from
+every rank of a job, with one preparer per file system.
+
+The cache (``data.cache_dir``; "" = ``$PARALLEL_LATENT_DATA_CACHE``, else
+``~/.cache/parallel-latent/data``) holds one directory per fingerprint, ``<name>-<fingerprint>``.
+The fingerprint covers everything the rows depend on: the source's identity (each file's absolute
+path, size and modification time; a hub dataset's name, config and split), the tokenizer (a hash
+of its serialisation), ``model.max_length``, the sample unit, the text field and the format. A
+change in any of them names another directory: a stale copy is never read. The held-out split is
+not part of the copy (it is computed at training time from the number of samples), so changing
+``data.eval_fraction`` or ``data.max_samples`` reuses the copy.
+
+Who prepares: in a job, the ranks first check (cheaply) whether the copy exists. If not, the cache
+directory is probed with :func:`~parallel_latent.coordination.directory_is_shared`: on one shared
+file system global rank 0 prepares and the others wait; on node-local disks local rank 0 of every
+node prepares its node's copy. A file lock (``.lock-<fingerprint>``) serialises preparers that the
+job does not know about (``parallel-latent prepare`` run by hand, a second job). A preparer killed
+midway leaves only its ``.tmp-*`` directory, which the next preparer removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parallel_latent.data.prepared import FORMAT_VERSION, META, PreparedDataset
+from parallel_latent.data.sources import (
+    PREPARED_MARKER,
+    DataError,
+    Source,
+    batch_samples,
+    diagnose,
+    load_source_datasets,
+    resolve_source,
+)
+from parallel_latent.data.tokenize import RowEncoder, token_dtype, tokenizer_identity
+
+__all__ = [
+    "CACHE_ENV",
+    "LOG_NAME",
+    "PrepareSpec",
+    "default_cache_dir",
+    "describe",
+    "make_spec",
+    "open_for_training",
+    "open_prepared",
+    "prepare",
+]
+
+CACHE_ENV = "PARALLEL_LATENT_DATA_CACHE"
+LOG_NAME = "prepare-log.jsonl"
+TMP_PREFIX = ".tmp-"
+LOCK_PREFIX = ".lock-"
+MAP_BATCH = 2048
+# One process tokenises with the tokenizer's own threads, which leave its Python share (about a
+# sixth of the work) serial; worker processes (single-threaded each: a fork disables the threads)
+# pay a pool start and a cold tokenizer cache each. Measured on 2 cores, one process is faster;
+# workers pay off on larger machines, for corpora of at least this many rows per worker.
+ROWS_PER_WORKER = 100_000
+MIN_CPUS_FOR_WORKERS = 8
+MAX_WORKERS = 16
+WRITE_ROWS = 1 << 16
+
+
+def default_cache_dir(cache_dir: str = "") -> Path:
+    """``data.cache_dir``, else ``$PARALLEL_LATENT_DATA_CACHE``, else ``~/.cache/parallel-latent/data``."""
+    chosen = cache_dir or os.environ.get(CACHE_ENV, "") or str(Path("~/.cache/parallel-latent/data"))
+    return Path(chosen).expanduser().absolute()
+
+
+@dataclass
+class PrepareSpec:
+    """What to prepare and where: everything fingerprinted, plus the tokenizer itself."""
+
+    source: Source
+    tokenizer: Any
+    max_length: int
+    text_field: str
+    sample_unit: str
+    split: str
+    num_workers: int
+    cache_dir: Path
+    record: dict[str, Any]  # what the fingerprint is computed from
+    fingerprint: str
+
+    @property
+    def target(self) -> Path:
+        return self.cache_dir / f"{self.source.slug}-{self.fingerprint}"
+
+
+def make_spec(cfg: Any, tokenizer: Any) -> PrepareSpec:
+    """The preparation ``cfg`` asks for (cheap: stats the source files, hashes the tokenizer)."""
+    data = cfg.data
+    source = resolve_source(data.path, data.format)
+    identity = tokenizer_identity(tokenizer)
+    record = {
+        "format": PREPARED_MARKER,
+        "version": FORMAT_VERSION,
+        "source": source.identity(),
+        "split": data.split if source.kind in ("hub", "saved") else None,
+        "data_format": data.format,
+        "text_field": data.text_field,
+        "sample_unit": data.sample_unit,
+        "tokenizer": identity,
+        "max_length": cfg.model.max_length,
+    }
+    fingerprint = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:20]
+    return PrepareSpec(
+        source=source,
+        tokenizer=tokenizer,
+        max_length=cfg.model.max_length,
+        text_field=data.text_field,
+        sample_unit=data.sample_unit,
+        split=data.split,
+        num_workers=data.num_workers,
+        cache_dir=default_cache_dir(data.cache_dir),
+        record=record,
+        fingerprint=fingerprint,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Opening.
+# --------------------------------------------------------------------------- #
+
+
+def open_prepared(path: Path, spec: PrepareSpec, fingerprint: str | None = None) -> PreparedDataset:
+    """The prepared copy at ``path``, checked to fit ``spec``: the fingerprint (when opened from the
+    cache), or the tokenizer and length (when ``data.path`` names a prepared copy directly)."""
+    data = PreparedDataset(path)
+    if fingerprint is not None and data.fingerprint != fingerprint:
+        raise DataError(
+            f"{path}: prepared copy holds fingerprint {data.fingerprint}, expected {fingerprint}; "
+            "delete the directory to prepare again"
+        )
+    if data.max_length != spec.max_length:
+        raise DataError(
+            f"{path}: prepared copy has rows of {data.max_length} tokens but model.max_length={spec.max_length}"
+        )
+    made_with = data.meta.get("record", {}).get("tokenizer", {}).get("sha256")
+    if made_with != spec.record["tokenizer"]["sha256"]:
+        raise DataError(f"{path}: prepared copy was made with another tokenizer than tokenizer.name_or_path gives")
+    return data
+
+
+def _open_if_present(spec: PrepareSpec) -> PreparedDataset | None:
+    """The copy for ``spec`` if it is published; DataError if something unusable sits there."""
+    if spec.source.kind == "prepared":
+        return open_prepared(Path(spec.source.location), spec)
+    if not spec.target.exists():
+        return None
+    return open_prepared(spec.target, spec, spec.fingerprint)
+
+
+# --------------------------------------------------------------------------- #
+# Preparing (one process).
+# --------------------------------------------------------------------------- #
+
+
+def _ensure_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise DataError(
+            f"{directory}: cannot create the data cache directory ({reason}); set data.cache_dir or {CACHE_ENV}"
+        ) from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        raise DataError(f"{directory}: data cache directory is not writable; set data.cache_dir or {CACHE_ENV}")
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, fingerprint: str) -> Iterator[bool]:
+    """An exclusive lock per fingerprint; yields whether locking works on this file system (flock
+    is a no-op error on some network file systems: then publishing by rename is the only guard)."""
+    import fcntl
+
+    try:
+        fd = os.open(directory / f"{LOCK_PREFIX}{fingerprint}", os.O_RDWR | os.O_CREAT, 0o664)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise DataError(f"{directory}: cannot write in the data cache directory ({reason})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            locked = True
+        except OSError as error:
+            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _temporary_name(fingerprint: str) -> str:
+    host = socket.gethostname().replace("-", "_")
+    return f"{TMP_PREFIX}{fingerprint}-{host}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _remove_stale_temporaries(directory: Path, fingerprint: str, locked: bool) -> None:
+    """Leftovers of preparers that died: with the lock held every ``.tmp-<fingerprint>-*`` is one;
+    without a working lock only those of dead processes on this host are known to be."""
+    here = socket.gethostname().replace("-", "_")
+    prefix = f"{TMP_PREFIX}{fingerprint}-"
+    for leftover in directory.glob(f"{prefix}*"):
+        host, _, rest = leftover.name[len(prefix) :].rpartition("-")[0].rpartition("-")
+        dead_here = host == here and rest.isdigit() and not _pid_alive(int(rest))
+        if locked or dead_here:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tokenize_batch(batch: dict[str, list], encoder: RowEncoder, unit: str) -> dict[str, np.ndarray]:
+    texts = batch_samples(batch["text"], unit)
+    ids, lengths, truncated = encoder(texts)
+    kept = lengths > 0  # a sample without any token is dropped, as tokenize_samples does
+    return {
+        "input_ids": ids[kept],
+        "length": lengths[kept].astype(np.uint32),
+        "truncated": truncated[kept],
+    }
+
+
+def _workers(configured: int, rows: int) -> int:
+    if configured:
+        return configured
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cpus < MIN_CPUS_FOR_WORKERS:
+        return 1
+    return max(1, min(cpus, MAX_WORKERS, rows // ROWS_PER_WORKER))
+
+
+class _ArrayWriter:
+    """Appends rows to a .npy file whose final shape is known, hashing what it writes. Plain writes,
+    not a memmap: dirty pages of a mapping would count in this process's resident memory."""
+
+    def __init__(self, path: Path, dtype: np.dtype, shape: tuple[int, ...], digest):
+        self.path, self.dtype, self.digest = path, np.dtype(dtype), digest
+        self.handle = open(path, "wb")  # noqa: SIM115 (closed in close())
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(self.handle, header)
+
+    def write(self, values: np.ndarray) -> None:
+        data = np.ascontiguousarray(values, dtype=self.dtype).tobytes()
+        self.digest.update(data)
+        self.handle.write(data)
+
+    def close(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+
+
+def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
+    """Tokenise the source into ``tmp`` (the arrays, then meta.json); return the meta."""
+    import datasets
+
+    started = time.perf_counter()
+    work = tmp / "work"
+    work.mkdir()
+    tokenizer = spec.tokenizer
+    vocab_size = len(tokenizer)
+    dtype = token_dtype(vocab_size)
+    encoder = RowEncoder(tokenizer, spec.max_length, tokenizer.pad_token_id, dtype)
+    features = datasets.Features(
+        {
+            # datasets >= 4 names fixed-length lists List; Sequence is the older name of the same.
+            "input_ids": getattr(datasets, "List", datasets.Sequence)(
+                datasets.Value(dtype.name), length=spec.max_length
+            ),
+            "length": datasets.Value("uint32"),
+            "truncated": datasets.Value("bool"),
+        }
+    )
+    pieces = load_source_datasets(spec.source, spec.text_field, spec.sample_unit, spec.split, work)
+    loaded = time.perf_counter()
+    if progress:  # the tokenising bars; loading stays quiet
+        datasets.enable_progress_bars()
+    tokenized = []
+    for index, (dataset, unit) in enumerate(pieces):
+        workers = _workers(spec.num_workers, len(dataset))
+        previous = os.environ.get("TOKENIZERS_PARALLELISM")
+        if workers > 1:
+            # Worker processes instead of the tokenizer's threads (which a fork would disable, with
+            # a warning per worker).
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            tokenized.append(
+                dataset.map(
+                    _tokenize_batch,
+                    batched=True,
+                    batch_size=MAP_BATCH,
+                    num_proc=workers if workers > 1 else None,
+                    remove_columns=dataset.column_names,
+                    fn_kwargs={"encoder": encoder, "unit": unit},
+                    features=features,
+                    cache_file_name=str(work / f"tokenized-{index}.arrow"),
+                    new_fingerprint=f"{spec.fingerprint}-{index}",
+                    load_from_cache_file=False,
+                    desc="tokenizing",
+                )
+            )
+        except DataError:
+            raise
+        except ValueError as error:  # text that cannot be decoded reaches Python only here
+            if spec.source.kind == "files":
+                raise diagnose(list(spec.source.files), spec.text_field, error) from None
+            raise DataError(f"{spec.source.location}: {str(error).splitlines()[0]}") from None
+        finally:
+            if previous is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = previous
+    tokenized_at = time.perf_counter()
+    num_samples = sum(len(piece) for piece in tokenized)
+    if num_samples == 0:
+        raise DataError(f"{spec.source.location}: corpus is empty (no non-empty samples)")
+
+    digest = hashlib.sha256()
+    length_dtype = token_dtype(spec.max_length + 1)
+    writers = {
+        "input_ids": _ArrayWriter(tmp / "input_ids.npy", dtype, (num_samples, spec.max_length), digest),
+        "lengths": _ArrayWriter(tmp / "lengths.npy", length_dtype, (num_samples,), digest),
+        "truncated": _ArrayWriter(tmp / "truncated.npy", np.dtype(bool), (num_samples,), digest),
+    }
+    num_tokens = num_truncated = 0
+    for piece in tokenized:
+        for batch in piece.data.table.to_batches(max_chunksize=WRITE_ROWS):
+            ids = batch.column("input_ids").flatten().to_numpy(zero_copy_only=False)
+            lengths = batch.column("length").to_numpy(zero_copy_only=False)
+            truncated = batch.column("truncated").to_numpy(zero_copy_only=False)
+            writers["input_ids"].write(ids.reshape(-1, spec.max_length))
+            writers["lengths"].write(lengths)
+            writers["truncated"].write(truncated)
+            num_tokens += int(lengths.sum())
+            num_truncated += int(truncated.sum())
+    for writer in writers.values():
+        writer.close()
+    del tokenized, pieces
+    shutil.rmtree(work, ignore_errors=True)
+
+    meta = {
+        "format": PREPARED_MARKER,
+        "version": FORMAT_VERSION,
+        "fingerprint": spec.fingerprint,
+        "record": spec.record,
+        "source": spec.source.location,
+        "num_samples": num_samples,
+        "max_length": spec.max_length,
+        "dtype": dtype.name,
+        "length_dtype": length_dtype.name,
+        "vocab_size": vocab_size,
+        "pad_token_id": tokenizer.pad_token_id,
+        "num_tokens": num_tokens,
+        "num_truncated": num_truncated,
+        "content_sha256": digest.hexdigest(),
+        "files": {f"{name}.npy": (tmp / f"{name}.npy").stat().st_size for name in writers},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "seconds": round(time.perf_counter() - started, 3),
+        "phases": {
+            "load": round(loaded - started, 3),
+            "tokenize": round(tokenized_at - loaded, 3),
+            "write": round(time.perf_counter() - tokenized_at, 3),
+        },
+    }
+    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    _fsync(tmp / META)
+    return meta
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    try:
+        os.rename(tmp, target)
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise DataError(f"{target}: cannot publish the prepared copy ({error.strerror})") from None
+        # Published meanwhile by a preparer that held no lock (no flock on this file system).
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    with contextlib.suppress(OSError):
+        _fsync(target.parent)
+
+
+def _log(spec: PrepareSpec, meta: dict[str, Any]) -> None:
+    """One line per preparation in the cache's log: who prepared what, when, how long it took."""
+    entry = {
+        "time": meta["created"],
+        "host": meta["host"],
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK"),
+        "fingerprint": spec.fingerprint,
+        "path": str(spec.target),
+        "source": spec.source.location,
+        "num_samples": meta["num_samples"],
+        "seconds": meta["seconds"],
+    }
+    with contextlib.suppress(OSError), open(spec.cache_dir / LOG_NAME, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def prepare(spec: PrepareSpec, progress: bool = False) -> tuple[PreparedDataset, bool]:
+    """The prepared copy for ``spec``, preparing it unless a valid one is published: (copy, whether
+    this call prepared it). One process; safe against concurrent preparers (lock, rename)."""
+    found = _open_if_present(spec)
+    if found is not None:
+        return found, False
+    directory = spec.cache_dir
+    _ensure_writable(directory)
+    with _locked(directory, spec.fingerprint) as locked:
+        found = _open_if_present(spec)  # prepared by whoever held the lock before us
+        if found is not None:
+            return found, False
+        _remove_stale_temporaries(directory, spec.fingerprint, locked)
+        tmp = directory / _temporary_name(spec.fingerprint)
+        try:
+            tmp.mkdir()
+            meta = _build(spec, tmp, progress)
+            _publish(tmp, spec.target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _log(spec, meta)
+    return open_prepared(spec.target, spec, spec.fingerprint), True
+
+
+# --------------------------------------------------------------------------- #
+# Opening from every rank of a job.
+# --------------------------------------------------------------------------- #
+
+
+def _raise_first(error: str | None) -> None:
+    """Collective: every rank raises the first error any rank had (by rank), or none does."""
+    from parallel_latent import coordination
+
+    errors = coordination.all_gather_value(error)
+    first = next((message for message in errors if message), None)
+    if first is not None:
+        raise DataError(first)
+
+
+def _agreed(function, *args):
+    """``function(*args)`` on every rank; if it raised a DataError on any rank, all raise it."""
+    try:
+        value, error = function(*args), None
+    except DataError as caught:
+        value, error = None, str(caught)
+    _raise_first(error)
+    return value
+
+
+def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> PreparedDataset:
+    """The prepared copy of ``cfg.data`` on every rank, preparing it first where it is missing
+    (collective when a process group is up; a plain call in one process). ``announce``: the
+    preparer says on stdout what it prepares."""
+    from parallel_latent import coordination
+
+    spec = _agreed(make_spec, cfg, tokenizer)
+    data = _agreed(_open_if_present, spec)
+    if not coordination.all_ranks_agree(data is not None):
+        _agreed(_ensure_writable, spec.cache_dir)
+        shared = coordination.directory_is_shared(spec.cache_dir)
+        if shared:
+            # One file system: every rank reads what global rank 0 prepares (the nodes' own
+            # fingerprints could differ if each node holds a copy of the corpus).
+            fingerprint, target = coordination.broadcast_value((spec.fingerprint, str(spec.target)))
+        else:
+            fingerprint, target = spec.fingerprint, str(spec.target)
+        preparer = coordination.is_main() if shared else coordination.is_local_main()
+        error, failure = None, None
+        if preparer:
+            try:
+                # stdout: stderr is kept for the one-line error should the preparation fail.
+                if announce and not spec.target.exists():
+                    print(f"preparing {spec.source.location} into {spec.target} ...", flush=True)
+                prepared, created = prepare(spec)
+                if created and announce:
+                    print(f"prepared in {prepared.meta.get('seconds', 0.0):.1f} s: {describe(prepared)}", flush=True)
+            except DataError as caught:
+                error = str(caught)
+            except Exception as caught:  # the others must not wait forever for this rank
+                failure = caught
+                error = f"{spec.source.location}: preparing failed: {type(caught).__name__}: {caught}".splitlines()[0]
+        try:
+            _raise_first(error)
+        except DataError:
+            if failure is not None:
+                raise failure from None  # this rank keeps the traceback of the unexpected error
+            raise
+        data = _agreed(open_prepared, Path(target), spec, fingerprint)
+    reference = coordination.broadcast_value(data.content_digest)
+    if not coordination.all_ranks_agree(data.content_digest == reference):
+        raise DataError(
+            f"{data.path}: the prepared copies of the nodes differ (content digest); the nodes' corpora "
+            "differ: put the corpus or data.cache_dir on a shared file system"
+        )
+    return data
+
+
+def describe(data: PreparedDataset) -> str:
+    meta = data.meta
+    return (
+        f"{data.path}: {data.num_samples:,} samples of {data.max_length} tokens, "
+        f"{data.num_truncated:,} truncated, fingerprint {meta['fingerprint']}"
+    )

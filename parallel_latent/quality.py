@@ -1,0 +1,64 @@
+"""Reconstruction quality: corpus BLEU of reconstructions against their inputs, and the examples
+that the trainer and ``parallel-latent evaluate`` show.
+
+BLEU is the field's measure of a text autoencoder (LD4LG reports 97.6 on ROCStories and 98.8 on
+AG News): sacrebleu's corpus BLEU with its default 13a tokenisation, as papers report it (0-100).
+The reference of a sample is its text *as the model saw it*: its first ``max_length`` tokens,
+detokenised, so a cut sentence is not counted as an error of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["corpus_bleu", "detokenize", "reconstruction_records", "truncation_note"]
+
+
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """sacrebleu's corpus BLEU (0-100) of ``hypotheses`` against one reference each; NaN for none."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    if not hypotheses:
+        return math.nan
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
+
+
+def detokenize(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[str]:
+    """Each row's real tokens (where ``attention_mask`` is 1, a prefix) as text, exactly as the
+    tokenizer decodes them (no special tokens dropped, no spaces "cleaned up"), so that equal ids
+    give equal texts."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    return [
+        tokenizer.decode(row[:n].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for row, n in zip(input_ids.cpu(), lengths, strict=True)
+    ]
+
+
+def truncation_note(max_length: int) -> str:
+    return f"[... cut: the model sees the first {max_length} tokens]"
+
+
+def reconstruction_records(
+    tokenizer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    predictions: torch.Tensor,
+    truncated: torch.Tensor | None = None,
+) -> list[dict]:
+    """One record per row: the input as the model saw it, its reconstruction, whether they match
+    token for token, and whether the sample was longer than the model's ``max_length`` (None where
+    unknown)."""
+    inputs = detokenize(tokenizer, input_ids, attention_mask)
+    outputs = detokenize(tokenizer, predictions, attention_mask)
+    real = attention_mask.bool().cpu()
+    exact = ((predictions.cpu() == input_ids.cpu()) | ~real).all(dim=1).tolist()
+    cut = [None] * len(inputs) if truncated is None else [bool(t) for t in truncated.tolist()]
+    return [
+        {"input": i, "reconstruction": o, "exact": e, "truncated": c}
+        for i, o, e, c in zip(inputs, outputs, exact, cut, strict=True)
+    ]
