@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.trainer_runs import REPO, TINY, describe, rank_env, train_records
+from tests.trainer_runs import REPO, TINY, TINY_MODEL, describe, rank_env, train_records
 
 LAUNCH = REPO / "launch"
 SCRIPTS = [
@@ -124,17 +124,7 @@ def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
             "ZERO_STAGES": "1 2",
         }
     )
-    shrink = [
-        "model.d_model=32",
-        "model.n_heads=4",
-        "model.n_encoder_layers=1",
-        "model.n_decoder_layers=1",
-        "model.max_length=16",
-        "feature_model.n_embd=32",
-        "feature_model.n_head=4",
-        "feature_model.n_layer=3",
-        "data.max_samples=400",
-    ]
+    shrink = [*TINY_MODEL, "data.max_samples=400"]
     result = subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu.sh"), *shrink],
         cwd=REPO,

@@ -109,6 +109,13 @@ def max_param_diff(reference: torch.nn.Module, parallel: torch.nn.Module, group,
     }
 
 
+def weights_after_adam(reference, parallel, group, steps: int, lr: float, adam_eps: float, grad_scale: float, k: int):
+    """(largest gathered weight difference, its bound) after ``steps`` float64 Adam steps whose
+    gradients, of magnitude up to ``grad_scale``, came through reductions of ``k`` terms."""
+    grad_bound = order_bound(k, terms_scale(grad_scale, k), torch.float64)
+    return max(max_param_diff(reference, parallel, group).values()), adam_steps_bound(steps, lr, adam_eps, grad_bound)
+
+
 def max_abs(tensors) -> float:
     return max((t.detach().abs().max().item() for t in tensors if t is not None and t.numel()), default=0.0)
 

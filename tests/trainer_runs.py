@@ -19,7 +19,8 @@ from parallel_latent.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
-TINY = [
+# The smallest model shape that still has every part (heads, both stacks, a 3-layer GPT-2).
+TINY_MODEL = [
     "model.d_model=32",
     "model.n_heads=4",
     "model.n_encoder_layers=1",
@@ -28,6 +29,10 @@ TINY = [
     "feature_model.n_embd=32",
     "feature_model.n_head=4",
     "feature_model.n_layer=3",
+]
+
+TINY = [
+    *TINY_MODEL,
     "data.max_samples=600",
     "training.micro_batch_size=4",
     "training.log_every=1",

@@ -27,7 +27,6 @@ from tests.model.test_autoencoder import (
     tiny_configs,
 )
 from tests.tp_compare import (
-    adam_steps_bound,
     argmax_agrees,
     collectives_of,
     gather_full,
@@ -35,6 +34,7 @@ from tests.tp_compare import (
     max_param_diff,
     order_bound,
     terms_scale,
+    weights_after_adam,
 )
 
 STEPS, LR, ADAM_EPS = 5, 3e-3, 1e-8
@@ -125,11 +125,7 @@ def compare_with_tp1(tp: int, dropout: float, head: str = "tied", frozen: bool =
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    grad_bound = order_bound(k, terms_scale(grad_scale, k), torch.float64)
-    result["weights"] = (
-        max(max_param_diff(ref64, par64, group).values()),
-        adam_steps_bound(STEPS, LR, ADAM_EPS, grad_bound),
-    )
+    result["weights"] = weights_after_adam(ref64, par64, group, STEPS, LR, ADAM_EPS, grad_scale, k)
     result["replicated_spread"] = replicated_spread(_replicated(par64), group)
     return result
 

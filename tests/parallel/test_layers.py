@@ -25,7 +25,7 @@ from parallel_latent.parallel.mappings import (
     split_along_sequence,
 )
 from parallel_latent.parallel.utils import group_rank, group_size
-from tests.tp_compare import adam_steps_bound, gather_full, max_abs, max_param_diff, order_bound, terms_scale
+from tests.tp_compare import gather_full, max_abs, max_param_diff, order_bound, terms_scale, weights_after_adam
 
 B, T, S, D, HEADS, VOCAB = 3, 8, 4, 32, 4, 300  # T and S divisible by TP (sequence parallelism)
 STEPS, LR, ADAM_EPS = 5, 1e-2, 1e-8
@@ -182,11 +182,7 @@ def compare_with_tp1(tp: int, kind: str, dropout: float, broken: str | None = No
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    grad_bound = order_bound(k, terms_scale(grad_scale, k), torch.float64)
-    result["weights"] = (
-        max(max_param_diff(ref64, par64, group).values()),
-        adam_steps_bound(STEPS, LR, ADAM_EPS, grad_bound),
-    )
+    result["weights"] = weights_after_adam(ref64, par64, group, STEPS, LR, ADAM_EPS, grad_scale, k)
     return result
 
 
