@@ -17,25 +17,26 @@ alike; the medians are reported. Files are read from the page cache (both were j
 dropping the cache would need root and disturb other users of the machine.
 
     python benchmarks/bench_checkpoint.py [--repeats 5] [--dir /tmp/x] [--json out.json]
+    python benchmarks/bench_checkpoint.py --quick     # seconds: configs/tiny.yaml's model, 2 repeats
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, Report, add_common_arguments, run
 
 
-def build_model():
+def build_model(config: str = "gpt2.yaml"):
     import dataclasses
     import logging
 
@@ -43,7 +44,7 @@ def build_model():
     from parallel_latent.model import LatentAutoencoder
 
     logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)
-    cfg = load_config(REPO / "configs" / "gpt2.yaml")
+    cfg = load_config(REPO / "configs" / config)
     feature_cfg = dataclasses.replace(cfg.feature_model, pretrained=False)
     return cfg, LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed), feature_cfg
 
@@ -57,19 +58,15 @@ def fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--json", default=None, help="also write the figures as JSON here")
-    args = parser.parse_args()
-
+def body(args, report: Report) -> None:
+    if args.quick:
+        args.repeats, args.config = 2, "tiny.yaml"
     from parallel_latent.checkpoint import load_portable, save_portable
     from parallel_latent.model import LatentAutoencoder
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     started = time.perf_counter()
-    cfg, model, feature_cfg = build_model()
+    cfg, model, feature_cfg = build_model(args.config)
     target = LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed + 1)
     n_params = sum(t.numel() for t in model.state_dict().values())
     print(
@@ -120,40 +117,37 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
     medians = {k: statistics.median(v) for k, v in times.items()}
-    figures = {
-        "repeats": args.repeats,
-        "elements": n_params,
-        "median_s": medians,
-        "all_s": times,
-        "bytes": sizes,
-        "ratios": {
-            "save": medians["portable_save"] / medians["torch_save"],
-            "load": medians["portable_load"] / medians["torch_load"],
-            "load_unverified": medians["portable_load_unverified"] / medians["torch_load"],
-            "bytes": sizes["portable"] / sizes["torch_save"],
-        },
+    ratios = {
+        "save": medians["portable_save"] / medians["torch_save"],
+        "load": medians["portable_load"] / medians["torch_load"],
+        "load_unverified": medians["portable_load_unverified"] / medians["torch_load"],
+        "bytes": sizes["portable"] / sizes["torch_save"],
     }
     print(f"{'':28}{'portable':>12}{'torch.save':>12}{'ratio':>8}")
-    print(
-        f"{'save (s, median)':28}{medians['portable_save']:12.3f}{medians['torch_save']:12.3f}"
-        f"{figures['ratios']['save']:8.2f}"
-    )
+    print(f"{'save (s, median)':28}{medians['portable_save']:12.3f}{medians['torch_save']:12.3f}{ratios['save']:8.2f}")
     print(
         f"{'load (s, median, verified)':28}{medians['portable_load']:12.3f}{medians['torch_load']:12.3f}"
-        f"{figures['ratios']['load']:8.2f}"
+        f"{ratios['load']:8.2f}"
     )
     print(
         f"{'load (s, median, no sha256)':28}{medians['portable_load_unverified']:12.3f}"
-        f"{medians['torch_load']:12.3f}{figures['ratios']['load_unverified']:8.2f}"
+        f"{medians['torch_load']:12.3f}{ratios['load_unverified']:8.2f}"
     )
-    print(f"{'bytes on disk':28}{sizes['portable']:12,d}{sizes['torch_save']:12,d}{figures['ratios']['bytes']:8.4f}")
-    print(
-        "goals: load <= 1.0x, bytes <= 1.02x:",
-        "met" if figures["ratios"]["load"] <= 1.0 and figures["ratios"]["bytes"] <= 1.02 else "NOT met",
-    )
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+    print(f"{'bytes on disk':28}{sizes['portable']:12,d}{sizes['torch_save']:12,d}{ratios['bytes']:8.4f}")
+    report.figure(f"portable save / torch.save, {args.config}", ratios["save"], "x")
+    report.figure(f"portable load (checksums verified) / torch.load, {args.config}", ratios["load"], "x", at_most=1.0)
+    report.figure(f"portable load (no checksums) / torch.load, {args.config}", ratios["load_unverified"], "x")
+    report.figure(f"portable bytes / torch.save bytes, {args.config}", ratios["bytes"], "x", at_most=1.02)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--config", default="gpt2.yaml", help="the model of this file under configs/")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    add_common_arguments(parser)
+    return run("bench_checkpoint", parser, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

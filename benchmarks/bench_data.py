@@ -17,6 +17,7 @@
 
     python benchmarks/bench_data.py                       # everything (~15-25 min on 2 cores)
     python benchmarks/bench_data.py --lines-large 2000000 --work-dir /scratch/bench
+    python benchmarks/bench_data.py --quick               # under a minute: 20k and 50k lines, one round
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, Report, add_common_arguments, run
 
 TINY = REPO / "configs" / "tiny.yaml"
 BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
@@ -216,9 +216,11 @@ def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, 
     return first_step[0], peak
 
 
-def bench_training_start(rows: dict[str, str], cache: Path, work: Path, repeats: int) -> dict[str, dict]:
+def bench_training_start(
+    rows: dict[str, str], cache: Path, work: Path, repeats: int, warmup: bool = True
+) -> dict[str, dict]:
     results: dict[str, dict] = {name: {"time": [], "rss": []} for name in rows}
-    for corpus in rows.values():  # warm-up: the bundled corpus is prepared here, files cached
+    for corpus in rows.values() if warmup else ():  # the bundled corpus is prepared here, files cached
         time_to_first_step(corpus, cache, work / "run")
     for _ in range(repeats):
         for name, corpus in rows.items():
@@ -228,15 +230,9 @@ def bench_training_start(rows: dict[str, str], cache: Path, work: Path, repeats:
     return {name: {"time": min(r["time"]), "rss": max(r["rss"])} for name, r in results.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the throughput corpus")
-    parser.add_argument("--lines-large", type=int, default=10_000_000, help="lines of the large corpus")
-    parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of the throughput part")
-    parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
-    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
-    args = parser.parse_args()
-
+def body(args, report: Report) -> None:
+    if args.quick:
+        args.lines, args.lines_large, args.repeats, args.train_repeats = 20_000, 50_000, 1, 1
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
@@ -250,18 +246,19 @@ def main() -> None:
         print(
             f"plain batched GPT2TokenizerFast call: {prepared['plain_lines_per_s']:,.0f} lines/s; "
             f"prepare: {prepared['prepare_lines_per_s']:,.0f} lines/s ({prepared['samples']:,} samples, "
-            f"{prepared['truncated']:,} truncated); ratio {prepared['ratio']:.2f} (goal >= 0.8)",
+            f"{prepared['truncated']:,} truncated)",
             flush=True,
         )
+        report.figure("prepare / plain tokenizer call, lines per second", prepared["ratio"], "x", at_least=0.8)
 
         print(f"\n2. random-access batches of 16 rows from the prepared {args.lines:,}-line copy:", flush=True)
         access = bench_random_access(prepared["copy"], work)
         print(
             f"numpy memmap (what training reads) {access['memmap_us']:.0f} us/batch; datasets Arrow "
-            f"(load_from_disk, numpy format) {access['arrow_us']:.0f} us/batch; "
-            f"ratio {access['arrow_us'] / access['memmap_us']:.0f}x",
+            f"(load_from_disk, numpy format) {access['arrow_us']:.0f} us/batch",
             flush=True,
         )
+        report.figure("random batch from Arrow / from the memmap", access["arrow_us"] / access["memmap_us"], "x")
 
         from parallel_latent.data import make_spec, prepare
 
@@ -274,7 +271,7 @@ def main() -> None:
             data, _ = prepare(make_spec(cfg, tokenizer))
             print(f"  prepared {len(data):,} samples in {time.perf_counter() - started:.0f} s", flush=True)
         rows = {"bundled (4,874)": "", f"{args.lines:,} lines": str(small), f"{args.lines_large:,} lines": str(large)}
-        start = bench_training_start(rows, cache, work, args.train_repeats)
+        start = bench_training_start(rows, cache, work, args.train_repeats, warmup=not args.quick)
         base = start["bundled (4,874)"]
         print(
             f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | {'vs bundled':>10}"
@@ -284,18 +281,27 @@ def main() -> None:
                 f"{name:>20} | {result['time']:14.2f} | {result['time'] - base['time']:+10.2f} | "
                 f"{result['rss']:13.0f} | {result['rss'] - base['rss']:+10.0f}"
             )
-        larger = [r for name, r in start.items() if r is not base]
+        larger = [r for r in start.values() if r is not base]
         worst_time = max(r["time"] - base["time"] for r in larger)
         worst_rss = max(r["rss"] - base["rss"] for r in larger)
-        print(
-            f"largest excess over the bundled run: {worst_time:+.2f} s (goal <= +3 s), "
-            f"{worst_rss:+.0f} MB (goal <= +100 MB)",
-            flush=True,
-        )
+        # The largest corpus is the one the goal is about; the worse of the two larger ones is reported.
+        report.figure("time to first step, larger corpus - bundled (worst)", worst_time, "s", at_most=3)
+        report.figure("peak RSS, larger corpus - bundled (worst)", worst_rss, "MB", at_most=100)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the throughput corpus")
+    parser.add_argument("--lines-large", type=int, default=10_000_000, help="lines of the large corpus")
+    parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of the throughput part")
+    parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
+    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
+    add_common_arguments(parser)
+    return run("bench_data", parser, body)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

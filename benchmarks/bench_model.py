@@ -11,13 +11,13 @@
 
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 15 --threads 1]
+       python benchmarks/bench_model.py --quick     # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import time
@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from parallel_latent.config import FeatureModelConfig, ModelConfig
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_gpt2
+
+from common import Report, add_common_arguments, run
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -172,7 +173,7 @@ def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, args.vocab - 1), mask
 
 
-def model_vs_plain(args) -> None:
+def model_vs_plain(args, report: Report) -> None:
     ids, mask = batch(args)
     feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
     for dropout in args.dropouts:
@@ -205,16 +206,20 @@ def model_vs_plain(args) -> None:
             plain.zero_grad(set_to_none=True)
 
         med = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats)
-        goal = " (goal <= 1.05)" if dropout == 0.0 else " (information)"
         print(
             f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {med['ours'] * 1e3:.1f} ms, "
-            f"plain PyTorch "
-            f"{med['plain'] * 1e3:.1f} ms, ratio {med['ours'] / med['plain']:.3f}{goal}"
+            f"plain PyTorch {med['plain'] * 1e3:.1f} ms"
+        )
+        report.figure(
+            f"model fwd+bwd ours / plain PyTorch, dropout {dropout}",
+            med["ours"] / med["plain"],
+            "x",
+            at_most=1.05 if dropout == 0.0 else None,
         )
 
 
-def features_vs_full(args) -> None:
-    cfg = FeatureModelConfig(n_layer=12, n_head=12, n_embd=768)
+def features_vs_full(args, report: Report) -> None:
+    cfg = FeatureModelConfig(n_layer=args.feature_layers_full, n_head=12, n_embd=args.feature_width)
     torch.manual_seed(0)
     full = load_gpt2(cfg, GPT2_VOCAB).eval()
     torch.manual_seed(0)
@@ -236,13 +241,27 @@ def features_vs_full(args) -> None:
     med = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats)
     held = sum(p.numel() for p in truncated.parameters()) / sum(p.numel() for p in full.parameters())
     print(
-        f"features, 12-layer GPT-2, batch {args.feature_batch}x{args.seq}: truncated "
-        f"{med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms, ratio "
-        f"{med['truncated'] / med['full']:.3f} (goal <= 0.87); weights held {held:.3f}x"
+        f"features, {cfg.n_layer}-layer GPT-2 of width {cfg.n_embd}, batch {args.feature_batch}x{args.seq}: "
+        f"truncated {med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms; "
+        f"weights held {held:.3f}x"
     )
+    report.figure("features truncated / full GPT-2", med["truncated"] / med["full"], "x", at_most=0.87)
 
 
-def main() -> None:
+def body(args, report: Report) -> None:
+    if args.quick:
+        args.batch, args.seq, args.d_model, args.feature_layers, args.repeats = 2, 8, 32, 2, 3
+        args.feature_batch, args.feature_width, args.feature_layers_full = 2, 48, 4
+    torch.set_num_threads(args.threads)
+    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    if args.only in (None, "model"):
+        model_vs_plain(args, report)
+    if args.only in (None, "features"):
+        features_vs_full(args, report)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
@@ -257,19 +276,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="Perceiver blocks in the encoder and in the decoder")
     parser.add_argument("--feature-layers", type=int, default=4)
     parser.add_argument("--feature-batch", type=int, default=8)
+    parser.add_argument("--feature-width", type=int, default=768, help="GPT-2 width of the feature comparison")
+    parser.add_argument("--feature-layers-full", type=int, default=12, help="GPT-2 depth of the feature comparison")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--only", choices=["model", "features"], default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
-    print(f"torch {torch.__version__}, {args.threads} thread(s)")
-    if args.only in (None, "model"):
-        model_vs_plain(args)
-    if args.only in (None, "features"):
-        features_vs_full(args)
+    add_common_arguments(parser)
+    return run("bench_model", parser, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,6 +14,7 @@
 
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 30]
+       python benchmarks/bench_parallel.py --quick    # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
+
+from common import Report, add_common_arguments, run
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
@@ -59,7 +61,7 @@ def interleaved(fns: dict, repeats: int, warmup: int = 3) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def tp1_overhead(args) -> None:
+def tp1_overhead(args, report: Report) -> None:
     torch.manual_seed(0)
     x = torch.randn(args.batch, args.seq, args.hidden, requires_grad=True)
     for dropout in (0.0, 0.1):
@@ -82,20 +84,21 @@ def tp1_overhead(args) -> None:
         )
         print(
             f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {med['ours'] * 1e3:.2f} ms, nn.Sequential "
-            f"{med['plain'] * 1e3:.2f} ms, ratio {med['ours'] / med['plain']:.3f} (goal <= 1.02)"
+            f"{med['plain'] * 1e3:.2f} ms"
+        )
+        report.figure(
+            f"TP=1 MLP ours / nn.Sequential, dropout {dropout}", med["ours"] / med["plain"], "x", at_most=1.02
         )
 
 
-def _tp2_worker(rank: int, port: int, args) -> None:
+def _tp2_task(args) -> dict:
+    """Ours vs torch's DTensor tensor parallelism on one MLP, timed in the same 2 processes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from parallel_latent.parallel import initialize_model_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     state = initialize_model_parallel(2)
     torch.manual_seed(0)
     ours = ParallelMLP(args.hidden, 4 * args.hidden, tp_group=state.tp_group)
@@ -112,22 +115,15 @@ def _tp2_worker(rank: int, port: int, args) -> None:
 
         return run
 
-    med = interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats)
-    if rank == 0:
-        print(
-            f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {med['ours'] * 1e3:.2f} ms, "
-            f"torch.distributed.tensor.parallel {med['torch'] * 1e3:.2f} ms, ratio "
-            f"{med['ours'] / med['torch']:.3f} (goal <= 1.0)"
-        )
-    dist.destroy_process_group()
+    return interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats)
 
 
-def tp2_vs_torch(args) -> None:
-    import torch.multiprocessing as mp
-
-    from tests.distributed import free_port
-
-    mp.spawn(_tp2_worker, args=(free_port(), args), nprocs=2, join=True)
+def tp2_vs_torch(med: dict, args, report: Report) -> None:
+    print(
+        f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {med['ours'] * 1e3:.2f} ms, "
+        f"torch.distributed.tensor.parallel {med['torch'] * 1e3:.2f} ms"
+    )
+    report.figure("TP=2 MLP ours / torch.distributed.tensor.parallel", med["ours"] / med["torch"], "x", at_most=1.0)
 
 
 # --------------------------------------------------------------------------- #
@@ -150,7 +146,7 @@ def _batch(batch: int, t: int, vocab: int):
     return torch.randint(0, vocab - 2, (batch, t), generator=gen), torch.ones(batch, t, dtype=torch.long)
 
 
-def _pool_task(rank: int, port: int, world: int, task, args, results) -> None:
+def _pool_task(rank: int, port: int, world: int, tasks, args, results) -> None:
     import torch.distributed as dist
 
     os.environ.update(
@@ -159,20 +155,21 @@ def _pool_task(rank: int, port: int, world: int, task, args, results) -> None:
     )  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    out = task(args)
+    out = [task(args) for task in tasks]
     if rank == 0:
         results.put(out)
     dist.destroy_process_group()
 
 
-def _run(world: int, task, args):
+def _run(world: int, tasks: list, args) -> list:
+    """Each of ``tasks`` in turn, on ``world`` gloo processes started once; rank 0's results."""
     import torch.multiprocessing as mp
 
     from tests.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.spawn(_pool_task, args=(free_port(), world, task, args, results), nprocs=world, join=True)
+    mp.spawn(_pool_task, args=(free_port(), world, tasks, args, results), nprocs=world, join=True)
     return results.get()
 
 
@@ -185,7 +182,7 @@ def _frozen_flops(args) -> list[tuple[int, float, float]]:
     rows = []
     for tp in (2, 4):
         state = initialize_model_parallel(tp)
-        model_cfg, feature_cfg = _configs(768, 64, 1, 1, 12, 512)  # configs/gpt2.yaml's GPT-2, T = 64
+        model_cfg, feature_cfg = _configs(args.flops_width, 64, 1, 1, 12, 512)  # gpt2.yaml's GPT-2, T = 64
         ids, mask = _batch(8, 64, 512)
         counts = []
         for split in (False, True):
@@ -197,12 +194,14 @@ def _frozen_flops(args) -> list[tuple[int, float, float]]:
     return rows
 
 
-def frozen_pass_flops(args) -> None:
-    for tp, replicated, split in _run(4, _frozen_flops, args):
+def frozen_pass_flops(rows: list, args, report: Report) -> None:
+    for tp, replicated, split in rows:
         print(
-            f"frozen feature pass per rank at TP={tp} (GPT-2 small, 10 blocks run, micro-batch 8 x 64): "
-            f"replicated {replicated / 1e9:.2f} GFLOP, split {split / 1e9:.2f} GFLOP, ratio {split / replicated:.3f} "
-            f"(1/tp = {1 / tp:.3f})"
+            f"frozen feature pass per rank at TP={tp} (a 12-layer GPT-2 of width {args.flops_width}, 10 blocks run, "
+            f"micro-batch 8 x 64): replicated {replicated / 1e9:.2f} GFLOP, split {split / 1e9:.2f} GFLOP"
+        )
+        report.figure(
+            f"frozen pass FLOPs per rank split / replicated, TP={tp}", split / replicated, "x", at_most=1 / tp
         )
 
 
@@ -259,8 +258,7 @@ def _saved_bytes(args) -> list[tuple]:
     return rows
 
 
-def saved_activation_bytes(args) -> None:
-    rows = _run(4, _saved_bytes, args)
+def saved_activation_bytes(rows: list, args, report: Report) -> None:
     for tp, sp, measured, predicted in rows:
         print(
             f"activations saved for backward per rank, 2 Perceiver blocks (B=4, T=S=64, d=128, 4 heads), "
@@ -270,7 +268,8 @@ def saved_activation_bytes(args) -> None:
     for tp in (2, 4):
         (off,) = [r for r in rows if r[0] == tp and not r[1]]
         (on,) = [r for r in rows if r[0] == tp and r[1]]
-        print(f"TP={tp}: sequence parallel / not: measured {on[2] / off[2]:.3f}, accounting {on[3] / off[3]:.3f}")
+        print(f"TP={tp}: sequence parallel / not: accounting {on[3] / off[3]:.3f}")
+        report.figure(f"saved activations sequence parallel / not, TP={tp}", on[2] / off[2], "x", at_most=1.0)
 
 
 def _timed(args) -> dict:
@@ -282,7 +281,7 @@ def _timed(args) -> dict:
     from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
 
     state = initialize_model_parallel(2)
-    model_cfg, feature_cfg = _configs(128, 32, 1, 1, 14, 512)  # a deep frozen GPT-2, a small Perceiver
+    model_cfg, feature_cfg = _configs(128, 32, 1, 1, args.switch_gpt2_layers, 512)  # a deep frozen GPT-2
     flops = model_flops_per_sample(Config(model=model_cfg, feature_model=feature_cfg))
     per_rank_trainable = 3 * flops["trainable_forward"] / 2
     share = flops["frozen_forward"] / (flops["frozen_forward"] + per_rank_trainable)
@@ -309,43 +308,56 @@ def _timed(args) -> dict:
     return {"share": share, **med}
 
 
-def timed_switches(args) -> None:
-    med = _run(2, _timed, args)
+def timed_switches(med: dict, args, report: Report) -> None:
     print(
-        f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, 12 frozen GPT-2 blocks of width 128 "
-        f"under 1+1 Perceiver blocks): the frozen pass is {med['share'] * 100:.0f}% of a rank's replicated work"
+        f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, {args.switch_gpt2_layers - 2} frozen "
+        f"GPT-2 blocks of width 128 under 1+1 Perceiver blocks): the frozen pass is {med['share'] * 100:.0f}% of a "
+        f"rank's replicated work; split feature pass {med['split'] * 1e3:.1f} ms vs replicated "
+        f"{med['replicated'] * 1e3:.1f} ms; backward collective overlapped {med['overlap on'] * 1e3:.1f} ms vs not "
+        f"{med['overlap off'] * 1e3:.1f} ms"
     )
-    print(
-        f"  split feature pass {med['split'] * 1e3:.1f} ms vs replicated {med['replicated'] * 1e3:.1f} ms: "
-        f"ratio {med['split'] / med['replicated']:.3f} (goal <= 0.85)"
-    )
-    print(
-        f"  backward collective overlapped {med['overlap on'] * 1e3:.1f} ms vs not {med['overlap off'] * 1e3:.1f} ms: "
-        f"ratio {med['overlap on'] / med['overlap off']:.3f} (goal <= 1.0)"
-    )
+    report.figure("TP=2 step split feature pass / replicated", med["split"] / med["replicated"], "x", at_most=0.85)
+    report.figure("TP=2 step overlapped / not overlapped backward", med["overlap on"] / med["overlap off"], "x",
+                  at_most=1.0)  # fmt: skip
 
 
-def main() -> None:
+def body(args, report: Report) -> None:
+    if args.quick:
+        args.batch, args.seq, args.hidden, args.repeats = 2, 8, 32, 3
+        args.flops_width, args.switch_gpt2_layers = 64, 4
+    torch.set_num_threads(args.threads)
+    if args.only in (None, "tp1"):
+        tp1_overhead(args, report)
+    # The multi-process sections: (processes, task run in them, what prints its result); the tasks
+    # of one size share one start of their processes.
+    sections = {
+        "tp2": (2, _tp2_task, tp2_vs_torch),
+        "switches": (2, _timed, timed_switches),
+        "flops": (4, _frozen_flops, frozen_pass_flops),
+        "memory": (4, _saved_bytes, saved_activation_bytes),
+    }
+    for world in (2, 4):
+        chosen = [(name, task, show) for name, (w, task, show) in sections.items() if w == world and
+                  args.only in (None, name)]  # fmt: skip
+        if chosen:
+            results = _run(world, [task for _, task, _ in chosen], args)
+            for (_, _, show), result in zip(chosen, results, strict=True):
+                show(result, args, report)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--flops-width", type=int, default=768, help="GPT-2 width of the FLOP count")
+    parser.add_argument("--switch-gpt2-layers", type=int, default=14, help="GPT-2 depth of the timed switches")
     parser.add_argument("--only", choices=["tp1", "tp2", "flops", "memory", "switches"], default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    sections = {
-        "tp1": tp1_overhead,
-        "tp2": tp2_vs_torch,
-        "flops": frozen_pass_flops,
-        "memory": saved_activation_bytes,
-        "switches": timed_switches,
-    }
-    for name, section in sections.items():
-        if args.only in (None, name):
-            section(args)
+    add_common_arguments(parser)
+    return run("bench_parallel", parser, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,7 @@
 
     python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
     python benchmarks/bench_train.py --part step --steps 40 model.d_model=128
+    python benchmarks/bench_train.py --quick         # seconds: fewer steps, fp32 memory only
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, Report, add_common_arguments, run
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = [
@@ -192,23 +192,25 @@ def measure_engine_memory(trainer) -> dict:
     }
 
 
-def memory_worker(output: str, overrides: list[str]) -> None:
+def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
+    """One rank of the memory run. ``run_dir`` is made by the launching process: the trainer
+    checks that every rank sees one run directory (as on a cluster), so ranks must not each make
+    their own."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
     import torch.distributed as dist
 
     from parallel_latent.train import Trainer
 
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load(overrides, run_dir)
-        trainer = Trainer(cfg, source="bench")
-        numbers = measure_engine_memory(trainer)
-        trainer.logger.close()
-        numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
-        gathered = [None] * trainer.state.world_size
-        dist.all_gather_object(gathered, numbers)
-        if trainer.state.rank == 0:
-            Path(output).write_text(json.dumps(gathered))
-        dist.barrier()
+    cfg = load(overrides, run_dir)
+    trainer = Trainer(cfg, source="bench")
+    numbers = measure_engine_memory(trainer)
+    trainer.logger.close()
+    numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
+    gathered = [None] * trainer.state.world_size
+    dist.all_gather_object(gathered, numbers)
+    if trainer.state.rank == 0:
+        Path(output).write_text(json.dumps(gathered))
+    dist.barrier()
 
 
 def _has_cuda() -> bool:
@@ -232,6 +234,8 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
             str(Path(__file__).resolve()),
             "--memory-worker",
             str(output),
+            "--run-dir",
+            str(Path(scratch) / "run"),
             *overrides,
         ]
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
@@ -257,7 +261,43 @@ def mib(n: int) -> str:
     return f"{n / 2**20:8.2f} MiB"
 
 
-def main() -> None:
+QUICK_OVERRIDES = ["model.max_length=16", "training.micro_batch_size=8", "data.max_samples=400"]
+
+
+def body(args, report: Report) -> None:
+    if not _has_cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.quick:
+        args.overrides = [*QUICK_OVERRIDES, *args.overrides]
+        args.steps, args.warmup, args.rounds = 4, 1, 2
+        args.precisions = args.precisions or "fp32"
+    if args.part in ("step", "all"):
+        step = bench_step_time(args)
+        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), median of {step['steps_each']}:")
+        print(f"  plain PyTorch loop (AdamW)      {step['plain_pytorch_step_s'] * 1e3:8.1f} ms")
+        print(f"  parallel-latent trainer, ZeRO-2 {step['trainer_zero2_step_s'] * 1e3:8.1f} ms")
+        report.figure("plain PyTorch step", step["plain_pytorch_step_s"] * 1e3, "ms")
+        report.figure("trainer (ZeRO-2) step", step["trainer_zero2_step_s"] * 1e3, "ms")
+        report.figure("trainer / plain step time", step["ratio"], "x", at_most=1.10)
+    if args.part in ("memory", "all"):
+        precisions = (args.precisions or ("bf16,fp32")).split(",")
+        for precision in precisions:
+            memory = bench_memory(args, precision)
+            single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
+            print(
+                f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
+                "AdamW moments):"
+            )
+            for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
+                print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
+            print(f"  frozen GPT-2, not included: {mib(single['frozen_parameters'])} per rank, replicated")
+            report.figure(f"{precision} trainable-part memory, TP1xDP1", single["total"] / 2**20, "MiB")
+            report.figure(f"{precision} trainable-part memory, TP2xDP2 worst rank", worst["total"] / 2**20, "MiB")
+            report.figure(f"{precision} memory per rank TP2xDP2 / TP1xDP1", memory["ratio"], "x", at_most=0.30)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["step", "memory", "all"], default="all")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
@@ -267,41 +307,15 @@ def main() -> None:
         "--precisions", default=None, help="memory benchmark precisions, comma-separated (default: bf16,fp32)"
     )
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    add_common_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
-    args = parser.parse_args()
-
-    if args.memory_worker:
-        memory_worker(args.memory_worker, args.overrides)
-        return
-    if not _has_cuda():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-    report = {}
-    if args.part in ("step", "all"):
-        step = bench_step_time(args)
-        report["step_time"] = step
-        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), median of {step['steps_each']}:")
-        print(f"  plain PyTorch loop (AdamW)      {step['plain_pytorch_step_s'] * 1e3:8.1f} ms")
-        print(f"  parallel-latent trainer, ZeRO-2 {step['trainer_zero2_step_s'] * 1e3:8.1f} ms")
-        print(f"  ratio trainer / plain = {step['ratio']:.3f}x   (goal <= 1.10x)")
-    if args.part in ("memory", "all"):
-        precisions = (args.precisions or ("bf16,fp32")).split(",")
-        for precision in precisions:
-            memory = bench_memory(args, precision)
-            report[f"memory_{precision}"] = memory
-            single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
-            print(
-                f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
-                "AdamW moments):"
-            )
-            for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
-                print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
-            print(
-                f"  ratio TP2xDP2 / TP1xDP1 = {memory['ratio']:.3f}x   (goal <= 0.30x; frozen GPT-2 not "
-                f"included: {mib(single['frozen_parameters'])} per rank, replicated)"
-            )
-    print(json.dumps(report, indent=None, default=str))
+    worker_args, _ = parser.parse_known_args()
+    if worker_args.memory_worker:  # one rank of the memory run: the launching process reports
+        memory_worker(worker_args.memory_worker, worker_args.run_dir, worker_args.overrides)
+        return 0
+    return run("bench_train", parser, body)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Run every CPU benchmark at full size, one after another, and write the page of figures the README
+quotes (docs/benchmarks.md), from the JSON each script leaves in docs/benchmarks/.
+
+    python benchmarks/run_all.py                          # everything (a few hours on 2 cores)
+    python benchmarks/run_all.py --only bench_model bench_parallel   # re-run these, keep the others
+    python benchmarks/run_all.py --render                 # only rewrite the page from the JSON files
+    python benchmarks/run_all.py --quick --results /tmp/r --page /tmp/r/page.md   # a smoke run
+
+Each script runs in its own process; one that fails is named on the page (its previous figures,
+if any, are kept and marked with their date) and makes this script exit non-zero at the end. The
+GPU table (benchmarks/gpu.sh) is run when a CUDA device is visible; otherwise its section keeps
+the last GPU run's figures or says that none has run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO, format_value
+
+RESULTS = REPO / "docs" / "benchmarks"
+PAGE = REPO / "docs" / "benchmarks.md"
+
+# name -> (what it measures, the command after `python`; --json is added). In page order.
+BENCHMARKS: dict[str, tuple[str, list[str]]] = {
+    "bench_model": (
+        "The autoencoder at TP=1 against a plain PyTorch twin, the truncated GPT-2 against the full one, and "
+        "the host work of one training step",
+        ["benchmarks/bench_model.py"],
+    ),
+    "bench_parallel": (
+        "The tensor-parallel core: TP=1 overhead, TP=2 against torch's DTensor, the frozen pass split over TP, "
+        "sequence parallelism's activation memory, the TP switches' step time",
+        ["benchmarks/bench_parallel.py"],
+    ),
+    "bench_train": (
+        "The trainer's step against a plain PyTorch loop; trainable-part memory per rank at TP2 x DP2 ZeRO-2",
+        ["benchmarks/bench_train.py"],
+    ),
+    "bench_checkpoint": (
+        "Portable safetensors checkpoints against torch.save, configs/gpt2.yaml's model",
+        ["benchmarks/bench_checkpoint.py"],
+    ),
+    "bench_data": (
+        "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",
+        ["benchmarks/bench_data.py"],
+    ),
+    "quality_tiny": (
+        "Held-out reconstruction of configs/tiny.yaml (the README's first command) over six seeds",
+        ["benchmarks/bench_quality.py", "--config", "configs/tiny.yaml", "--seeds", "1", "2", "3", "4", "5", "1234"],
+    ),
+    "quality_small": (
+        "Held-out reconstruction of configs/small.yaml over three seeds",
+        ["benchmarks/bench_quality.py", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
+    ),
+}
+GPU = "gpu"
+GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (benchmarks/gpu.sh)"
+
+
+def run_benchmark(name: str, results: Path, quick: bool) -> bool:
+    if name == GPU:
+        command = ["bash", "benchmarks/gpu.sh", "--json", str(results / f"{GPU}.json")]
+    else:
+        command = [sys.executable, *BENCHMARKS[name][1], "--json", str(results / f"{name}.json")]
+    if quick:
+        command.append("--quick")
+    print(f"== {name}: {' '.join(command)}", flush=True)
+    started = time.perf_counter()
+    status = subprocess.run(command, cwd=REPO, check=False).returncode
+    print(f"== {name}: exit {status} after {time.perf_counter() - started:.0f} s", flush=True)
+    return status == 0
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _value(figure: dict) -> str:
+    return f"{format_value(figure['value'])} {figure['unit']}".strip()
+
+
+def render_section(title: str, record: dict | None, failed: bool, missing_reason: str) -> list[str]:
+    lines = [f"## {title}", ""]
+    if record is None:
+        lines += [f"Not measured: {missing_reason}", ""]
+        return lines
+    machine = record.get("machine", {})
+    where = ", ".join(f"{k} {v}" for k, v in machine.items() if k not in ("cpu", "cores"))
+    lines += [
+        f"`{record['command']}`: {record['date']}, {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), "
+        f"{where}{' (quick mode: tiny shapes, not a measurement)' if record.get('quick') else ''}",
+        "",
+    ]
+    if failed:
+        lines += ["**The last run of this benchmark failed; the figures below are from the run dated above.**", ""]
+    lines += ["| figure | value | goal | met |", "| --- | --- | --- | --- |"]
+    for figure in record["figures"]:
+        met = "" if figure["met"] is None else ("yes" if figure["met"] else "**no**")
+        lines.append(f"| {_cell(figure['name'])} | {_value(figure)} | {_cell(figure['goal'])} | {met} |")
+    return [*lines, ""]
+
+
+def render_page(results: Path, failed: set[str] = frozenset()) -> str:
+    """The page, from whatever JSON files ``results`` holds (pure: no benchmark is run)."""
+    records = {}
+    for name in [*BENCHMARKS, GPU]:
+        path = results / f"{name}.json"
+        records[name] = json.loads(path.read_text()) if path.exists() else None
+    lines = [
+        "# Benchmark figures",
+        "",
+        "Written by `python benchmarks/run_all.py` from the JSON files in `docs/benchmarks/` (one per script; "
+        "`--only NAME` re-runs one, `--render` rewrites this page). Timings are medians of interleaved repeats "
+        "against a baseline run in the same process, so they are ratios, not absolute speeds; a goal not met is "
+        "reported here, not hidden. Each section names the command, date and machine of its figures.",
+        "",
+    ]
+    for name, (title, _) in BENCHMARKS.items():
+        lines += render_section(title, records[name], name in failed, "the script has not been run on this page yet")
+    lines += render_section(
+        GPU_TITLE,
+        records[GPU],
+        GPU in failed,
+        "no GPU run has been recorded: the development machines have no GPU, and no session that was lent one has "
+        "run `benchmarks/gpu.sh --json docs/benchmarks/gpu.json` yet.",
+    )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=[*BENCHMARKS, GPU], default=None, help="run just these")
+    parser.add_argument("--render", action="store_true", help="run nothing; rewrite the page from the JSON files")
+    parser.add_argument("--quick", action="store_true", help="every script in its quick mode (a smoke run)")
+    parser.add_argument("--results", default=str(RESULTS), help="where the JSON files go")
+    parser.add_argument("--page", default=str(PAGE), help="the page to write")
+    args = parser.parse_args()
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    failed: set[str] = set()
+    if not args.render:
+        names = args.only or list(BENCHMARKS)
+        if args.only is None:
+            import torch
+
+            if torch.cuda.is_available():
+                names.append(GPU)
+        for name in names:
+            if not run_benchmark(name, results, args.quick):
+                failed.add(name)
+    Path(args.page).write_text(render_page(results, failed))
+    print(f"wrote {args.page}" + (f"; FAILED: {', '.join(sorted(failed))}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
