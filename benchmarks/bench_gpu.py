@@ -1,68 +1,156 @@
-"""The runs behind benchmarks/gpu.sh: configs/gpt2.yaml in bf16, one short training run per setting
-of the matrix, each through `parallel-latent train` (so each is also a smoke test of the GPU path:
-NCCL, bf16, DeepSpeed ZeRO, the compiled dropout masks), then one table.
+"""The runs behind benchmarks/gpu.sh: configs/gpt2.yaml in bf16 through the real trainer (so each run
+is also a smoke test of the GPU path: NCCL, bf16, DeepSpeed ZeRO, the compiled dropout kernel), one
+short run per setting, then one table. Built to be run blind on a machine lent for minutes:
 
-Settings come from the environment (space-separated lists): DROPOUTS, MICRO_BATCHES, ZERO_STAGES;
-NPROC processes, STEPS steps (the first logging window, warm-up, is left out of the means),
-LOG_EVERY, PRETRAINED. Extra arguments are config overrides applied to every run.
+* first the facts (torch, CUDA, DeepSpeed, Triton, transformers, the device, a C compiler), then a
+  check that the compiled dropout kernel gives the eager bits on this device for two shapes (if it
+  does not, or does not compile, the runs use eager dropout and the table says so);
+* NPROC is clamped to the visible GPUs; ZeRO-2 alone at DP=1 (stages 1 and 2 are the same there);
+* the matrix, most informative first: dropout 0.1 / 0.0 x micro-batch 256 / 32, and
+  ``training.compile=true`` at dropout 0.1, micro-batch 256;
+* every run has a timeout, and the whole a deadline (DEADLINE_S, default 420 s, start-up
+  included): when it is hit, the table of the runs finished so far, and which ran out;
+* a failed run shows the last 20 lines of its output;
+* per row: tokens/s, MFU, peak memory, the host-device synchronisations of one step after warm-up
+  (``logging.count_syncs_at_step``: torch.cuda.set_sync_debug_mode), and the first window's time
+  (start-up of the step: allocator, kernel selection, compilation).
 
-With several processes and parallel.tensor_parallel > 1 among the overrides, the first setting is
-also run with each TP switch flipped (the split feature pass off, sequence parallelism on, the
-backward overlap off), so their effect shows side by side (TP_SWITCHES=0 leaves them out).
+Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (420), RUN_TIMEOUT_S (180),
+DROPOUTS ("0.1 0.0"), MICRO_BATCHES ("256 32"), COMPILE_ROW (1), PRETRAINED (false: a random GPT-2
+of gpt2's shape; the weights do not change the cost), ALLOW_CPU (1: run on the CPU, for tests).
+Arguments: --quick (a shrunk model, micro-batches 8 and 4, no compile row: the CPU test), --json
+PATH, then config overrides for every run.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import itertools
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, Report, add_common_arguments, run
+
+# A model small enough for a CPU test of the whole script.
+QUICK_OVERRIDES = [
+    "model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
+    "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
+    "data.max_samples=400",
+]  # fmt: skip
+MFU_GOALS = {256: 0.35, 32: 0.20}  # at dropout 0.1, TP=1, bf16, one H200 (the host-free step's goals)
 
 
-def settings() -> list[dict]:
-    dropouts = os.environ.get("DROPOUTS", "0.1 0.0").split()
-    micro_batches = os.environ.get("MICRO_BATCHES", "32 128").split()
-    stages = os.environ.get("ZERO_STAGES", "1 2").split()
-    matrix = [
-        {"model.dropout": d, "training.micro_batch_size": m, "parallel.zero_stage": z}
-        for d, m, z in itertools.product(dropouts, micro_batches, stages)
-    ]
-    tensor_parallel = next(
-        (int(arg.split("=", 1)[1]) for arg in sys.argv[1:] if arg.startswith("parallel.tensor_parallel=")), 1
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def print_facts() -> None:
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device (CPU run)"
+    compiler = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    print(
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
+        f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
+        f"C compiler: {compiler or 'none'}",
+        flush=True,
     )
-    if tensor_parallel > 1 and os.environ.get("TP_SWITCHES", "1") != "0":
-        for switch in (
-            {"parallel.split_feature_model": "false"},
-            {"parallel.sequence_parallel": "true"},
-            {"parallel.tp_overlap_comm": "false"},
-        ):
-            matrix.append({**matrix[0], **switch})
+
+
+def compiled_dropout_matches_eager() -> bool:
+    """The compiled dropout kernel against eager, on this GPU, for two shapes (bits)."""
+    import torch
+
+    from parallel_latent.parallel import DropoutRNG, ParallelDropout
+
+    if not torch.cuda.is_available():
+        print("compiled dropout check: skipped (no CUDA device; the CPU runs dropout eagerly)", flush=True)
+        return True
+    started = time.perf_counter()
+    eager = ParallelDropout(0.1, DropoutRNG(seed=3, step=7, compile_devices=())).train()
+    compiled = ParallelDropout(0.1, DropoutRNG(seed=3, step=7)).train()
+    same = True
+    for shape in ((32, 64, 768), (8, 64, 3072)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        same &= torch.equal(compiled(x), eager(x))
+    failure = compiled.rng._kernel.failure
+    seconds = time.perf_counter() - started
+    if failure:
+        print(f"compiled dropout check: compiling failed ({failure}): the runs use eager dropout", flush=True)
+        return False
+    print(
+        f"compiled dropout check: {'the same bits as eager' if same else 'DIFFERENT bits from eager'} for 2 shapes "
+        f"({seconds:.0f} s with compilation){'' if same else ': the runs use eager dropout'}",
+        flush=True,
+    )
+    return same
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def settings(compile_ok: bool, quick: bool) -> list[dict]:
+    dropouts = os.environ.get("DROPOUTS", "0.1 0.0").split()
+    micro_batches = os.environ.get("MICRO_BATCHES", "8 4" if quick else "256 32").split()
+    pairs = itertools.product(dropouts, micro_batches)
+    matrix = [{"model.dropout": d, "training.micro_batch_size": m} for d, m in pairs]
+    # Compiling the blocks takes minutes on a CPU: no compile row in the CPU test unless asked.
+    if os.environ.get("COMPILE_ROW", "0" if quick else "1") == "1":
+        matrix.insert(1, {**matrix[0], "training.compile": "true"})
+    if not compile_ok:
+        for setting in matrix:
+            setting["training.compile_dropout"] = "false"
     return matrix
 
 
-def run(setting: dict, extra: list[str], run_dir: Path) -> dict:
-    nproc = os.environ.get("NPROC", "1")
-    steps = os.environ.get("STEPS", "60")
-    log_every = os.environ.get("LOG_EVERY", "10")
-    command = [
-        sys.executable, "-m", "parallel_latent", "train", "--config", "configs/gpt2.yaml", "--nproc", nproc,
+def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, zero_stage: int) -> list[str]:
+    steps, log_every = os.environ.get("STEPS", "40"), os.environ.get("LOG_EVERY", "10")
+    return [
+        sys.executable, "-m", "parallel_latent", "train", "--config", "configs/gpt2.yaml", "--nproc", str(nproc),
         f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
-        f"training.max_steps={steps}", f"training.log_every={log_every}", "training.eval_every=0",
-        "checkpoint.save_every=0", "checkpoint.export_portable=false", "checkpoint.resume=never",
+        f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
+        f"logging.count_syncs_at_step={int(log_every) + 1}", "training.eval_every=0", "checkpoint.save_every=0",
+        "checkpoint.export_portable=false", "checkpoint.resume=never", "logging.print_samples=0",
         f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
         *[f"{key}={value}" for key, value in setting.items()], *extra,
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        return {"error": (result.stderr or result.stdout).strip().splitlines()[-1:]}
+
+
+def run_one(command: list[str], run_dir: Path, timeout: float) -> dict:
+    """One training run in its own session (so a timeout takes down its ranks too)."""
+    env = dict(os.environ)
+    if os.environ.get("PRETRAINED", "false") != "true":
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            status = process.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return {"timeout": True}
+    if status != 0:
+        return {"error": log.read_text(errors="replace").splitlines()[-20:]}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
+    syncs = [r for r in records if r["kind"] == "syncs"]
     steady = train[1:] or train  # the first window holds warm-up (allocator, kernel selection, compile)
 
     def mean(key: str) -> float:
@@ -74,44 +162,88 @@ def run(setting: dict, extra: list[str], run_dir: Path) -> dict:
         "tokens_per_s": mean("tokens_per_s"),
         "step_ms": mean("step_time_s") * 1e3,
         "mfu": mean("mfu"),
-        "tflops": mean("model_tflops_per_device"),
         "peak_gib": max(r["peak_memory_gb"] for r in train),
+        "syncs": syncs[0]["count"] if syncs else None,
+        "warmup_s": train[0]["step_time_s"] * train[0]["steps_in_window"],
         "loss": steady[-1]["loss"],
     }
 
 
-def main() -> int:
-    extra = sys.argv[1:]
-    rows = []
+def label(setting: dict) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k != "training.compile_dropout")
+
+
+def body(args, report: Report) -> None:
+    deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "420"))
+    run_timeout = float(os.environ.get("RUN_TIMEOUT_S", "180"))
+    print_facts()
+    gpus = visible_gpus()
+    nproc = int(os.environ.get("NPROC", "1"))
+    if gpus and nproc > gpus:
+        print(f"NPROC={nproc} clamped to the {gpus} visible GPU(s)", flush=True)
+        nproc = gpus
+    elif not gpus and os.environ.get("ALLOW_CPU") != "1":
+        raise RuntimeError("no CUDA device visible (ALLOW_CPU=1 runs on the CPU)")
+    extra = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
+    tp = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("parallel.tensor_parallel=")), 1)
+    zero_stage = 2 if nproc // tp == 1 else 1  # at DP=1 ZeRO 1 and 2 do the same; else the cheaper one
+    compile_ok = compiled_dropout_matches_eager() if not args.quick else True
+    rows, unfinished = [], []
     with tempfile.TemporaryDirectory(prefix="parallel-latent-gpu-bench.") as scratch:
-        for index, setting in enumerate(settings()):
-            result = run(setting, extra, Path(scratch) / f"run{index}")
-            rows.append((setting, result))
-            label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items())
-            if "error" in result:
-                print(f"gpt2.yaml, bf16, {label}: FAILED: {' '.join(result['error'])}", flush=True)
+        for index, setting in enumerate(settings(compile_ok, args.quick)):
+            left = deadline - time.monotonic()
+            if left < 5:
+                unfinished.append((setting, "not started: deadline reached"))
                 continue
+            run_dir = Path(scratch) / f"run{index}"
+            result = run_one(train_command(setting, extra, run_dir, nproc, zero_stage), run_dir, min(run_timeout, left))
+            if "timeout" in result:
+                why = "deadline" if left <= run_timeout else "RUN_TIMEOUT_S"
+                unfinished.append((setting, f"ran out of time ({why}, {min(run_timeout, left):.0f} s)"))
+                print(f"{label(setting)}: ran out of time", flush=True)
+                continue
+            if "error" in result:
+                unfinished.append((setting, "failed"))
+                print(f"{label(setting)}: FAILED; its last lines:", flush=True)
+                print("\n".join(f"    {line}" for line in result["error"]), flush=True)
+                continue
+            rows.append((setting, result))
             print(
-                f"gpt2.yaml, bf16, {label}, steps {result['steps']}: {result['tokens_per_s']:,.0f} tokens/s "
-                f"(non-pad), step {result['step_ms']:.1f} ms, MFU {result['mfu'] * 100:.1f}%, "
-                f"{result['tflops']:.1f} model TFLOP/s per device, peak memory {result['peak_gib']:.2f} GiB (rank 0)",
+                f"{label(setting)}, steps {result['steps']}: {result['tokens_per_s']:,.0f} tokens/s, "
+                f"MFU {result['mfu'] * 100:.1f}%, peak {result['peak_gib']:.2f} GiB, syncs/step {result['syncs']}, "
+                f"first window {result['warmup_s']:.1f} s",
                 flush=True,
             )
-    print()
-    print(
-        f"{'dropout':>7} {'micro':>5} {'ZeRO':>4} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} {'peak GiB':>8}  switch"
-    )
-    for setting, result in rows:
-        if "error" in result:
-            continue
-        switch = " ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k.startswith("parallel.") and
-                          k != "parallel.zero_stage")  # fmt: skip
+    print(f"\nconfigs/gpt2.yaml, bf16, {nproc} process(es), ZeRO-{zero_stage}, dropout kernel "
+          f"{'compiled' if compile_ok and gpus else 'eager'}:")  # fmt: skip
+    print(f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} {'peak GiB':>8} "
+          f"{'syncs':>5} {'warm-up s':>9}")  # fmt: skip
+    for setting, r in rows:
         print(
             f"{setting['model.dropout']:>7} {setting['training.micro_batch_size']:>5} "
-            f"{setting['parallel.zero_stage']:>4} {result['tokens_per_s']:>12,.0f} {result['step_ms']:>8.1f} "
-            f"{result['mfu'] * 100:>6.1f} {result['peak_gib']:>8.2f}  {switch}".rstrip()
+            f"{setting.get('training.compile', 'false'):>7} {r['tokens_per_s']:>12,.0f} {r['step_ms']:>8.1f} "
+            f"{r['mfu'] * 100:>6.1f} {r['peak_gib']:>8.2f} {r['syncs'] if r['syncs'] is not None else '-':>5} "
+            f"{r['warmup_s']:>9.1f}"
         )
-    return 1 if any("error" in result for _, result in rows) else 0
+    for setting, why in unfinished:
+        print(f"not in the table: {label(setting)}: {why}")
+    for setting, r in rows:
+        name = label(setting)
+        micro, dropout = int(setting["training.micro_batch_size"]), float(setting["model.dropout"])
+        goal = MFU_GOALS.get(micro) if dropout > 0 and gpus and not args.quick else None
+        report.figure(f"tokens/s, {name}", r["tokens_per_s"], "tokens/s")
+        report.figure(f"MFU, {name}", r["mfu"], "", at_least=goal)
+        if r["syncs"] is not None:
+            report.figure(f"host syncs per step, {name}", r["syncs"], "")
+    if not rows:  # nothing finished: say so, but the script did its job within the deadline
+        report.figure("runs finished within the deadline", 0, "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
+    return run("bench_gpu", parser, body)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             from parallel_latent.train import preflight
 
             preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+            _check_local_devices(cfg, args.nproc)
             return _launch_local(args.nproc, _rank_argv(args))
         tp = cfg.parallel.tensor_parallel
         if tp > 1:  # one process from a shell: say how to get the processes the config needs
@@ -211,6 +212,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         _shutdown_process_groups()
     return EXIT_OK
+
+
+def _check_local_devices(cfg, nproc: int) -> None:
+    """``--nproc N`` on a GPU host needs N GPUs: refused here, before any worker starts, instead of
+    NCCL's "Duplicate GPU detected" after the whole start-up."""
+    from parallel_latent.engine import resolve_device
+    from parallel_latent.parallel.state import check_processes_fit_devices
+
+    if resolve_device(cfg) == "cuda":
+        import torch
+
+        check_processes_fit_devices(nproc, torch.cuda.device_count())
 
 
 def _prefer_cpu_accelerator() -> None:

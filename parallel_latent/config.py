@@ -139,7 +139,12 @@ class ParallelConfig:
     # default 5e8 bucket would reduce all at once after backward. auto = on with CUDA.
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 50_000_000
+    # auto = on with CUDA and more than one data-parallel rank (with one there is nothing to reduce,
+    # and DeepSpeed's overlap would still synchronise the device at the end of every backward).
     zero_overlap_comm: Literal["auto", "on", "off"] = "auto"
+    # The dtype of ZeRO's data-parallel gradient reduction under bf16/fp16 training. fp32: a sum of
+    # bf16 gradients over many ranks loses the small ones (8 bits of mantissa); bf16 halves the bytes.
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     # TP > 1 only. Each TP rank runs the frozen feature model on 1/tp of the micro-batch and one
     # all-gather assembles the features (a trainable feature model stays replicated).
     split_feature_model: bool = True
@@ -190,6 +195,12 @@ class TrainingConfig:
     log_every: int = 10
     max_nonfinite_steps: int = 10  # stop after this many consecutive inf/nan losses
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CUDA only: each dropout site's mask and its application compiled into one kernel (eager,
+    # with one warning, if compiling fails); false keeps dropout eager.
+    compile_dropout: bool = True
+    # torch.compile each Perceiver block and the loss (regional: blocks of one shape share a
+    # compiled graph); the same model within floating-point rounding.
+    compile: bool = False
 
 
 @dataclass
@@ -205,6 +216,11 @@ class LoggingConfig:
     run_dir: str = "runs/tiny"
     tensorboard: bool = True
     progress_bar: bool = True
+    # Held-out samples printed with their reconstructions when training ends (0 = none).
+    print_samples: int = 3
+    # On CUDA: count the host-device synchronisations of this one optimizer step (1-based; 0 =
+    # never) with torch.cuda.set_sync_debug_mode, into metrics.jsonl (kind "syncs").
+    count_syncs_at_step: int = 0
 
 
 @dataclass
@@ -484,6 +500,13 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             f"training.micro_batch_size*training.grad_accum_steps={per_dp_rank}",
         )
 
+    if parallel.grad_reduce_dtype == "bf16":
+        require(
+            training.precision == "bf16",
+            f"parallel.grad_reduce_dtype=bf16 needs training.precision=bf16 (got {training.precision}): "
+            "gradients are reduced in fp32 otherwise",
+        )
+
     if training.precision == "fp64":
         require(
             parallel.zero_stage in (1, 2),
@@ -495,6 +518,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
     at_least(checkpoint, "checkpoint", 0, "save_every", "keep_last")
     require(checkpoint.resume != "", "checkpoint.resume must be auto, never or a path")
     require(cfg.logging.run_dir != "", "logging.run_dir must not be empty")
+    at_least(cfg.logging, "logging", 0, "print_samples", "count_syncs_at_step")
     return cfg
 
 

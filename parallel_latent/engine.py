@@ -121,7 +121,7 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
         # Overlapping the gradient reduction with backward needs CUDA streams; on CPU it only
         # adds copies.
         overlap = parallel.zero_overlap_comm == "on" or (
-            parallel.zero_overlap_comm == "auto" and resolve_device(cfg) == "cuda"
+            parallel.zero_overlap_comm == "auto" and resolve_device(cfg) == "cuda" and data_parallel > 1
         )
         config["zero_optimization"].update(
             {
@@ -132,6 +132,9 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
             }
         )
     if training.precision in ("bf16", "fp16"):
+        # DeepSpeed reduces (and, at ZeRO 2, accumulates the reduced partition of) gradients in the
+        # training dtype unless told otherwise.
+        config["communication_data_type"] = cfg.parallel.grad_reduce_dtype
         # DeepSpeed casts parameters to the 16-bit dtype but leaves buffers as loaded; the
         # model's frozen buffers (the decoder's mask vector) feed the same matmuls as its
         # parameters, so they must be cast too.

@@ -37,7 +37,9 @@ PEAK_FLOPS_ENV = "PARALLEL_LATENT_PEAK_FLOPS"
 # --------------------------------------------------------------------------- #
 
 
-def model_flops_per_sample(cfg: Config) -> dict[str, float]:
+def model_flops_per_sample(
+    cfg: Config, feature_blocks: int | None = None, feature_width: int | None = None
+) -> dict[str, float]:
     """Model FLOPs of one training sample (T positions), from the config.
 
     Conventions (those of the PaLM / Megatron "model FLOPs utilisation"):
@@ -58,10 +60,15 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
       q and output projections 2 * 2*T*d^2, k and v projections 2 * 2*(2T)*d^2,
       scores and weighted sum 2 * 2*T*(2T)*d, MLP 2 * 2*T*d*(r*d)
       = (12 + 4r) * T * d^2 + 8 * T^2 * d;
-    * the query MLP (d -> r*d -> d on [T, d]): 4r * T * d^2;
+    * the query MLP (d -> r*d -> d): 4r * T * d^2 when it runs per position (training with
+      dropout: each query draws its own mask); otherwise it runs once per micro-batch on the one
+      mask vector, 4r * d^2 / micro_batch_size per sample;
     * the vocabulary head: 2 * T * d * V;
     * one GPT-2 block (width f, MLP ratio 4, causal attention counted in full):
       24 * T * f^2 + 4 * T^2 * f.
+
+    ``feature_blocks`` and ``feature_width`` are the GPT-2 actually loaded (a pretrained one has the
+    hub's widths, whatever the YAML says); by default ``n_layer - 2`` and ``n_embd`` of the config.
 
     ``train = 3 * trainable_forward + frozen_forward`` (if the feature model is configured
     trainable, it moves to the first term), less one head forward when the head is tied to the
@@ -71,11 +78,13 @@ def model_flops_per_sample(cfg: Config) -> dict[str, float]:
     model, feature = cfg.model, cfg.feature_model
     d, t, r = model.d_model, model.max_length, model.mlp_ratio
     blocks = model.n_encoder_layers + model.n_decoder_layers
-    f, gpt2_blocks = feature.n_embd, max(0, feature.n_layer - 2)
+    f = feature.n_embd if feature_width is None else feature_width
+    gpt2_blocks = max(0, feature.n_layer - 2) if feature_blocks is None else feature_blocks
+    query_rows = t if model.dropout > 0 else 1 / max(1, cfg.training.micro_batch_size)
     parts = {
         "perceiver_linear": float(blocks * (12 + 4 * r) * t * d * d),
         "perceiver_attention": float(blocks * 8 * t * t * d),
-        "query_mlp": float(4 * r * t * d * d),
+        "query_mlp": float(4 * r * query_rows * d * d),
         "head": float(2 * t * d * model.vocab_size),
         "gpt2_linear": float(gpt2_blocks * 24 * t * f * f),
         "gpt2_attention": float(gpt2_blocks * 4 * t * t * f),

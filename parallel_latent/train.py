@@ -52,7 +52,6 @@ from parallel_latent.parallel import init_distributed, launcher_environment
 __all__ = ["CHECKPOINTS_DIRNAME", "NonFiniteTrainingError", "TrainResult", "checkpoints_dir", "preflight", "train"]
 
 CHECKPOINTS_DIRNAME = "checkpoints"
-NUM_RECONSTRUCTION_EXAMPLES = 3
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -225,7 +224,8 @@ class Trainer:
         self.consecutive_nonfinite = 0
         self.last_saved_step: int | None = None
         self.last_checkpoint: Path | None = None
-        self.flops_per_sample = model_flops_per_sample(cfg)["train"]
+        features = self.model.feature_model  # the GPT-2 that was loaded, not the YAML's widths
+        self.flops_per_sample = model_flops_per_sample(cfg, features.blocks, features.width)["train"]
         self.peak_flops, self.peak_flops_source = peak_flops_per_device(self.device_kind, cfg.training.precision)
 
         # Everything above may still fail on bad input; only now is anything written.
@@ -429,7 +429,7 @@ class Trainer:
         dist.broadcast(score, src=0)
         return score.item()
 
-    def reconstructions(self, count: int = NUM_RECONSTRUCTION_EXAMPLES) -> list[tuple[str, str]]:
+    def reconstructions(self, count: int) -> list[tuple[str, str]]:
         """A few held-out samples as the model saw them (a cut one marked) and their reconstructions:
         those of this step's evaluation if there was one, else computed now (collective: all ranks)."""
         from parallel_latent.api import eval_mode
@@ -479,7 +479,8 @@ class Trainer:
             eval_step = self.step  # and no second evaluation of the same weights
         while self.step < max_steps:
             started = time.perf_counter()
-            outcome = self.train_step(stop.requested)
+            with self._counting_syncs(self.step + 1 == cfg.logging.count_syncs_at_step):
+                outcome = self.train_step(stop.requested)
             self.step += 1
             if outcome.applied:
                 self.consecutive_nonfinite = 0
@@ -522,8 +523,8 @@ class Trainer:
                 f"checkpoint {self.last_checkpoint} written at step {self.step}"
             )
         examples: list[tuple[str, str]] = []
-        if stopped_by == "max_steps":
-            examples = self.reconstructions()
+        if stopped_by == "max_steps" and cfg.logging.print_samples:
+            examples = self.reconstructions(cfg.logging.print_samples)
         self.logger.close()
         result = TrainResult(
             run_dir=self.run_dir,
@@ -538,6 +539,26 @@ class Trainer:
         if self.is_main:
             self._print_summary(result)
         return result
+
+    @contextmanager
+    def _counting_syncs(self, enabled: bool):
+        """On CUDA, count the host-device synchronisations of the enclosed step (torch warns at
+        each one in its sync debug mode) and log them with their first sources."""
+        if not enabled or self.device.type != "cuda":
+            yield
+            return
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        sources = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+        self.logger.write({"kind": "syncs", "step": self.step + 1, "count": len(syncs), "sources": sources[:20]})
 
     def _nonfinite_message(self, limit: int) -> str:
         where = (
@@ -636,6 +657,13 @@ class Trainer:
             f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
             f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
             f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}",
+            flush=True,
+        )
+        zero = self.bundle.config["zero_optimization"]
+        reduce_dtype = self.bundle.config.get("communication_data_type", cfg.training.precision)
+        print(
+            f"data parallelism: gradients reduced in {reduce_dtype}"
+            + (f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}" if zero["stage"] else ""),
             flush=True,
         )
         if s.tp_size > 1:

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,52 @@ def test_page_marks_goals_missing_runs_and_failures(tmp_path):
     assert "| e | 12.5 ms |  |  |" in page
     assert page.count("Not measured:") == len(run_all.BENCHMARKS)  # all but bench_model, and the GPU table
     assert "no GPU run has been recorded" in page
+
+
+def run_gpu_script(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ALLOW_CPU": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
+    return subprocess.run(
+        ["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--json", str(tmp_path / "gpu.json"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_its_matrix_on_cpu_when_allowed(tmp_path):
+    """benchmarks/gpu.sh end to end on the CPU (ALLOW_CPU=1, the shrunk model): the facts first, then
+    each setting trains in bf16 through the real trainer, and a table of what finished."""
+    result = run_gpu_script(
+        tmp_path, {"STEPS": "4", "LOG_EVERY": "2", "DROPOUTS": "0.1 0.0", "MICRO_BATCHES": "4", "DEADLINE_S": "500"}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("torch ") and "DeepSpeed" in lines[0] and "C compiler" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dropout", "micro", "compile"])
+    rows = [line.split() for line in lines[header + 1 :] if not line.startswith("figure:")]
+    assert [row[:3] for row in rows] == [["0.1", "4", "false"], ["0.0", "4", "false"]]
+    assert all(row[7] == "-" for row in rows)  # syncs are counted on CUDA only
+    names = [f["name"] for f in json.loads((tmp_path / "gpu.json").read_text())["figures"]]
+    assert "MFU, dropout=0.1, micro_batch_size=4" in names and "tokens/s, dropout=0.0, micro_batch_size=4" in names
+    assert not list(tmp_path.glob("parallel-latent-gpu-bench.*"))  # cleaned up
+
+
+@pytest.mark.slow
+def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path):
+    """A deadline too short for the matrix: the unfinished runs are named, the table of the finished
+    ones (none here) is printed, and the script exits 0 soon after the deadline."""
+    deadline = 20
+    started = time.monotonic()
+    result = run_gpu_script(tmp_path, {"STEPS": "400", "LOG_EVERY": "100", "DEADLINE_S": str(deadline)})
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:3] == ["dropout", "micro", "compile"] for line in lines)
+    unfinished = [line for line in lines if line.startswith("not in the table: ")]
+    assert unfinished and "ran out of time (deadline" in unfinished[0]
+    assert all("not started: deadline reached" in line for line in unfinished[1:])
+    assert elapsed < deadline + 30, elapsed  # the deadline, plus start-up of Python and the table

@@ -129,6 +129,20 @@ def test_deepspeed_overrides_must_be_a_json_object(tmp_path, capsys):
     assert_one_line_error(capsys, "--deepspeed-overrides: invalid JSON")
 
 
+def test_more_processes_than_gpus_is_refused_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    """On a 1-GPU host, --nproc 2 would put both ranks on cuda:0 and NCCL would abort after the
+    whole start-up: refused at once instead (the device count is patched: no GPU here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(cli, "_launch_local", lambda *a: pytest.fail("workers were started"))
+    assert cli.main(train_argv(tmp_path / "run", nproc=2)) == 2
+    assert_one_line_error(capsys, "--nproc 2 needs 2 GPUs but 1 is visible (CUDA_VISIBLE_DEVICES=3)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_nproc_must_be_positive(tmp_path, capsys):
     assert cli.main(train_argv(tmp_path / "run", nproc=0) + ["--nproc=0"]) == cli.EXIT_BAD_INPUT
     assert_one_line_error(capsys, "--nproc=0 must be >= 1")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.trainer_runs import REPO, TINY, TINY_MODEL, describe, rank_env, train_records
+from tests.trainer_runs import REPO, TINY, describe, rank_env, train_records
 
 LAUNCH = REPO / "launch"
 SCRIPTS = [
@@ -106,50 +106,3 @@ def test_slurm_script_with_stand_in_srun(tmp_path):
     assert result.returncode == 0, describe(result)
     assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3]
     assert "2 rank(s) = TP 2 x DP 1" in result.stdout
-
-
-@pytest.mark.slow
-def test_gpu_benchmark_script_runs_on_cpu_when_allowed(tmp_path):
-    """benchmarks/gpu.sh end to end (ALLOW_CPU=1, shrunk model, a 2-setting matrix): every setting
-    trains in bf16 with dropout on, then one line each and a table of tokens/s, MFU, peak memory."""
-    env = rank_env(
-        {
-            "ALLOW_CPU": "1",
-            "STEPS": "4",
-            "LOG_EVERY": "2",
-            "PYTHON": sys.executable,
-            "TMPDIR": str(tmp_path),
-            "DROPOUTS": "0.1",
-            "MICRO_BATCHES": "4",
-            "ZERO_STAGES": "1 2",
-        }
-    )
-    shrink = [*TINY_MODEL, "data.max_samples=400"]
-    result = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu.sh"), *shrink],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, describe(result)
-    lines = result.stdout.strip().splitlines()
-    runs = [line for line in lines if line.startswith("gpt2.yaml, bf16, dropout=0.1, micro_batch_size=4")]
-    assert len(runs) == 2 and all("steps 3-4:" in line and "tokens/s" in line and "MFU" in line for line in runs)
-    assert lines[-3].split() == [
-        "dropout",
-        "micro",
-        "ZeRO",
-        "tokens/s",
-        "step",
-        "ms",
-        "MFU",
-        "%",
-        "peak",
-        "GiB",
-        "switch",
-    ]
-    assert [line.split()[:3] for line in lines[-2:]] == [["0.1", "4", "1"], ["0.1", "4", "2"]]
-    assert not list(tmp_path.glob("parallel-latent-gpu-bench.*"))  # cleaned up

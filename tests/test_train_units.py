@@ -68,6 +68,28 @@ def test_clipping_goes_to_deepspeed_except_at_stage0_fp32_where_our_guard_clips(
     assert deepspeed_config(stage0_bf16, 1)["gradient_clipping"] == 0.5 and not uses_stage0_guard(stage0_bf16)
 
 
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ranks(data_parallel, monkeypatch):
+    """On a GPU under bf16: the data-parallel reduction in fp32 unless asked for bf16; ZeRO's overlap
+    (which synchronises the device at the end of every backward) only when there is a reduction."""
+    import parallel_latent.engine as engine
+
+    monkeypatch.setattr(engine, "resolve_device", lambda cfg: "cuda")
+    bf16 = {"precision": "bf16", "micro_batch_size": 2}
+    ds = deepspeed_config(cfg_with(training=bf16), world_size=data_parallel)
+    assert ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"]["overlap_comm"] is (data_parallel > 1)
+    halved = deepspeed_config(cfg_with(training=bf16, parallel={"grad_reduce_dtype": "bf16"}), data_parallel)
+    assert halved["communication_data_type"] == "bf16"
+    fp32 = deepspeed_config(cfg_with(), world_size=data_parallel)
+    assert "communication_data_type" not in fp32  # DeepSpeed's default is the training dtype: fp32
+
+
+def test_bf16_gradient_reduction_needs_bf16_training():
+    with pytest.raises(ConfigError, match=r"parallel\.grad_reduce_dtype=bf16 needs training\.precision=bf16"):
+        cfg_with(parallel={"grad_reduce_dtype": "bf16"})
+
+
 def test_deepspeed_overrides_merge_deeply():
     ds = deepspeed_config(
         cfg_with(), 1, overrides={"zero_optimization": {"reduce_bucket_size": 123}, "steps_per_print": 5}
@@ -130,12 +152,14 @@ def test_weight_decay_only_on_matrices():
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize(("head", "head_rows"), [("normal", 1024), ("tied", 1000)])
-def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows):
+@pytest.mark.parametrize(
+    ("head", "head_rows", "dropout"), [("normal", 1024, 0.1), ("tied", 1000, 0.1), ("tied", 1000, 0.0)]
+)
+def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, dropout):
     """The docstring formula counts the linear-layer FLOPs that torch's FlopCounterMode measures
-    on the real model (TP=1, train mode so the query MLP runs on [B, T, d]).  The counter does not
-    see the fused CPU attention kernel; the normal head is padded to 1024 rows here, the tied one
-    multiplies the 1000 rows of the token table only."""
+    on the real model (TP=1, train mode: with dropout the query MLP runs on [B, T, d], without it
+    once on the mask vector).  The counter does not see the fused CPU attention kernel; the normal
+    head is padded to 1024 rows here, the tied one multiplies the 1000 rows of the token table only."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from parallel_latent.model import build_model
@@ -151,10 +175,11 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows):
                 "vocab_size": 1000,
                 "mask_token_id": 998,
                 "pad_token_id": 999,
-                "dropout": 0.1,
+                "dropout": dropout,
                 "head": head,
             },
             "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32},
+            "training": {"micro_batch_size": 3},
         }
     )
     model = build_model(cfg).train()
@@ -169,6 +194,29 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows):
     tied_frozen = parts["head"] if head == "tied" else 0.0
     assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"] - tied_frozen
     assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
+
+
+def test_flops_count_the_loaded_gpt2_not_the_yaml(tmp_path):
+    """A pretrained feature model brings its own depth: FLOPs follow the GPT-2 that was loaded."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import GPT2Config, GPT2Model
+
+    from parallel_latent.model import build_model
+
+    GPT2Model(GPT2Config(n_layer=7, n_head=4, n_embd=32, vocab_size=1000)).save_pretrained(tmp_path / "gpt2")
+    model_section = {"d_model": 32, "n_heads": 4, "max_length": 8, "vocab_size": 1000, "mask_token_id": 998,
+                     "pad_token_id": 999, "dropout": 0.0}  # fmt: skip
+    yaml_says = {"pretrained": True, "name_or_path": str(tmp_path / "gpt2"), "n_layer": 4, "n_embd": 32}
+    cfg = config_from_dict({"model": model_section, "feature_model": yaml_says})
+    model = build_model(cfg)
+    features = model.feature_model
+    assert (features.blocks, features.width) == (5, 32)
+    loaded = model_flops_per_sample(cfg, features.blocks, features.width)
+    assert loaded["gpt2_linear"] == 5 / 2 * model_flops_per_sample(cfg)["gpt2_linear"]
+    ids = torch.randint(0, 990, (2, 8))
+    with FlopCounterMode(display=False) as counter:
+        features(ids, torch.ones_like(ids))
+    assert counter.get_total_flops() / 2 == pytest.approx(loaded["gpt2_linear"], rel=1e-6)
 
 
 def test_flops_trainable_feature_model_costs_backward_too():

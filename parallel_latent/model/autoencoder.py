@@ -183,7 +183,7 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
     with the parallel options of ``cfg.parallel``."""
     parallel = cfg.parallel
-    return LatentAutoencoder(
+    model = LatentAutoencoder(
         cfg.model,
         cfg.feature_model,
         tp_group=tp_group,
@@ -191,3 +191,6 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
         split_feature_model=parallel.split_feature_model,
         tp_options=TensorParallelOptions(parallel.sequence_parallel, parallel.tp_overlap_comm),
     )
+    if not cfg.training.compile_dropout:
+        model.dropout_rng.compile_devices = ()
+    return model

@@ -92,6 +92,11 @@ class FeatureModel(nn.Module):
     def width(self) -> int:
         return self.gpt2.config.n_embd
 
+    @property
+    def blocks(self) -> int:
+        """GPT-2 blocks that run (n_layer - 2 of the loaded model)."""
+        return len(self.gpt2.h)
+
     def train(self, mode: bool = True) -> FeatureModel:
         return super().train(mode and not self.frozen)
 

@@ -13,13 +13,12 @@ DP) tensor. Consequences that the rules of DESIGN.md section 3 ask for fall out 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .utils import group_rank, group_size
+from .utils import CompiledWithFallback, group_rank, group_size
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -63,6 +62,11 @@ def _mix32_(h: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return h
 
 
+# Index tensors of the last few dropout shapes, per model: a training step reuses the same few
+# (shape, offsets) at every site, so building them once is enough; evaluation does not drop.
+INDEX_CACHE_SIZE = 64
+
+
 @dataclass
 class DropoutRNG:
     """The dropout key shared by every dropout site of one model.
@@ -71,23 +75,39 @@ class DropoutRNG:
     sample in the step's global batch (``(micro_step * dp_size + dp_rank) * micro_batch``), so DP
     ranks and accumulated micro-batches draw different masks, and a run equals one with the same
     global batch cut differently (DP=2, or two accumulated micro-batches, = one doubled batch).
+
+    Nothing of a step reaches the device as data: the key enters the kernel as integer arguments,
+    and the index tensors (built on the device with ``arange``) are cached per shape and offsets.
+    ``compile_devices`` name the device types where the mask and its application are compiled into
+    one kernel (CUDA: eager, that is ~70 kernels over the activation per site; on CPU compiling
+    costs minutes and runs no faster).
     """
 
     seed: int = 0
     step: int = 0
     sample_offset: int = 0
+    compile_devices: tuple[str, ...] = ("cuda",)
     _next_layer_id: int = field(default=0, repr=False)
-    _compiled_core: Callable | None = field(default=None, repr=False, compare=False)
+    _kernel: CompiledWithFallback | None = field(default=None, repr=False, compare=False)
+    _indices: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def mask_kernel(self, device: torch.device) -> Callable:
-        """:func:`keep_mask_core`, compiled once per model on CUDA: eager, it is ~70 kernels over
-        the full activation per dropout site; compiled, one. On CPU compiling costs minutes and
-        runs no faster, so the CPU stays eager."""
-        if device.type != "cuda":
-            return keep_mask_core
-        if self._compiled_core is None:
-            self._compiled_core = torch.compile(keep_mask_core, fullgraph=True)
-        return self._compiled_core
+    def kernel(self, device: torch.device):
+        """:func:`dropout_core`, compiled where ``compile_devices`` say (once per model, falling
+        back to eager with one warning if compiling fails), else eager."""
+        if device.type not in self.compile_devices:
+            return dropout_core
+        if self._kernel is None:
+            self._kernel = CompiledWithFallback(dropout_core, "the dropout mask kernel")
+        return self._kernel
+
+    def indices(self, shape, offsets, full_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (shape, offsets, full_shape, device)
+        cached = self._indices.get(key)
+        if cached is None:
+            if len(self._indices) >= INDEX_CACHE_SIZE:
+                self._indices.pop(next(iter(self._indices)))  # the oldest
+            cached = self._indices[key] = index_tensors(shape, offsets, full_shape, device)
+        return cached
 
     def new_layer_id(self) -> int:
         # Construction order is the same at every TP degree, so ids agree across runs.
@@ -100,6 +120,31 @@ class DropoutRNG:
 
     def load_state_dict(self, state: dict) -> None:
         self.seed, self.step, self.sample_offset = state["seed"], state["step"], state["sample_offset"]
+
+
+def layer_key(key: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(low and high 32 bits of the row key, the int32 column key) of ``(seed, step, layer)``: plain
+    integers, computed on the host, handed to the kernel as scalars."""
+    seed, step, layer_id = key
+    k_row = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer_id)
+    return k_row & _MASK32, k_row >> 32, _as_int32(_splitmix64(k_row) & _MASK32)
+
+
+def index_tensors(shape, offsets, full_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global row index of every row [..., 1] (int64) and the global column index [H] (int32)
+    of the block ``[offsets, offsets + shape)`` of a ``full_shape`` tensor."""
+    lead = len(shape) - 1
+    row_index = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for dim in reversed(range(lead)):
+        coord = torch.arange(offsets[dim], offsets[dim] + shape[dim], dtype=torch.int64, device=device)
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        row_index = row_index + coord.view(view) * stride
+        stride *= full_shape[dim]
+    row_index = row_index.reshape([*shape[:lead], 1])
+    columns = torch.arange(offsets[-1], offsets[-1] + shape[-1], dtype=torch.int32, device=device)
+    return row_index, columns
 
 
 def keep_mask(
@@ -115,7 +160,7 @@ def keep_mask(
     Rows (all leading dims) get a well-mixed 32-bit hash computed in int64 on the small row
     tensor; each element then hashes (column ^ row hash) with two int32 rounds.
     """
-    return keep_mask_core(*mask_inputs(shape, key, offsets, full_shape, device), _threshold(p))
+    return keep_mask_core(*index_tensors(shape, offsets, full_shape, device), *layer_key(key), _threshold(p))
 
 
 def _threshold(p: float) -> int:
@@ -123,40 +168,10 @@ def _threshold(p: float) -> int:
     return round(p * 2**32) + _INT32_MIN
 
 
-def mask_inputs(
-    shape: tuple[int, ...], key: tuple[int, int, int], offsets: tuple[int, ...], full_shape: tuple[int, ...], device
-) -> tuple[torch.Tensor, ...]:
-    """The tensors :func:`keep_mask_core` hashes: the global row index of every row [..., 1], the
-    global column index [H], and the key split into int64 halves and an int32 column key (0-d
-    tensors, so a compiled core does not specialise on the step)."""
-    seed, step, layer_id = key
-    k_row = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ layer_id)
-    k_col = _as_int32(_splitmix64(k_row) & _MASK32)
-    lead = len(shape) - 1
-    row_index = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for dim in reversed(range(lead)):
-        coord = torch.arange(offsets[dim], offsets[dim] + shape[dim], dtype=torch.int64, device=device)
-        view = [1] * len(shape)
-        view[dim] = shape[dim]
-        row_index = row_index + coord.view(view) * stride
-        stride *= full_shape[dim]
-    row_index = row_index.reshape([*shape[:lead], 1])
-    columns = torch.arange(offsets[-1], offsets[-1] + shape[-1], dtype=torch.int32, device=device)
-    halves = torch.tensor([k_row & _MASK32, k_row >> 32], dtype=torch.int64, device=device)
-    return row_index, columns, halves[0], halves[1], torch.tensor(k_col, dtype=torch.int32, device=device)
-
-
 def keep_mask_core(
-    row_index: torch.Tensor,
-    columns: torch.Tensor,
-    k_low: torch.Tensor,
-    k_high: torch.Tensor,
-    k_col: torch.Tensor,
-    threshold: int,
+    row_index: torch.Tensor, columns: torch.Tensor, k_low: int, k_high: int, k_col: int, threshold: int
 ) -> torch.Tensor:
-    """The hash itself, tensors in and a bool tensor out: eager on CPU; compiled into one kernel
-    on CUDA (same operations, same bits)."""
+    """The hash itself: index tensors and integer keys in, a bool tensor out."""
     row_hash = _mix32_int64((row_index & _MASK32) ^ k_low)
     row_hash = _mix32_int64(row_hash ^ (row_index >> 32) ^ k_high)
     row_hash = torch.where(row_hash >= (1 << 31), row_hash - (1 << 32), row_hash).to(torch.int32)
@@ -167,6 +182,24 @@ def keep_mask_core(
     _mix32_(h, scratch)
     # Compare as unsigned: flipping the sign bit maps uint32 order onto int32 order.
     return (h ^ _INT32_MIN) >= threshold
+
+
+def dropout_core(
+    x: torch.Tensor,
+    row_index: torch.Tensor,
+    columns: torch.Tensor,
+    k_low: int,
+    k_high: int,
+    k_col: int,
+    threshold: int,
+    scale: float,
+) -> torch.Tensor:
+    """``x`` with the dropped elements zeroed and the kept ones times ``scale``: the mask and its
+    application, one kernel when compiled. The scale is a Python float, so the product is computed
+    at float32 (or better) and rounded once to x's dtype (a bf16 scale of 1/0.9 would be 1.109375:
+    0.16% low at every site)."""
+    keep = keep_mask_core(row_index, columns, k_low, k_high, k_col, threshold)
+    return torch.where(keep, x * scale, 0.0)
 
 
 class ParallelDropout(nn.Module):
@@ -188,6 +221,9 @@ class ParallelDropout(nn.Module):
         self.layer_id = rng.new_layer_id() if rng is not None else -1
         self.partition_dim = partition_dim
         self.tp_group = tp_group
+        if partition_dim is not None:  # where this rank's slice starts, in units of its size
+            self.slice_index, self.slices = group_rank(tp_group), group_size(tp_group)
+        self.threshold, self.scale = _threshold(p), 1.0 / (1.0 - p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
@@ -199,15 +235,12 @@ class ParallelDropout(nn.Module):
         full_shape[0] = self.rng.sample_offset + shape[0]
         if self.partition_dim is not None:
             dim = self.partition_dim % x.dim()
-            offsets[dim] = group_rank(self.tp_group) * shape[dim]
-            full_shape[dim] = group_size(self.tp_group) * shape[dim]
+            offsets[dim] = self.slice_index * shape[dim]
+            full_shape[dim] = self.slices * shape[dim]
         # The batch dim is outermost, so its full extent never enters the index: any value works.
-        key = (self.rng.seed, self.rng.step, self.layer_id)
-        inputs = mask_inputs(shape, key, tuple(offsets), tuple(full_shape), x.device)
-        mask = self.rng.mask_kernel(x.device)(*inputs, _threshold(self.p))
-        # The scale is a Python float: the product is computed at float32 (or better) and rounded
-        # once to x's dtype. (A bf16 scale of 1/0.9 would be 1.109375: 0.16% low at every site.)
-        return x.masked_fill(~mask, 0.0).mul_(1.0 / (1.0 - self.p))
+        row_index, columns = self.rng.indices(shape, tuple(offsets), tuple(full_shape), x.device)
+        key = layer_key((self.rng.seed, self.rng.step, self.layer_id))
+        return self.rng.kernel(x.device)(x, row_index, columns, *key, self.threshold, self.scale)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer_id={self.layer_id}, partition_dim={self.partition_dim}"

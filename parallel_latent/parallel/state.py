@@ -130,6 +130,47 @@ def select_device_index(local_rank: int, device_count: int) -> int:
     return local_rank
 
 
+def check_processes_fit_devices(nproc: int, device_count: int) -> None:
+    """``nproc`` processes on one host need ``nproc`` GPUs: NCCL refuses two ranks on one device
+    ("Duplicate GPU detected"), and only after the whole start-up. Raises ValueError (one line)."""
+    if nproc > device_count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        mask = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ValueError(
+            f"--nproc {nproc} needs {nproc} GPUs but {device_count} {'is' if device_count == 1 else 'are'} visible"
+            f"{mask}: start at most one process per GPU, or train on the CPU with training.device=cpu"
+        )
+
+
+class DeviceSharedError(ValueError):
+    """Two ranks of one job drive the same GPU."""
+
+
+def device_identity(device_index: int) -> str:
+    """What tells GPUs apart across processes: the UUID (a device index is relative to each
+    process's CUDA_VISIBLE_DEVICES mask, so two processes may both call one GPU "0")."""
+    return str(torch.cuda.get_device_properties(device_index).uuid)
+
+
+def check_one_process_per_device(identity: str, control_group=None) -> None:
+    """Every rank publishes (host, GPU identity) over the gloo ``control_group``; a GPU driven by
+    two ranks stops every rank with one line naming both, before the first NCCL collective (where
+    NCCL would abort with "Duplicate GPU detected"). Collective over the world."""
+    import socket
+
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (socket.gethostname(), identity), group=control_group)
+    owner: dict[tuple[str, str], int] = {}
+    for rank, key in enumerate(seen):
+        key = tuple(key)
+        if key in owner:
+            raise DeviceSharedError(
+                f"ranks {owner[key]} and {rank} both use GPU {key[1]} on host {key[0]}: start at most one "
+                "process per GPU (check --nproc_per_node / --gpus-per-task and CUDA_VISIBLE_DEVICES)"
+            )
+        owner[key] = rank
+
+
 def _choose_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
@@ -157,7 +198,10 @@ def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s:
                 backend, init_method="env://", rank=env["rank"], world_size=env["world_size"], timeout=timeout
             )
         os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
-    return initialize_model_parallel(tensor_parallel)
+    state = initialize_model_parallel(tensor_parallel)
+    if state.backend == "nccl":  # over gloo, before any NCCL collective
+        check_one_process_per_device(device_identity(torch.cuda.current_device()), state.control_group)
+    return state
 
 
 def initialize_model_parallel(tensor_parallel: int) -> ParallelState:

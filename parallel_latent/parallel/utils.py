@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 def group_size(group) -> int:
@@ -76,3 +80,30 @@ class TensorParallelOptions:
     def active(self, group) -> TensorParallelOptions:
         """These options as they apply to ``group``: nothing to split at TP=1."""
         return TensorParallelOptions(self.sequence_parallel and group_size(group) > 1, self.overlap_comm)
+
+
+class CompiledWithFallback:
+    """``fn`` through ``torch.compile`` (compiled at its first call), or eager if that fails.
+
+    Compiling can fail where the code is right and the machine is not: no Triton, no host C
+    compiler, an unsupported driver. Training must not die in its first step for that: the first
+    failure logs one warning naming the cause, and this object runs ``fn`` eagerly from then on
+    (the same operations, so the same results up to the fusion's rounding; bit-identical for
+    integer work such as the dropout hash)."""
+
+    def __init__(self, fn: Callable, what: str, **compile_options):
+        self.fn, self.what = fn, what
+        self.compile_options = {"fullgraph": True, **compile_options}
+        self.compiled: Callable | None = None
+        self.failure: str | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.failure is None:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self.fn, **self.compile_options)
+                return self.compiled(*args, **kwargs)
+            except Exception as error:  # any compiler or toolchain failure
+                self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+                logger.warning("torch.compile of %s failed (%s); running it eagerly", self.what, self.failure)
+        return self.fn(*args, **kwargs)

@@ -156,14 +156,47 @@ def test_bf16_dropout_scales_once_without_rounding_the_scale():
     assert not leaf.grad[~keep].any()
 
 
-def test_compiled_mask_equals_eager():
-    """On CUDA the mask is computed by torch.compile of the same core: the same bits. Checked once,
-    on one shape, on the CPU (compiling takes a while here; the CPU path itself stays eager)."""
-    from parallel_latent.parallel.random import _threshold, keep_mask_core, mask_inputs
+def _dropout_pair(compile_devices):
+    """Two dropout sites of identical keys, one eager and one whose kernel compiles on the CPU."""
+    eager = ParallelDropout(0.1, DropoutRNG(seed=5, step=11, sample_offset=4)).train()
+    other = ParallelDropout(0.1, DropoutRNG(seed=5, step=11, sample_offset=4, compile_devices=compile_devices)).train()
+    return eager, other
 
-    shape, key = (2, 8, 48), (5, 11, 3)
-    inputs = mask_inputs(shape, key, (4, 0, 48), (6, 8, 96), torch.device("cpu"))
+
+def test_compiled_dropout_equals_eager():
+    """On CUDA the mask and its application are one compiled kernel: the same bits as eager. Checked
+    on the CPU through inductor's CPU backend (compiling takes a while here; the CPU path itself
+    stays eager), for two shapes (the second one reuses the kernel with dynamic sizes)."""
+    eager, compiled = _dropout_pair(("cpu",))
+    gen = torch.Generator().manual_seed(0)
     with torch._inductor.config.patch(compile_threads=1):  # no worker pool to start on a small machine
-        compiled = torch.compile(keep_mask_core, fullgraph=True)
-        assert torch.equal(compiled(*inputs, _threshold(0.1)), keep_mask_core(*inputs, _threshold(0.1)))
-    assert torch.equal(keep_mask_core(*inputs, _threshold(0.1)), keep_mask(shape, 0.1, key, (4, 0, 48), (6, 8, 96)))
+        for shape in ((2, 8, 48), (3, 4, 32)):
+            x = torch.randn(shape, generator=gen)
+            assert torch.equal(compiled(x), eager(x))
+    assert compiled.rng._kernel.failure is None and compiled.rng._kernel.compiled is not None
+    x = torch.randn(2, 8, 48, generator=gen)
+    keep = keep_mask((2, 8, 48), 0.1, (5, 11, eager.layer_id), (4, 0, 0), (6, 8, 48))
+    assert torch.equal(eager(x), torch.where(keep, x * (1 / 0.9), 0.0))
+
+
+def test_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    """No Triton or no C compiler: compiling the dropout kernel fails at its first call; the step
+    goes on eagerly with the same masks, and one warning names the cause."""
+
+    def no_compiler(fn, **options):
+        def fails(*args, **kwargs):
+            raise RuntimeError("Cannot find a working triton installation\nmore detail")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    eager, failing = _dropout_pair(("cpu",))
+    x = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert torch.equal(failing(x), eager(x))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "torch.compile of the dropout mask kernel failed (RuntimeError: Cannot find a working triton "
+        "installation); running it eagerly"
+    ]

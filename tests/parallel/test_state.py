@@ -151,3 +151,34 @@ def test_world_size_one_without_launcher():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1", "1", "gloo", "1"]
+
+
+def publish_devices(identities: list[str]) -> str | None:
+    from parallel_latent.parallel.state import DeviceSharedError, check_one_process_per_device
+
+    try:
+        check_one_process_per_device(identities[dist.get_rank()], initialize_model_parallel(1).control_group)
+    except DeviceSharedError as error:
+        return str(error)
+    return None
+
+
+def test_two_ranks_on_one_gpu_stop_every_rank_with_one_line_naming_both(pool4):
+    """Every rank publishes (host, GPU UUID) over gloo before the first NCCL collective; the UUIDs
+    are given here (no GPU), the exchange is real."""
+    assert pool4.run(publish_devices, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == [None] * 4
+    messages = pool4.run(publish_devices, ["GPU-a", "GPU-b", "GPU-c", "GPU-b"])
+    assert len(set(messages)) == 1  # every rank stops, with the same line
+    assert messages[0].startswith("ranks 1 and 3 both use GPU GPU-b on host ")
+    assert "\n" not in messages[0]
+
+
+@pytest.mark.parametrize(("nproc", "gpus", "refused"), [(1, 1, False), (2, 1, True), (8, 8, False), (9, 8, True)])
+def test_local_processes_must_fit_the_visible_gpus(nproc, gpus, refused):
+    from parallel_latent.parallel.state import check_processes_fit_devices
+
+    if refused:
+        with pytest.raises(ValueError, match=rf"--nproc {nproc} needs {nproc} GPUs but {gpus} (is|are) visible"):
+            check_processes_fit_devices(nproc, gpus)
+    else:
+        check_processes_fit_devices(nproc, gpus)
