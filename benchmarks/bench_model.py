@@ -8,6 +8,15 @@
    stateful RNG) the ratio is printed for information.
 2. Feature extraction: the truncated GPT-2 (first n_layer - 2 blocks, no final LayerNorm) vs the full
    model's ``output_hidden_states`` element -3, on a 12-layer, 768-wide GPT-2. Goal: <= 0.87.
+3. The host's share of a training step (what keeps a GPU waiting), counted, not timed: operators
+   dispatched by one training forward and backward of the configs/gpt2.yaml-shaped model (random
+   GPT-2, batch 2 x 64, TP=1) at dropout 0.1 and 0, tensors built from Python data in that forward
+   (each a blocking copy on a GPU; goal 0 from parallel_latent), and the operators one dropout site
+   dispatches outside its mask hash (goal <= 3).
+4. Peak extra memory of the vocabulary-parallel loss, forward + backward, bf16 logits of B*T = 8192
+   rows and V = 50304 (the process's peak resident set over the call, Linux): ours, the same loss in
+   one chunk (the fp32 temporary of the whole logits the loss kept before it was chunked), and
+   torch's F.cross_entropy on the logits cast to fp32.
 
 Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
 Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 15 --threads 1]
@@ -26,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel_latent.config import FeatureModelConfig, ModelConfig
+from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_gpt2
 
-from common import Report, add_common_arguments, run
+from common import REPO, Report, add_common_arguments, run
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -248,6 +257,110 @@ def features_vs_full(args, report: Report) -> None:
     report.figure("features truncated / full GPT-2", med["truncated"] / med["full"], "x", at_most=0.87)
 
 
+def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
+    """configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape (shrunk when quick)."""
+    shrink = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
+              "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "gpt2.yaml", [*(shrink if quick else []), f"model.dropout={dropout}"])
+    feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
+    return LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
+
+
+def step_ops(args, report: Report) -> None:
+    from parallel_latent.parallel import DropoutRNG, ParallelDropout
+    from parallel_latent.parallel.random import _threshold, keep_mask_core, layer_key
+    from tests.op_counter import OpCounter
+
+    gen = torch.Generator().manual_seed(0)
+    for dropout in (0.1, 0.0):
+        model = gpt2_shaped(dropout, args.quick)
+        ids = torch.randint(0, 50257, (2, model.model_cfg.max_length), generator=gen)
+        mask = torch.ones_like(ids)
+        model(ids, mask).loss.backward()  # warm-up: caches
+        with OpCounter() as forward:
+            loss = model(ids, mask).loss
+        with OpCounter() as backward:
+            loss.backward()
+        ours = [caller for caller in forward.from_python_data if caller is not None]
+        print(
+            f"one training forward + backward, gpt2.yaml-shaped{' (shrunk)' if args.quick else ''}, batch 2 x "
+            f"{ids.shape[1]}, dropout {dropout}: {forward.total:,} + {backward.total:,} operators; "
+            f"{len(forward.from_python_data)} tensors from Python data in the forward, {len(ours)} from "
+            f"parallel_latent {sorted(set(ours))}"
+        )
+        report.figure(f"operators per training forward, dropout {dropout}", forward.total)
+        report.figure(f"operators per training backward, dropout {dropout}", backward.total)
+        report.figure(f"tensors built from Python data by parallel_latent per forward, dropout {dropout}", len(ours),
+                      at_most=0)  # fmt: skip
+    rng = DropoutRNG(seed=1, step=5)
+    site = ParallelDropout(0.1, rng).train()
+    x = torch.randn(2, 64, 64 if args.quick else 768, generator=gen)
+    site(x)  # the index tensors, built once per shape
+    with OpCounter() as whole:
+        site(x)
+    row_index, columns = rng.indices(tuple(x.shape), (0, 0, 0), tuple(x.shape), x.device)
+    with OpCounter() as hash_only:
+        keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), _threshold(0.1))
+    outside = whole.total - hash_only.total
+    print(f"one dropout site: {whole.total} operators, {hash_only.total} of them the mask hash (eager, CPU)")
+    report.figure("operators per dropout site outside the mask hash", outside, at_most=3)
+
+
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak resident memory over ``fn()`` above what was resident before (Linux: resets the high-water
+    mark through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _resident("VmRSS:")
+    fn()
+    return _resident("VmHWM:") - before
+
+
+def loss_memory(args, report: Report) -> None:
+    from parallel_latent.parallel import vocab_parallel_cross_entropy
+
+    rows, vocab, real = (256 if args.quick else 8192), 50304, 50257
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, real, (rows,), generator=gen)
+
+    def ours(chunk_rows=None):
+        loss, _ = vocab_parallel_cross_entropy(logits, target, real, chunk_rows=chunk_rows)
+        loss.sum().backward()
+        logits.grad = None
+
+    def plain():
+        F.cross_entropy(logits.float()[:, :real], target, reduction="sum").backward()
+        logits.grad = None
+
+    ours()  # warm-up
+    measured = {
+        "ours": peak_extra_bytes(ours),
+        "one chunk": peak_extra_bytes(lambda: ours(rows)),
+        "F.cross_entropy in fp32": peak_extra_bytes(plain),
+    }
+    size = logits.numel() * logits.element_size()
+    print(
+        f"loss forward + backward, bf16 logits [{rows}, {vocab}] ({size / 2**20:.0f} MiB; the bf16 gradient is as "
+        "large): peak extra " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in measured.items())
+    )
+    for name, value in measured.items():
+        report.figure(f"loss peak extra memory, B*T={rows}, V={vocab}, bf16: {name}", value / 2**20, "MiB")
+    report.figure("loss peak extra memory, ours / one chunk", measured["ours"] / measured["one chunk"], "x",
+                  at_most=0.5)  # fmt: skip
+
+
 def body(args, report: Report) -> None:
     if args.quick:
         args.batch, args.seq, args.d_model, args.feature_layers, args.repeats = 2, 8, 32, 2, 3
@@ -259,6 +372,10 @@ def body(args, report: Report) -> None:
         model_vs_plain(args, report)
     if args.only in (None, "features"):
         features_vs_full(args, report)
+    if args.only in (None, "ops"):
+        step_ops(args, report)
+    if args.only in (None, "loss"):
+        loss_memory(args, report)
 
 
 def main() -> int:
@@ -281,7 +398,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
-    parser.add_argument("--only", choices=["model", "features"], default=None)
+    parser.add_argument("--only", choices=["model", "features", "ops", "loss"], default=None)
     add_common_arguments(parser)
     return run("bench_model", parser, body)
 

@@ -193,6 +193,10 @@ class TrainingConfig:
     # TensorBoard); the first ones of the evaluated samples, the same at every evaluation.
     eval_reconstructions: int = 8
     log_every: int = 10
+    # Steps between the ranks' votes on stopping (a SIGTERM reaches a checkpoint within this many
+    # steps): the one world-wide collective outside the model, so not every step. Votes are also
+    # taken before every evaluation and checkpoint.
+    vote_every: int = 10
     max_nonfinite_steps: int = 10  # stop after this many consecutive inf/nan losses
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # CUDA only: each dropout site's mask and its application compiled into one kernel (eager,
@@ -491,7 +495,7 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
     at_least(training, "training", 0, "seed", "global_batch_size", "eval_every")
     at_least(training, "training", 0, "max_nonfinite_steps", "eval_reconstructions")
     at_least(training, "training", 1, "max_steps", "micro_batch_size", "grad_accum_steps")
-    at_least(training, "training", 1, "eval_batches", "log_every")
+    at_least(training, "training", 1, "eval_batches", "log_every", "vote_every")
     if training.global_batch_size:
         per_dp_rank = training.micro_batch_size * training.grad_accum_steps
         require(

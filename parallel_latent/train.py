@@ -5,21 +5,23 @@ One process per rank, started by a launcher (``torchrun``, ``deepspeed``, ``acce
 
 Per optimizer step, every rank:
 
-1. draws its ``grad_accum_steps`` micro-batches from a :class:`ShardedBatchSampler` keyed on
-   (dp_rank, dp_size), so the ranks of a tensor-parallel group see the same samples;
-2. all-reduces its non-pad token count over the data-parallel group (the step's global token
-   count ``N``), then for each micro-batch sets the dropout key (the optimizer step, and the
-   position of the micro-batch in the step's global batch), runs forward, and back-propagates
+1. takes the step's ``grad_accum_steps`` micro-batches from a background reader
+   (:class:`BatchPrefetcher`, one step ahead) that walks a copy of the :class:`ShardedBatchSampler`
+   keyed on (dp_rank, dp_size), so the ranks of a tensor-parallel group see the same samples; the
+   reader also counts the step's global non-pad tokens ``N`` from the memory-mapped lengths of
+   every DP rank's samples: no collective is needed for it;
+2. for each micro-batch sets the dropout key (the optimizer step, and the position of the
+   micro-batch in the step's global batch), runs forward, and back-propagates
    ``loss_sum * dp_size * grad_accum / N``.
    DeepSpeed divides by ``grad_accum`` and averages over data-parallel ranks, so the gradient is
    that of the mean loss over all N tokens of the step: DP=2 equals DP=1 with the doubled
    micro-batch even when the ranks hold different numbers of padding positions;
-3. calls ``engine.step()`` (clipping by the model-parallel-aware global norm; a step whose
-   gradient norm is not finite is skipped by DeepSpeed's optimizer wrapper, or by our guard at
-   ZeRO stage 0 in fp32);
-4. all-reduces one small vector over the world: loss sum, token / correct / exact-match /
-   sample counts, and "a stop signal arrived here".  All ranks therefore log the same numbers
-   and stop at the same step.
+3. calls ``engine.step()`` (clipping by the model-parallel-aware global norm; under fp32/fp16 a
+   step whose gradient norm is not finite is skipped by DeepSpeed's optimizer wrapper, or by our
+   guard at ZeRO stage 0 in fp32; under bf16 it is caught at the next log line or checkpoint);
+4. every ``training.vote_every`` steps, and before every evaluation and checkpoint, all-reduces
+   "a stop signal arrived here" over the gloo control group, so all ranks stop at the same step.
+   Statistics stay on the device and are reduced once per log line.
 
 A SIGTERM or SIGINT (SLURM preemption, Ctrl-C) finishes the current step, writes a checkpoint
 and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive skipped steps raise
@@ -45,6 +47,7 @@ import torch.distributed as dist
 from parallel_latent.config import Config, ConfigError, save_config, validate_world
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
+from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
@@ -218,6 +221,7 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir)
         self.is_main = self.state.rank == 0
 
+        self.prefetcher: BatchPrefetcher | None = None
         self.step = 0
         self.step_lr = math.nan
         self.skipped_steps = 0
@@ -304,27 +308,63 @@ class Trainer:
     # -- one step ------------------------------------------------------------ #
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+        # Pinned host memory (the prefetcher's, on a GPU) copies without blocking the host.
+        return (
+            batch["input_ids"].to(self.device, non_blocking=True),
+            batch["attention_mask"].to(self.device, non_blocking=True),
+        )
+
+    def _step_batches(self) -> StepBatches:
+        """This step's micro-batches and global token count, read ahead by the prefetcher. The
+        prefetcher restarts from the sampler if something else moved it (a resume, a benchmark)."""
+        position = (self.sampler.epoch, self.sampler.batches_consumed)
+        batches = self.prefetcher.next() if self.prefetcher is not None else None
+        if batches is None or batches.position != position:
+            self.close()
+            pin = self.device.type == "cuda"
+            self.prefetcher = BatchPrefetcher(self.train_set, self.sampler, self.grad_accum, pin_memory=pin)
+            batches = self.prefetcher.next()
+        self.sampler.advance(self.grad_accum)
+        return batches
+
+    def close(self) -> None:
+        """Stop the background reader (the trainer can be stepped again: it restarts)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def _vote_due(self, step: int) -> bool:
+        """Whether the ranks vote on stopping before ``step`` (1-based): the same answer on every rank."""
+        training, checkpoint = self.cfg.training, self.cfg.checkpoint
+        return (
+            step % training.vote_every == 0
+            or step >= training.max_steps
+            or bool(training.eval_every and step % training.eval_every == 0)
+            or bool(checkpoint.save_every and step % checkpoint.save_every == 0)
+        )
+
+    def _vote(self, stop_requested: bool) -> bool:
+        """Whether any rank was asked to stop (collective over the gloo control group)."""
+        vote = torch.full((1,), 1.0 if stop_requested else 0.0, dtype=torch.float64)
+        dist.all_reduce(vote, group=self.state.control_group)
+        return bool(vote.numpy()[0] > 0)  # numpy(): a host tensor, by construction
 
     def train_step(self, stop_requested: bool = False) -> StepOutcome:
-        """One optimizer step. Nothing here reads a device value: the statistics stay on the
-        device (read once per log line) and the only per-step collective outside the engine is a
-        host-side one, over gloo (the step's token count and the stop votes)."""
+        """One optimizer step. Nothing here reads a device value or copies host data to the device
+        blocking: the batches come pinned from the prefetcher with the step's token count, the
+        statistics stay on the device (read once per log line), and a collective outside the engine
+        (the stop vote, over gloo) runs only every ``training.vote_every`` steps."""
         state, engine, rng = self.state, self.engine, self.model.dropout_rng
         self.step_lr = self.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
-        micro_batches = [get_batch(self.train_set, self.sampler.next_batch()) for _ in range(self.grad_accum)]
-        # Batches are still host tensors here: their token counts cost no device sync.
-        local_tokens = sum(int(b["attention_mask"].numpy().sum()) for b in micro_batches)
-        votes = torch.tensor([float(local_tokens), 1.0 if stop_requested else 0.0], dtype=torch.float64)
-        dist.all_reduce(votes, group=state.control_group)  # over the world: TP ranks count alike
-        tokens_all, stop_votes = votes.numpy().tolist()  # numpy(): a host tensor, by construction
-        step_tokens = tokens_all / state.tp_size
+        batches = self._step_batches()
+        stop = self._vote(stop_requested) if self._vote_due(self.step + 1) else False
+        step_tokens = float(batches.global_tokens)
         # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
         # dp_size data-parallel ranks; this weight undoes both and normalises by the step's
         # global token count instead.
         weight_per_token = state.dp_size * self.grad_accum / max(step_tokens, 1.0)
         step_stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
-        for micro_step, batch in enumerate(micro_batches):
+        for micro_step, batch in enumerate(batches.micro_batches):
             input_ids, attention_mask = self._to_device(batch)
             # Masks keyed on (optimizer step, position in the step's global batch): the same masks
             # however the global batch is cut into micro-batches and data-parallel ranks.
@@ -333,14 +373,12 @@ class Trainer:
             out = engine(input_ids, attention_mask)
             engine.backward(out.loss_sum * weight_per_token)
             engine.step()
-            counts = torch.stack([out.num_tokens, out.num_correct, out.num_exact]).to(torch.float64)
-            step_stats[LOSS_SUM] += out.loss_sum.detach().to(torch.float64)
-            step_stats[TOKENS : EXACT + 1] += counts
-            step_stats[SAMPLES] += input_ids.shape[0]
+            # In place on the device: no indexed assignment (it would build a tensor from Python data).
+            micro_stats = torch.stack([out.loss_sum.detach(), out.num_tokens, out.num_correct, out.num_exact])
+            step_stats[:SAMPLES].add_(micro_stats.to(torch.float64))
+            step_stats[SAMPLES:].add_(input_ids.shape[0])
         applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
-        return StepOutcome(
-            step_stats, applied, stop_votes > 0, step_tokens, self.micro_batch * self.grad_accum * state.dp_size
-        )
+        return StepOutcome(step_stats, applied, stop, step_tokens, self.micro_batch * self.grad_accum * state.dp_size)
 
     def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics
@@ -511,11 +549,14 @@ class Trainer:
                 and self.step % cfg.checkpoint.save_every == 0
                 and self.consecutive_nonfinite == 0
             ):
+                self._refuse_nonfinite_bf16(window)
                 self.save()
 
+        self.close()
         if stopped_by == "max_steps" and eval_step != self.step and training.eval_every:
             final_eval = self._evaluate_and_log()
         if self.last_saved_step != self.step:
+            self._refuse_nonfinite_bf16(window)
             self.save()
         if stopped_by == "signal":
             self.logger.print(
@@ -539,6 +580,28 @@ class Trainer:
         if self.is_main:
             self._print_summary(result)
         return result
+
+    def _refuse_nonfinite_bf16(self, window: _Window, totals: torch.Tensor | None = None) -> None:
+        """Under bf16 DeepSpeed applies every step (no overflow scan, see engine.py): a non-finite
+        loss since the last check means the weights are spoiled. Stop before they are logged as
+        fine or published (collective: the window's statistics are reduced over the world)."""
+        if self.cfg.training.precision != "bf16":
+            return
+        if totals is None:
+            totals = self._reduce_stats(window.stats)
+        if not math.isfinite(float(totals[LOSS_SUM])):
+            self.close()
+            self.logger.close()
+            where = (
+                f"the last checkpoint, {self.last_checkpoint} (step {self.last_saved_step}), is from before it"
+                if self.last_checkpoint
+                else "no checkpoint had been written yet"
+            )
+            raise NonFiniteTrainingError(
+                f"stopped at step {self.step}: a non-finite loss in the last {window.steps} steps under bf16, "
+                f"whose steps are applied without an overflow check; {where}; try a lower optimizer.lr or "
+                "optimizer.grad_clip > 0"
+            )
 
     @contextmanager
     def _counting_syncs(self, enabled: bool):
@@ -619,7 +682,9 @@ class Trainer:
         model_flops_per_s = self.flops_per_sample * samples_per_s
         memory, _ = peak_memory_bytes(self.device_kind)
         grad_norm = self.engine.get_global_grad_norm()
-        loss_sum, tokens, correct, exact, samples = self._reduce_stats(window.stats).tolist()
+        totals = self._reduce_stats(window.stats)
+        self._refuse_nonfinite_bf16(window, totals)
+        loss_sum, tokens, correct, exact, samples = totals.tolist()
         finite = tokens > 0
         record = {
             "kind": "train",
@@ -736,4 +801,7 @@ def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<
     stop = StopRequest()
     with stop.installed():
         trainer = Trainer(cfg, deepspeed_overrides, source)
-        return trainer.run(stop)
+        try:
+            return trainer.run(stop)
+        finally:
+            trainer.close()

@@ -1,6 +1,7 @@
 """What one training step costs the host: nothing in the trainer reads a device value between log
-lines (each such read is a device synchronisation on a GPU). A real Trainer in this process (one
-rank, gloo), DeepSpeed ZeRO-2."""
+lines (each such read is a device synchronisation on a GPU), builds a tensor from Python data, or
+copies host memory to the device except the batches (pinned on a GPU, copied without blocking). A
+real Trainer in this process (one rank, gloo), DeepSpeed ZeRO-2."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.op_counter import OpCounter
 from tests.trainer_runs import TINY, TINY_CONFIG
 
 # The calls that wait for the device: explicit reads, and Python conversions of a tensor.
@@ -26,19 +28,18 @@ def _caller(stack) -> str:
     return "?"
 
 
-@pytest.fixture
-def trainer(tmp_path, monkeypatch):
+@pytest.fixture(params=[0.1, 0.0], ids=["dropout", "no-dropout"])
+def trainer(request, tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
     from parallel_latent.parallel import destroy_distributed
     from parallel_latent.train import Trainer
 
-    cfg = load_config(
-        TINY_CONFIG,
-        [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={tmp_path / 'run'}", "training.max_steps=10"],
-    )
+    overrides = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={tmp_path / 'run'}", "training.max_steps=10"]
+    cfg = load_config(TINY_CONFIG, [*overrides, f"model.dropout={request.param}", "training.grad_accum_steps=2"])
     trainer = Trainer(cfg)
     yield trainer
+    trainer.close()
     trainer.logger.close()
     destroy_distributed()
 
@@ -67,3 +68,28 @@ def test_a_training_step_reads_nothing_from_the_device(trainer, monkeypatch):
     assert all("/deepspeed/" in caller or "/torch/optim/" in caller for caller in calls), calls
     assert sum(calls.values()) <= 5 * steps, calls
     assert "torch.cuda.synchronize" not in calls
+
+
+def test_a_training_step_builds_nothing_from_python_data_and_copies_only_the_batches(trainer, monkeypatch):
+    """Forward, backward and optimizer step (two accumulated micro-batches): no tensor built from
+    Python data by the package (each would be a blocking copy on a GPU), and the only host-to-device
+    transfers the package asks for are the batches, without blocking."""
+    trainer.train_step()  # warm-up: the optimizer's state, the dropout index caches
+    transfers = []
+    to = torch.Tensor.to
+
+    def recorded_to(self, *args, **kwargs):
+        if any(isinstance(a, (torch.device, str)) for a in args) or "device" in kwargs:
+            caller = _caller(traceback.extract_stack())
+            if caller.startswith(PACKAGE):
+                transfers.append((Path(caller).name, kwargs.get("non_blocking", False), tuple(self.shape)))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded_to)
+    with OpCounter() as counter:
+        trainer.train_step()
+    assert counter.total > 100  # the step did run under the counter
+    ours = [caller for caller in counter.from_python_data if caller is not None]
+    assert ours == [], f"tensors built from Python data inside a step: {ours}"
+    batch = (trainer.micro_batch, trainer.cfg.model.max_length)
+    assert transfers == [("train.py", True, batch)] * 4  # ids and mask of 2 micro-batches, non-blocking

@@ -57,6 +57,14 @@ def autoencoder_reduction_length(model_cfg, tokens: int, tp: int) -> int:
     return blocks * per_block + (d + hidden + tp) + 2 * d + d + model_cfg.vocab_size + tokens
 
 
+def gpt2_reduction_length(n_embd: int, n_head: int, length: int, blocks: int) -> int:
+    """Terms summed on the path through ``blocks`` GPT-2 blocks: per block two LayerNorms (f each),
+    q/k/v (f), scores (f / heads), the softmax sum and the weighted sum (T each), the output
+    projection (f), the MLP (f and 4f), and 16 roundings for the GELU's elementwise steps (the tanh
+    form written out, against the fused kernel)."""
+    return blocks * (2 * n_embd + n_embd + n_embd // n_head + 2 * length + n_embd + n_embd + 4 * n_embd + 16)
+
+
 def adam_steps_bound(steps: int, lr: float, adam_eps: float, grad_bound: float) -> float:
     """Weight difference after ``steps`` Adam steps whose gradients differ by at most ``grad_bound``
     per element: each step's update m/(sqrt(v)+eps) moves by at most grad_bound/eps per unit of lr

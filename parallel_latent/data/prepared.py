@@ -201,6 +201,14 @@ class DatasetView:
         return self.data.max_length
 
 
+def token_count(dataset: Any, indices: Sequence[int] | np.ndarray) -> int:
+    """Non-pad tokens of these samples: from the memory-mapped lengths where there are some (no
+    token is read), else from the batch's mask."""
+    if isinstance(dataset, DatasetView):
+        return int(dataset.data.lengths[dataset.rows(indices)].astype(np.int64).sum())
+    return int(get_batch(dataset, indices)["attention_mask"].sum())
+
+
 def get_batch(dataset: Any, indices: Sequence[int] | torch.Tensor | np.ndarray) -> dict[str, torch.Tensor]:
     """``{"input_ids": [B, T], "attention_mask": [B, T]}`` (long) for the given sample indices of a
     :class:`DatasetView`, a :class:`PreparedDataset` or an in-memory ``TokenizedDataset``."""

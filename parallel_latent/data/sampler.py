@@ -138,6 +138,15 @@ class ShardedBatchSampler:
         positions = np.arange(start, start + self.batch_size, dtype=np.int64) % self.num_samples
         return self.epoch_order(epoch, positions).tolist()
 
+    def global_batch_at(self, epoch: int, batch_index: int) -> np.ndarray:
+        """Every DP rank's batch number ``batch_index`` of ``epoch``, rank after rank (pure): what
+        the whole data-parallel group reads in that micro-step, e.g. to count its tokens locally."""
+        if not 0 <= batch_index < self.batches_per_epoch:
+            raise IndexError(f"batch {batch_index} outside an epoch of {self.batches_per_epoch}")
+        start = batch_index * self.global_batch_size
+        positions = np.arange(start, start + self.global_batch_size, dtype=np.int64) % self.num_samples
+        return self.epoch_order(epoch, positions)
+
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """All of this rank's batches of ``epoch`` (pure: no state change)."""
         return [self.batch_at(epoch, index) for index in range(self.batches_per_epoch)]
@@ -156,11 +165,22 @@ class ShardedBatchSampler:
         """torch DistributedSampler-style: start ``epoch`` from its first batch."""
         self.set_position(epoch, 0)
 
-    def next_batch(self) -> list[int]:
+    def next_position(self) -> tuple[int, int]:
+        """(epoch, batch index) of the batch :meth:`next_batch` hands out next (no state change)."""
         if self.batches_consumed >= self.batches_per_epoch:
-            self.epoch, self.batches_consumed = self.epoch + 1, 0
-        batch = self.batch_at(self.epoch, self.batches_consumed)
-        self.batches_consumed += 1  # before handing it out, so state_dict() counts it
+            return self.epoch + 1, 0
+        return self.epoch, self.batches_consumed
+
+    def advance(self, batches: int = 1) -> None:
+        """Move past ``batches`` batches without computing them (a reader ahead of us did)."""
+        for _ in range(batches):
+            self.epoch, self.batches_consumed = self.next_position()
+            self.batches_consumed += 1
+
+    def next_batch(self) -> list[int]:
+        epoch, index = self.next_position()
+        batch = self.batch_at(epoch, index)
+        self.epoch, self.batches_consumed = epoch, index + 1  # before handing it out, so state_dict() counts it
         return batch
 
     def __iter__(self) -> Iterator[list[int]]:

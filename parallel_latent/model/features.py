@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2Model
+from transformers.activations import ACT2FN
 
 from parallel_latent.config import FeatureModelConfig
 
@@ -55,6 +56,16 @@ def load_gpt2(feature_cfg: FeatureModelConfig, vocab_size: int) -> GPT2Model:
     return gpt2
 
 
+def use_fused_tanh_gelu(gpt2: GPT2Model) -> GPT2Model:
+    """GPT-2's ``gelu_new`` is the tanh approximation written as 8 elementwise kernels over [B, T,
+    4f]; ``gelu_pytorch_tanh`` is the same function in one kernel (the results differ by rounding)."""
+    if gpt2.config.activation_function == "gelu_new":
+        gpt2.config.activation_function = "gelu_pytorch_tanh"
+        for block in gpt2.h:
+            block.mlp.act = ACT2FN["gelu_pytorch_tanh"]
+    return gpt2
+
+
 def truncate_to_hidden_state(gpt2: GPT2Model, index: int = HIDDEN_STATE_INDEX) -> GPT2Model:
     """Cut ``gpt2`` in place so that its ``last_hidden_state`` equals ``hidden_states[index]`` of the
     full model (index < -1: the final LayerNorm is applied only to the last entry)."""
@@ -79,7 +90,7 @@ class FeatureModel(nn.Module):
         super().__init__()
         self.frozen = feature_cfg.frozen
         gpt2 = load_gpt2(feature_cfg, vocab_size)
-        self.gpt2 = truncate_to_hidden_state(gpt2)
+        self.gpt2 = use_fused_tanh_gelu(truncate_to_hidden_state(gpt2))
         if self.frozen:
             self.gpt2.requires_grad_(False)
             self.eval()
@@ -103,10 +114,13 @@ class FeatureModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Features of right-padded ``input_ids``. GPT-2 is causal, so a real token never attends
         to the padding after it: the padding mask changes only the features at pad positions,
-        which the encoder masks out. GPT-2 gets the plain causal mask instead, ready-made: from a
-        padding mask (or none) transformers derives it with data-dependent checks that read the
-        device on the host at every forward."""
-        length = input_ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril_()[None, None]
+        which the encoder masks out. The blocks therefore run without a mask: attention is SDPA
+        with ``is_causal``, free to pick its fastest (flash) kernel, and nothing derives a mask from
+        the inputs (transformers' mask preparation reads the device on the host)."""
+        gpt2 = self.gpt2
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            return self.gpt2(input_ids=input_ids, attention_mask=causal, use_cache=False).last_hidden_state
+            hidden = gpt2.drop(gpt2.wte(input_ids) + gpt2.wpe(positions))
+            for block in gpt2.h:
+                hidden = block(hidden)
+            return gpt2.ln_f(hidden)  # the identity after truncation

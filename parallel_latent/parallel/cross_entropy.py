@@ -35,18 +35,39 @@ def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> tor
     return _reduce(candidate, dist.ReduceOp.MIN, group)
 
 
+# fp32 elements of one chunk of rows: the loss never holds an fp32 copy of the whole [rows, V/t]
+# logits (1.6 GB at B*T = 8192 and GPT-2's vocabulary), only one chunk of this size at a time.
+CHUNK_ELEMENTS = 2**25
+
+
+def _chunks(rows: int, local_vocab: int, chunk_rows: int | None) -> range:
+    step = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, local_vocab))
+    return range(0, rows, step), step
+
+
+def _shifted_exp(logits, global_max, real: int, compute_dtype) -> torch.Tensor:
+    """exp(logits - max) of a chunk of rows, in ``compute_dtype``; padding columns get 0."""
+    exp_logits = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))
+    if real < logits.shape[-1]:
+        exp_logits[..., real:].fill_(float("-inf"))  # (an assignment would build a tensor from Python data)
+    return exp_logits.exp_()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward and backward over chunks of rows: per chunk one temporary in at least fp32 (a bf16
+    softmax loses the target's probability; fp64 stays fp64), recomputed in backward from the saved
+    per-row max and sum instead of keeping the softmax. The gradient is written in the logits' dtype
+    chunk by chunk: no fp32 gradient of the whole logits for autograd to cast."""
+
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, ignore_index, group):
-        # One temporary of the logits' size, in at least fp32 (a bf16 softmax loses the target's
-        # probability; fp64 stays fp64): the shifted logits, exponentiated and normalised in
-        # place, and saved as the softmax for backward. The max and the target logit are read
-        # from the logits themselves (exact in any dtype).
+    def forward(ctx, logits, target, vocab_size, ignore_index, group, chunk_rows):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
         real = max(0, min(local_vocab, vocab_size - start))  # columns past it are padding
+        rows = logits.reshape(-1, local_vocab)
 
+        # The max and the target logit are read from the logits themselves (exact in any dtype).
         local_max, local_argmax = _local_max(logits, real)
         local_max = local_max.to(compute_dtype)
         global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
@@ -54,21 +75,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ignored = target == ignore_index
         in_range = (target >= start) & (target < start + real) & ~ignored
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
-
-        exp_logits = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))  # the temporary
-        if real < local_vocab:
-            exp_logits[..., real:] = float("-inf")  # padding gets no probability
-        exp_logits.exp_()
         target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
         target_logit = torch.where(in_range, target_logit - global_max, torch.zeros_like(target_logit))
-        sums = torch.stack([exp_logits.sum(dim=-1), target_logit])
+
+        row_max = global_max.reshape(-1)
+        sum_exp = torch.empty_like(row_max)
+        chunks, step = _chunks(rows.shape[0], local_vocab, chunk_rows)
+        for first in chunks:
+            chunk = slice(first, first + step)
+            sum_exp[chunk] = _shifted_exp(rows[chunk], row_max[chunk], real, compute_dtype).sum(dim=-1)
+        sums = torch.stack([sum_exp.view_as(target_logit), target_logit])
         sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
 
         loss = torch.log(sum_exp) - target_logit
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
-
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, in_range, local_target, ignored)
+        ctx.save_for_backward(logits, global_max, sum_exp, in_range, local_target, ignored)
+        ctx.real, ctx.chunk_rows = real, chunk_rows
 
         prediction = _argmax_from_local(local_max, local_argmax, global_max, start, group)
         correct = (prediction == target) & ~ignored
@@ -77,25 +99,40 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
-        softmax, in_range, local_target, ignored = ctx.saved_tensors
-        grad = softmax  # reuse the saved buffer: backward runs once
-        rows = grad.view(-1, grad.shape[-1])
-        flat = torch.arange(rows.shape[0], device=grad.device)
-        rows[flat, local_target.view(-1)] -= in_range.view(-1).to(grad.dtype)
-        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss)
-        grad.mul_(scale.unsqueeze(-1))
-        return grad, None, None, None, None
+        logits, global_max, sum_exp, in_range, local_target, ignored = ctx.saved_tensors
+        compute_dtype = global_max.dtype
+        local_vocab = logits.shape[-1]
+        rows = logits.reshape(-1, local_vocab)
+        scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).reshape(-1)
+        row_max, row_sum = global_max.reshape(-1), sum_exp.reshape(-1)
+        targets, hits = local_target.reshape(-1), in_range.reshape(-1).to(compute_dtype)
+        grad = torch.empty_like(logits)  # in the logits' dtype
+        grad_rows = grad.view(-1, local_vocab)
+        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
+        for first in chunks:
+            chunk = slice(first, first + step)
+            softmax = _shifted_exp(rows[chunk], row_max[chunk], ctx.real, compute_dtype).div_(row_sum[chunk, None])
+            flat = torch.arange(softmax.shape[0], device=softmax.device)
+            softmax[flat, targets[chunk]] -= hits[chunk]
+            grad_rows[chunk] = softmax.mul_(scale[chunk, None])  # rounded once to the logits' dtype
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, tp_group=None, ignore_index: int = -100
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    tp_group=None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
 ):
     """Per-token loss (float32, 0 where ignored) and a bool tensor of correct argmax predictions.
 
     ``logits`` is this rank's slice ``[..., padded_vocab / tp]``; ``vocab_size`` is the true size:
-    columns at or beyond it are padding and get no probability.
+    columns at or beyond it are padding and get no probability. ``chunk_rows``: rows per fp32
+    temporary (default: :data:`CHUNK_ELEMENTS` elements' worth).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group)
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group, chunk_rows)
 
 
 @torch.no_grad()
