@@ -13,7 +13,9 @@ from torch import nn
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
 from parallel_latent.parallel import (
+    CompiledWithFallback,
     DropoutRNG,
+    LossKernels,
     TensorParallelOptions,
     gather_from_sequence_parallel_region,
     group_size,
@@ -69,6 +71,7 @@ class LatentAutoencoder(nn.Module):
         # Split only frozen work: a trained feature model would need its gradients back from every rank.
         self.split_feature_model = split_feature_model and feature_cfg.frozen and group_size(tp_group) > 1
         self.dropout_rng = DropoutRNG(seed=seed)
+        self.loss_kernels = LossKernels()  # compiled by compile_regions()
         # Built on the CPU in a fixed order under fixed seeds, identical at every TP degree (layers
         # draw full master weights, then slice). The Perceiver gets its own seed so its init does not
         # depend on how the GPT-2 was obtained. Only the CPU generator is seeded, and fork_rng puts it
@@ -154,7 +157,7 @@ class LatentAutoencoder(nn.Module):
         is_token = attention_mask.bool()
         target = input_ids.masked_fill(~is_token, IGNORE_INDEX)  # every non-pad position is a target
         token_loss, correct = vocab_parallel_cross_entropy(
-            logits, target, self.model_cfg.vocab_size, self.tp_group, IGNORE_INDEX
+            logits, target, self.model_cfg.vocab_size, self.tp_group, IGNORE_INDEX, kernels=self.loss_kernels
         )
         num_tokens = is_token.sum()
         loss_sum = token_loss.sum()
@@ -193,4 +196,19 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
     )
     if not cfg.training.compile_dropout:
         model.dropout_rng.compile_devices = ()
+    if cfg.training.compile:
+        compile_regions(model)
+    return model
+
+
+def compile_regions(model: LatentAutoencoder) -> LatentAutoencoder:
+    """``training.compile``: torch.compile each Perceiver block and the loss's per-chunk work
+    (regional compilation: every block of one shape reuses one compiled graph, so compiling costs
+    one block, not the model). TP collectives and the dropout keys' host arithmetic stay outside
+    the graphs; a failure to compile falls back to eager with one warning. Parameters are not
+    touched: checkpoints are the same with or without it."""
+    for stack in (model.encoder.stack, model.decoder.stack):
+        for block in stack.blocks:
+            block.forward = CompiledWithFallback(block.forward, "a Perceiver block", fullgraph=False)
+    model.loss_kernels = LossKernels.compiled()
     return model

@@ -2,7 +2,7 @@
 coordinate-keyed dropout and the vocabulary-parallel loss. Nothing here knows the Perceiver."""
 
 from .attention import ParallelAttention
-from .cross_entropy import vocab_parallel_argmax, vocab_parallel_cross_entropy
+from .cross_entropy import LossKernels, vocab_parallel_argmax, vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, normal_init, scaled_init
 from .mappings import (
     copy_to_tp_region,
@@ -33,6 +33,7 @@ from .state import (
     launcher_environment,
 )
 from .utils import (
+    CompiledWithFallback,
     TensorParallelOptions,
     group_rank,
     group_size,
@@ -43,7 +44,9 @@ from .utils import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "CompiledWithFallback",
     "DropoutRNG",
+    "LossKernels",
     "ModelParallelUnit",
     "ParallelAttention",
     "ParallelDropout",

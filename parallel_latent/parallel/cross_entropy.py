@@ -8,10 +8,13 @@ what ``argmax`` over the full vocabulary returns).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from .utils import group_rank, group_size
+from .utils import CompiledWithFallback, group_rank, group_size
 
 
 def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
@@ -53,6 +56,39 @@ def _shifted_exp(logits, global_max, real: int, compute_dtype) -> torch.Tensor:
     return exp_logits.exp_()
 
 
+def chunk_sum_exp(logits, global_max, real: int, compute_dtype) -> torch.Tensor:
+    """Forward work of one chunk of rows: the sum of exp(logits - max) per row."""
+    return _shifted_exp(logits, global_max, real, compute_dtype).sum(dim=-1)
+
+
+def chunk_grad(logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype) -> torch.Tensor:
+    """Backward work of one chunk of rows: (softmax - one-hot of the target) x the incoming gradient,
+    rounded once to the logits' dtype."""
+    softmax = _shifted_exp(logits, global_max, real, compute_dtype).div_(sum_exp[:, None])
+    flat = torch.arange(softmax.shape[0], device=softmax.device)
+    softmax[flat, targets] -= hits
+    return softmax.mul_(scale[:, None]).to(logits.dtype)
+
+
+@dataclass
+class LossKernels:
+    """The loss's per-chunk work: plain functions, or compiled ones (``compiled()``: each chunk's
+    elementwise work fused into a kernel or two). Owned by a model, passed to the loss."""
+
+    sum_exp: Callable = chunk_sum_exp
+    grad: Callable = chunk_grad
+
+    @classmethod
+    def compiled(cls) -> LossKernels:
+        return cls(
+            CompiledWithFallback(chunk_sum_exp, "the loss's forward chunk", dynamic=True),
+            CompiledWithFallback(chunk_grad, "the loss's backward chunk", dynamic=True),
+        )
+
+
+PLAIN_KERNELS = LossKernels()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward and backward over chunks of rows: per chunk one temporary in at least fp32 (a bf16
     softmax loses the target's probability; fp64 stays fp64), recomputed in backward from the saved
@@ -60,7 +96,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     chunk by chunk: no fp32 gradient of the whole logits for autograd to cast."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, ignore_index, group, chunk_rows):
+    def forward(ctx, logits, target, vocab_size, ignore_index, group, chunk_rows, kernels):
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
@@ -83,14 +119,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunks, step = _chunks(rows.shape[0], local_vocab, chunk_rows)
         for first in chunks:
             chunk = slice(first, first + step)
-            sum_exp[chunk] = _shifted_exp(rows[chunk], row_max[chunk], real, compute_dtype).sum(dim=-1)
+            sum_exp[chunk] = kernels.sum_exp(rows[chunk], row_max[chunk], real, compute_dtype)
         sums = torch.stack([sum_exp.view_as(target_logit), target_logit])
         sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
 
         loss = torch.log(sum_exp) - target_logit
         loss = torch.where(ignored, torch.zeros_like(loss), loss)
         ctx.save_for_backward(logits, global_max, sum_exp, in_range, local_target, ignored)
-        ctx.real, ctx.chunk_rows = real, chunk_rows
+        ctx.real, ctx.chunk_rows, ctx.kernels = real, chunk_rows, kernels
 
         prediction = _argmax_from_local(local_max, local_argmax, global_max, start, group)
         correct = (prediction == target) & ~ignored
@@ -111,11 +147,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
         for first in chunks:
             chunk = slice(first, first + step)
-            softmax = _shifted_exp(rows[chunk], row_max[chunk], ctx.real, compute_dtype).div_(row_sum[chunk, None])
-            flat = torch.arange(softmax.shape[0], device=softmax.device)
-            softmax[flat, targets[chunk]] -= hits[chunk]
-            grad_rows[chunk] = softmax.mul_(scale[chunk, None])  # rounded once to the logits' dtype
-        return grad, None, None, None, None, None
+            grad_rows[chunk] = ctx.kernels.grad(
+                rows[chunk], row_max[chunk], row_sum[chunk], targets[chunk], hits[chunk], scale[chunk], ctx.real,
+                compute_dtype,
+            )  # fmt: skip
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -125,14 +161,16 @@ def vocab_parallel_cross_entropy(
     tp_group=None,
     ignore_index: int = -100,
     chunk_rows: int | None = None,
+    kernels: LossKernels = PLAIN_KERNELS,
 ):
     """Per-token loss (float32, 0 where ignored) and a bool tensor of correct argmax predictions.
 
     ``logits`` is this rank's slice ``[..., padded_vocab / tp]``; ``vocab_size`` is the true size:
     columns at or beyond it are padding and get no probability. ``chunk_rows``: rows per fp32
-    temporary (default: :data:`CHUNK_ELEMENTS` elements' worth).
+    temporary (default: :data:`CHUNK_ELEMENTS` elements' worth); ``kernels``: the per-chunk work,
+    plain or compiled (:class:`LossKernels`).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group, chunk_rows)
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group, chunk_rows, kernels)
 
 
 @torch.no_grad()

@@ -94,8 +94,8 @@ class DropoutRNG:
     def kernel(self, device: torch.device):
         """:func:`dropout_core`, compiled where ``compile_devices`` say (once per model, falling
         back to eager with one warning if compiling fails), else eager."""
-        if device.type not in self.compile_devices:
-            return dropout_core
+        if device.type not in self.compile_devices or torch.compiler.is_compiling():
+            return dropout_core  # (inside a compiled region the region's compilation fuses it)
         if self._kernel is None:
             self._kernel = CompiledWithFallback(dropout_core, "the dropout mask kernel")
         return self._kernel
@@ -228,6 +228,13 @@ class ParallelDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        return self.rng.kernel(x.device)(x, *self._coordinates(x), self.threshold, self.scale)
+
+    @torch.compiler.disable
+    def _coordinates(self, x: torch.Tensor) -> tuple:
+        """The index tensors and integer key of this site's mask for ``x``. Host arithmetic on the
+        step and offsets; kept out of compiled regions (which would specialise on the step), so a
+        compiled block sees them as inputs."""
         shape = tuple(x.shape)
         offsets = [0] * x.dim()
         full_shape = list(shape)
@@ -239,8 +246,7 @@ class ParallelDropout(nn.Module):
             full_shape[dim] = self.slices * shape[dim]
         # The batch dim is outermost, so its full extent never enters the index: any value works.
         row_index, columns = self.rng.indices(shape, tuple(offsets), tuple(full_shape), x.device)
-        key = layer_key((self.rng.seed, self.rng.step, self.layer_id))
-        return self.rng.kernel(x.device)(x, row_index, columns, *key, self.threshold, self.scale)
+        return (row_index, columns, *layer_key((self.rng.seed, self.rng.step, self.layer_id)))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer_id={self.layer_id}, partition_dim={self.partition_dim}"
