@@ -16,7 +16,6 @@ the group, and every rank gets the same latents and the same texts back.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_autoencoder, resolve_portable_dir
 from parallel_latent.config import TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
-from parallel_latent.model import LatentAutoencoder
+from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.quality import detokenize
 
@@ -57,17 +56,6 @@ def load_checkpoint_tokenizer(directory: Path, manifest: dict):
                 f"but {section.get('name_or_path', 'offline')} gives {facts[key]}"
             )
     return tokenizer
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module):
-    """Eval mode (no dropout) inside the block; the caller's mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 class TextAutoencoder:

@@ -56,14 +56,20 @@ FP16_LOSS_SCALING = {
 NEVER = 10**12
 
 
-def resolve_device(cfg: Config) -> str:
-    """``cpu`` or ``cuda`` for ``training.device`` (``auto`` = cuda when visible)."""
+def resolve_device(cfg: Config, source: str = "<runtime>", check_precision: bool = True) -> str:
+    """``cpu`` or ``cuda`` for ``training.device`` (``auto`` = cuda when visible); ConfigError when
+    there is no such device, or (``check_precision``) the precision needs one it is not: fp16 needs
+    CUDA."""
     wanted = cfg.training.device
     if wanted == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("<runtime>: training.device=cuda but no CUDA device is visible")
-    return wanted
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{source}: training.device=cuda but no CUDA device is visible")
+    else:
+        device = wanted
+    if check_precision and cfg.training.precision == "fp16" and device != "cuda":
+        raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+    return device
 
 
 def uses_stage0_guard(cfg: Config) -> bool:
@@ -124,7 +130,9 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
         # Overlapping the gradient reduction with backward needs CUDA streams; on CPU it only
         # adds copies.
         overlap = parallel.zero_overlap_comm == "on" or (
-            parallel.zero_overlap_comm == "auto" and resolve_device(cfg) == "cuda" and data_parallel > 1
+            parallel.zero_overlap_comm == "auto"
+            and resolve_device(cfg, check_precision=False) == "cuda"
+            and data_parallel > 1
         )
         config["zero_optimization"].update(
             {
@@ -317,8 +325,6 @@ def initialize_engine(
     quiet_deepspeed_logs()
     skip_unused_cpu_comm_kernel()
     device = resolve_device(cfg)
-    if cfg.training.precision == "fp16" and device != "cuda":
-        raise ConfigError("<runtime>: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
     mpu = mpu or ModelParallelUnit()
     if cfg.training.precision == "fp64":
         model.double()  # DeepSpeed leaves the dtype of an fp32-configured model as it finds it

@@ -25,31 +25,27 @@ def evaluate_ids(
     """Loss per token, token accuracy, exact-match rate of whole sequences and corpus BLEU of the
     reconstructions against the inputs as the model saw them, for tokenised samples [N, T]
     (``truncated``: how many of them were cut to ``max_length`` tokens, reported as is)."""
-    from parallel_latent.api import eval_mode
-    from parallel_latent.quality import corpus_bleu, detokenize
+    from parallel_latent.model import eval_mode
+    from parallel_latent.quality import corpus_bleu, detokenize, output_totals, reconstruction_metrics
 
     model, tokenizer = autoencoder.model, autoencoder.tokenizer
-    loss_sum = tokens = correct = exact = 0.0
+    totals = torch.zeros(4, dtype=torch.float64)
     references, hypotheses = [], []
     with eval_mode(model):
         for start in range(0, input_ids.shape[0], batch_size):
             ids = input_ids[start : start + batch_size].to(autoencoder.device)
             mask = attention_mask[start : start + batch_size].to(autoencoder.device)
             out = model(ids, mask, return_predictions=True)
-            loss_sum += out.loss_sum.item()
-            tokens += out.num_tokens.item()
-            correct += out.num_correct.item()
-            exact += out.num_exact.item()
+            totals += output_totals(out).cpu()
             references += detokenize(tokenizer, ids, mask)
             hypotheses += detokenize(tokenizer, out.predictions, mask)
     n = input_ids.shape[0]
+    loss_sum, tokens, correct, exact = totals.tolist()
     return {
         "samples": n,
         "tokens": int(tokens),
         "truncated": int(truncated),
-        "loss": loss_sum / max(tokens, 1),
-        "token_accuracy": correct / max(tokens, 1),
-        "exact_match": exact / max(n, 1),
+        **reconstruction_metrics(loss_sum, tokens, correct, exact, n),
         "bleu": corpus_bleu(hypotheses, references) if n else None,
     }
 

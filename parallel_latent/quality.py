@@ -14,7 +14,29 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["corpus_bleu", "detokenize", "reconstruction_records", "truncation_note"]
+__all__ = [
+    "corpus_bleu",
+    "detokenize",
+    "output_totals",
+    "reconstruction_metrics",
+    "reconstruction_records",
+    "truncation_note",
+]
+
+
+def output_totals(out) -> torch.Tensor:
+    """[loss sum, tokens, correct tokens, exact samples] of one forward's AutoencoderOutput, float64
+    on its device: what evaluation (and the trainer's statistics) add up over batches and ranks."""
+    return torch.stack([out.loss_sum.detach(), out.num_tokens, out.num_correct, out.num_exact]).to(torch.float64)
+
+
+def reconstruction_metrics(loss_sum: float, tokens: float, correct: float, exact: float, samples: float) -> dict:
+    """Loss per token, token accuracy and exact-match rate from summed totals."""
+    return {
+        "loss": loss_sum / max(tokens, 1.0),
+        "token_accuracy": correct / max(tokens, 1.0),
+        "exact_match": exact / max(samples, 1.0),
+    }
 
 
 def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:

@@ -51,6 +51,7 @@ from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
+from parallel_latent.quality import output_totals, reconstruction_metrics
 
 __all__ = ["CHECKPOINTS_DIRNAME", "NonFiniteTrainingError", "TrainResult", "checkpoints_dir", "preflight", "train"]
 
@@ -87,9 +88,7 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
     against TP and the batch sizes, the device, the data path, the checkpoint to resume.
     Raises ConfigError / DataError with one line; writes nothing."""
     validate_world(cfg, world_size, source, processes_per_node)
-    device = resolve_device(cfg)
-    if cfg.training.precision == "fp16" and device != "cuda":
-        raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+    resolve_device(cfg, source)
     check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
     run_dir = Path(cfg.logging.run_dir)
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
@@ -374,8 +373,7 @@ class Trainer:
             engine.backward(out.loss_sum * weight_per_token)
             engine.step()
             # In place on the device: no indexed assignment (it would build a tensor from Python data).
-            micro_stats = torch.stack([out.loss_sum.detach(), out.num_tokens, out.num_correct, out.num_exact])
-            step_stats[:SAMPLES].add_(micro_stats.to(torch.float64))
+            step_stats[:SAMPLES].add_(output_totals(out))
             step_stats[SAMPLES:].add_(input_ids.shape[0])
         applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
         return StepOutcome(step_stats, applied, stop, step_tokens, self.micro_batch * self.grad_accum * state.dp_size)
@@ -416,21 +414,16 @@ class Trainer:
                     indices = list(range(start + offset, start + min(offset + self.micro_batch, share)))
                     input_ids, attention_mask = self._to_device(get_batch(self.eval_set, indices))
                     out = self.engine(input_ids, attention_mask, return_predictions=True)
-                    stats[LOSS_SUM] += out.loss_sum.double().cpu()
-                    stats[TOKENS] += float(out.num_tokens)
-                    stats[CORRECT] += float(out.num_correct)
-                    stats[EXACT] += float(out.num_exact)
+                    stats[:SAMPLES] += output_totals(out).cpu()
                     stats[SAMPLES] += len(indices)
                     predictions.append(out.predictions)
         finally:
             self.engine.train()
         totals = self._reduce_stats(stats)
-        tokens = max(totals[TOKENS].item(), 1.0)
         bleu = self._score_reconstructions(total, self._gather_over_dp(torch.cat(predictions)))
+        metrics = reconstruction_metrics(*totals.tolist())
         return {
-            "eval_loss": totals[LOSS_SUM].item() / tokens,
-            "eval_token_accuracy": totals[CORRECT].item() / tokens,
-            "eval_exact_match": totals[EXACT].item() / max(totals[SAMPLES].item(), 1.0),
+            **{f"eval_{name}": value for name, value in metrics.items()},
             "eval_bleu": bleu,
             "eval_samples": int(totals[SAMPLES].item()),
         }
@@ -470,7 +463,7 @@ class Trainer:
     def reconstructions(self, count: int) -> list[tuple[str, str]]:
         """A few held-out samples as the model saw them (a cut one marked) and their reconstructions:
         those of this step's evaluation if there was one, else computed now (collective: all ranks)."""
-        from parallel_latent.api import eval_mode
+        from parallel_latent.model import eval_mode
         from parallel_latent.quality import reconstruction_records, truncation_note
 
         if getattr(self, "eval_examples_step", None) == self.step:

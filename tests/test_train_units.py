@@ -74,7 +74,7 @@ def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ran
     (which synchronises the device at the end of every backward) only when there is a reduction."""
     import parallel_latent.engine as engine
 
-    monkeypatch.setattr(engine, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(engine, "resolve_device", lambda cfg, *args, **kwargs: "cuda")
     bf16 = {"precision": "bf16", "micro_batch_size": 2}
     ds = deepspeed_config(cfg_with(training=bf16), world_size=data_parallel)
     assert ds["communication_data_type"] == "fp32"

@@ -172,3 +172,50 @@ def collectives_of(forward) -> tuple[list, list]:
         return forward_log, list(log)
     finally:
         restore()
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    """This rank's slice of the last dimension; backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Every rank's slice of the last dimension, concatenated; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def scatter_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Test harness: hand a layer with a split input (row-parallel) a tensor every rank holds whole."""
+    return x if group is None or dist.get_world_size(group) == 1 else _ScatterLastDim.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """Test harness: the whole output of a layer whose output stays split (column-parallel)."""
+    return x if group is None or dist.get_world_size(group) == 1 else _GatherLastDim.apply(x, group)

@@ -1,6 +1,6 @@
 """The Perceiver text autoencoder over frozen GPT-2 features (DESIGN.md section 2)."""
 
-from .autoencoder import AutoencoderOutput, LatentAutoencoder, build_model
+from .autoencoder import AutoencoderOutput, LatentAutoencoder, build_model, eval_mode
 from .features import FeatureModel, load_gpt2, truncate_to_hidden_state
 from .perceiver import LatentDecoder, PerceiverBlock, PerceiverEncoder
 
@@ -12,6 +12,7 @@ __all__ = [
     "PerceiverBlock",
     "PerceiverEncoder",
     "build_model",
+    "eval_mode",
     "load_gpt2",
     "truncate_to_hidden_state",
 ]

@@ -6,6 +6,7 @@ model is the TP=1 model (same init, same dropout masks), up to float summation o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,17 @@ class LatentAutoencoder(nn.Module):
             latents=self._whole(latents) if return_latents else None,
             predictions=predictions,
         )
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Eval mode (no dropout) inside the block; the caller's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:

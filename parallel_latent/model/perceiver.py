@@ -80,7 +80,6 @@ class PerceiverBlock(nn.Module):
         super().__init__()
         d = cfg.d_model
         init, output_init = normal_init(cfg.init_std), scaled_init(cfg.init_std, num_layers)
-        comm = {"sequence_parallel": options.sequence_parallel, "overlap_comm": options.overlap_comm}
         self.ln_query = nn.LayerNorm(d)
         self.ln_context = nn.LayerNorm(d)
         self.attn = ParallelAttention(
@@ -91,7 +90,7 @@ class PerceiverBlock(nn.Module):
             tp_group=tp_group,
             init_method=init,
             output_init_method=output_init,
-            **comm,
+            options=options,
         )
         self.ln_mlp = nn.LayerNorm(d)
         self.mlp = ParallelMLP(
@@ -102,7 +101,7 @@ class PerceiverBlock(nn.Module):
             tp_group=tp_group,
             init_method=init,
             output_init_method=output_init,
-            **comm,
+            options=options,
         )
         if options.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.ln_query, self.ln_context, self.ln_mlp)
@@ -260,7 +259,7 @@ class LatentDecoder(nn.Module):
         self.head = build_head(cfg, token_embedding, tp_group)
         # Under sequence parallelism the head's entry all-gathers the positions (and its backward
         # reduce-scatters), like every column-parallel entry.
-        self.head.sequence_parallel, self.head.overlap_comm = options.sequence_parallel, options.overlap_comm
+        self.head.options = options
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
             if isinstance(self.head, TiedVocabParallelHead):

@@ -3,15 +3,20 @@ coordinate-keyed dropout and the vocabulary-parallel loss. Nothing here knows th
 
 from .attention import ParallelAttention
 from .cross_entropy import LossKernels, vocab_parallel_argmax, vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelHead, normal_init, scaled_init
+from .layers import (
+    ColumnParallelLinear,
+    ColumnParallelWeights,
+    RowParallelLinear,
+    VocabParallelHead,
+    normal_init,
+    scaled_init,
+)
 from .mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
-    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
-    scatter_to_tp_region,
     split_along_sequence,
     split_batch_and_gather,
 )
@@ -44,6 +49,7 @@ from .utils import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "ColumnParallelWeights",
     "CompiledWithFallback",
     "DropoutRNG",
     "LossKernels",
@@ -58,7 +64,6 @@ __all__ = [
     "copy_to_tp_region",
     "destroy_distributed",
     "gather_from_sequence_parallel_region",
-    "gather_from_tp_region",
     "get_dp_group",
     "get_dp_rank",
     "get_dp_size",
@@ -79,7 +84,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scaled_init",
     "scatter_to_sequence_parallel_region",
-    "scatter_to_tp_region",
     "split_along_sequence",
     "split_batch_and_gather",
     "vocab_parallel_argmax",

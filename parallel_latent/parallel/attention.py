@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from .layers import ColumnParallelWeights, InitMethod, RowParallelLinear
 from .projection import Projection, column_parallel_projections
 from .random import DropoutRNG, ParallelDropout
-from .utils import divide, group_size
+from .utils import SINGLE_PROCESS, TensorParallelOptions, divide, group_size
 
 
 class ParallelAttention(nn.Module):
@@ -36,37 +36,33 @@ class ParallelAttention(nn.Module):
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
         bias: bool = True,
-        sequence_parallel: bool = False,
-        overlap_comm: bool = True,
+        options: TensorParallelOptions = SINGLE_PROCESS,
     ):
         super().__init__()
         if hidden_size % num_heads != 0:
             raise ValueError(f"hidden size {hidden_size} is not divisible by the {num_heads} heads")
-        tp = group_size(tp_group)
-        self.heads_per_rank = divide(num_heads, tp, "attention heads")
+        self.heads_per_rank = divide(num_heads, group_size(tp_group), "attention heads")
         self.head_dim = hidden_size // num_heads
-        self.tp_group = tp_group
-        self.sequence_parallel = sequence_parallel and tp > 1
-        self.overlap_comm = overlap_comm
-        column = dict(bias=bias, input_is_copied=True, tp_group=tp_group, init_method=init_method)
-        self.query = ColumnParallelLinear(hidden_size, hidden_size, **column)
+        self.tp_group, self.options = tp_group, options
+        # The q, k and v weights; this module applies them itself, at one region entry.
+        column = dict(bias=bias, tp_group=tp_group, init_method=init_method)
+        self.query = ColumnParallelWeights(hidden_size, hidden_size, **column)
         # No key bias: q.(k + b) shifts every score of a query by the same amount, which softmax
         # ignores, so its true gradient is zero and Adam would only amplify rounding noise.
-        self.key = ColumnParallelLinear(hidden_size, hidden_size, **{**column, "bias": False})
-        self.value = ColumnParallelLinear(hidden_size, hidden_size, **column)
+        self.key = ColumnParallelWeights(hidden_size, hidden_size, **{**column, "bias": False})
+        self.value = ColumnParallelWeights(hidden_size, hidden_size, **column)
         self.dense = RowParallelLinear(
             hidden_size,
             hidden_size,
             bias=bias,
-            input_is_parallel=True,
+            options=options,
             tp_group=tp_group,
             init_method=output_init_method or init_method,
-            sequence_parallel=self.sequence_parallel,
         )
         # Attention-probability dropout is not offered: SDPA's internal RNG is not TP-invariant.
         # Under sequence parallelism the output holds this rank's positions (dim 1).
         self.output_dropout = ParallelDropout(
-            dropout, rng, partition_dim=1 if self.sequence_parallel else None, tp_group=tp_group
+            dropout, rng, partition_dim=1 if options.sequence_parallel else None, tp_group=tp_group
         )
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -75,13 +71,14 @@ class ParallelAttention(nn.Module):
 
     def _project(self, x, context, context_mask, attend_to_self):
         """q [B, T, d/tp] of the (whole) stream, k and v of the keys, and the keys' mask."""
+        sequence_parallel = self.options.sequence_parallel
         tp = group_size(self.tp_group)
         device, batch = x.device, x.shape[0]
         prefix = None
         if context is None:
             region_input, q_index, kv_index = x, None, None
             key_mask = None
-        elif not context.requires_grad and not self.sequence_parallel:
+        elif not context.requires_grad and not sequence_parallel:
             # A frozen context needs no gradient: it is concatenated inside the region, whole on
             # every rank, and only the stream's gradient is reduced.
             prefix, region_input = context, x
@@ -94,7 +91,7 @@ class ParallelAttention(nn.Module):
             # under sequence parallelism, which the all-gather lays out rank after rank).
             region_input = torch.cat([context, x], dim=1)
             n_context, n_stream = context.shape[1], x.shape[1]
-            chunk, ranks = n_context + n_stream, tp if self.sequence_parallel else 1
+            chunk, ranks = n_context + n_stream, tp if sequence_parallel else 1
             starts = torch.arange(ranks, device=device)[:, None] * chunk
             q_index = (starts + n_context + torch.arange(n_stream, device=device)).reshape(-1)
             kv_index = None if attend_to_self else (starts + torch.arange(n_context, device=device)).reshape(-1)
@@ -112,8 +109,8 @@ class ParallelAttention(nn.Module):
                 Projection(self.value.weight, self.value.bias, kv_index),
             ],
             self.tp_group,
-            sequence_parallel=self.sequence_parallel,
-            overlap=self.overlap_comm,
+            sequence_parallel=sequence_parallel,
+            overlap=self.options.overlap_comm,
             prefix=prefix,
         )
         return q, k, v, key_mask

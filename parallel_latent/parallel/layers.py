@@ -19,13 +19,13 @@ from torch import nn
 from .mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
-    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tp_region,
 )
 from .projection import Projection, column_parallel_projections
 from .utils import (
+    SINGLE_PROCESS,
+    TensorParallelOptions,
     divide,
     group_rank,
     group_size,
@@ -64,16 +64,11 @@ def _init_partitioned_weight(
         weight.copy_(shard)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``Y = X A + b`` with ``A`` split by columns (output features) over the TP group.
-
-    The output stays split unless ``gather_output``; the input gradient is all-reduced at the
-    region's entry (:mod:`.projection`: started asynchronously and overlapped with the weight
-    gradient unless ``overlap_comm`` is off). With ``sequence_parallel`` the input holds this
-    rank's positions: it is all-gathered along the sequence and the gradient reduce-scattered.
-    ``input_is_copied`` lets a caller that feeds several column-parallel layers from one tensor
-    enter the region itself (one backward collective instead of several).
-    """
+class ColumnParallelWeights(nn.Module):
+    """A weight ``[out, in]`` (and bias) split by output features over the TP group, initialised by
+    the master-weight split: what a column-parallel projection holds. :class:`ColumnParallelLinear`
+    applies it to its input; attention applies its q, k and v weights together, at one region
+    entry."""
 
     def __init__(
         self,
@@ -81,11 +76,6 @@ class ColumnParallelLinear(nn.Module):
         out_features: int,
         *,
         bias: bool = True,
-        gather_output: bool = False,
-        skip_bias_add: bool = False,
-        input_is_copied: bool = False,
-        sequence_parallel: bool = False,
-        overlap_comm: bool = True,
         tp_group=None,
         init_method: InitMethod | None = None,
         dtype=None,
@@ -93,10 +83,7 @@ class ColumnParallelLinear(nn.Module):
         _valid_out_features: int | None = None,
     ):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.skip_bias_add, self.input_is_copied = gather_output, skip_bias_add, input_is_copied
-        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
-        self.tp_group = tp_group
+        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
         self.out_per_rank = divide(out_features, group_size(tp_group), "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype, device=device))
         set_tensor_parallel_attributes(self.weight, True, 0)
@@ -109,34 +96,41 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor):
-        bias = None if self.skip_bias_add else self.bias
-        if self.input_is_copied:
-            y = F.linear(x, self.weight, bias)
-        else:
-            (y,) = column_parallel_projections(
-                x,
-                [Projection(self.weight, bias)],
-                self.tp_group,
-                sequence_parallel=self.sequence_parallel,
-                overlap=self.overlap_comm,
-            )
-        if self.gather_output:
-            y = gather_from_tp_region(y, self.tp_group)
-        return (y, self.bias) if self.skip_bias_add else y
-
     def extra_repr(self) -> str:
         return (
-            f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}"
+            f"in={self.in_features}, out={self.out_features} ({self.out_per_rank}/rank), bias={self.bias is not None}"
         )
 
 
-class RowParallelLinear(nn.Module):
-    """``Y = X A + b`` with ``A`` split by rows (input features); one all-reduce in forward.
+class ColumnParallelLinear(ColumnParallelWeights):
+    """``Y = X A + b`` with ``A`` split by columns (output features) over the TP group; the output
+    stays split. The input gradient is all-reduced at the region's entry (:mod:`.projection`:
+    started asynchronously and overlapped with the weight gradient unless ``options.overlap_comm``
+    is off). Under ``options.sequence_parallel`` the input holds this rank's positions: it is
+    all-gathered along the sequence and its gradient reduce-scattered."""
 
-    The bias is replicated and added once, after the reduce, so it is not summed TP times.
-    """
+    def __init__(
+        self, in_features: int, out_features: int, *, options: TensorParallelOptions = SINGLE_PROCESS, **weights
+    ):
+        super().__init__(in_features, out_features, **weights)
+        self.options = options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = column_parallel_projections(
+            x,
+            [Projection(self.weight, self.bias)],
+            self.tp_group,
+            sequence_parallel=self.options.sequence_parallel,
+            overlap=self.options.overlap_comm,
+        )
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows (input features), the input already split; one
+    all-reduce in forward (a reduce-scatter along the sequence under ``options.sequence_parallel``:
+    each rank keeps its positions). The bias is replicated and added once, after the reduce, so it
+    is not summed TP times."""
 
     def __init__(
         self,
@@ -144,9 +138,7 @@ class RowParallelLinear(nn.Module):
         out_features: int,
         *,
         bias: bool = True,
-        input_is_parallel: bool = True,
-        skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
+        options: TensorParallelOptions = SINGLE_PROCESS,
         tp_group=None,
         init_method: InitMethod | None = None,
         dtype=None,
@@ -154,11 +146,7 @@ class RowParallelLinear(nn.Module):
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
-        # The sum of the ranks' partial products is reduce-scattered along the sequence: each rank
-        # keeps its positions (sequence parallelism), instead of all-reduced.
-        self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
+        self.options, self.tp_group = options, tp_group
         self.in_per_rank = divide(in_features, group_size(tp_group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype, device=device))
         set_tensor_parallel_attributes(self.weight, True, 1)
@@ -166,21 +154,17 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
             set_tensor_parallel_attributes(self.bias, False, None)
-            if sequence_parallel:
+            if options.sequence_parallel:
                 mark_sequence_parallel(self.bias, tp_group)  # added on this rank's positions only
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor):
-        if not self.input_is_parallel:
-            x = scatter_to_tp_region(x, self.tp_group)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
+        if self.options.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
             y = reduce_from_tp_region(partial, self.tp_group)
-        if self.skip_bias_add:
-            return y, self.bias
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -211,7 +195,6 @@ class VocabParallelHead(ColumnParallelLinear):
             hidden_size,
             self.padded_vocab_size,
             bias=bias,
-            gather_output=False,
             tp_group=tp_group,
             init_method=init_method,
             dtype=dtype,
@@ -334,10 +317,10 @@ class TiedVocabParallelHead(nn.Module):
         return start, min(start + self.out_per_rank, self.vocab_size)
 
     # Under sequence parallelism x holds this rank's positions: the entry gathers them.
-    sequence_parallel = False
+    options = SINGLE_PROCESS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        entry = gather_from_sequence_parallel_region if self.sequence_parallel else copy_to_tp_region
+        entry = gather_from_sequence_parallel_region if self.options.sequence_parallel else copy_to_tp_region
         x = entry(x * self.log_scale.exp(), self.tp_group)
         start, stop = self.vocab_rows
         return _TiedVocabLogits.apply(x, self.table, start, stop, self.out_per_rank, self.tp_group)

@@ -19,21 +19,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size, rank = group_size(group), group_rank(group)
-    if x.shape[-1] % size != 0:
-        raise ValueError(f"last dim {x.shape[-1]} is not divisible by tensor_parallel={size}")
-    return x.chunk(size, dim=-1)[rank].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    size = group_size(group)
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
-
-
 # Sequence parallelism: between the TP regions every rank holds a contiguous 1/t of the positions
 # (dim 1 of [B, T, d]); rank r holds positions [r * T/t, (r + 1) * T/t).
 
@@ -166,42 +151,12 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
-
-
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else _CopyToTensorParallelRegion.apply(x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ScatterToTensorParallelRegion.apply(x, group)
-
-
-def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherFromTensorParallelRegion.apply(x, group)
 
 
 @torch.no_grad()

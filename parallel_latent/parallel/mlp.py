@@ -1,8 +1,9 @@
 """The Megatron MLP of note 003: column-parallel h->4h, GELU and dropout on the slice,
 row-parallel 4h->h, dropout on the replicated output. The pre-LayerNorm belongs to the caller.
 
-Under sequence parallelism the input and the output hold this rank's positions: the entry
-all-gathers them, the exit reduce-scatters (the same bytes as the two all-reduces it replaces)."""
+Under sequence parallelism (``options``, resolved for the group by the caller) the input and the
+output hold this rank's positions: the entry all-gathers them, the exit reduce-scatters (the same
+bytes as the two all-reduces it replaces)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from .random import DropoutRNG, ParallelDropout
-from .utils import group_size
+from .utils import SINGLE_PROCESS, TensorParallelOptions
 
 
 class ParallelMLP(nn.Module):
@@ -26,30 +27,22 @@ class ParallelMLP(nn.Module):
         tp_group=None,
         init_method: InitMethod | None = None,
         output_init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        overlap_comm: bool = True,
+        options: TensorParallelOptions = SINGLE_PROCESS,
     ):
         super().__init__()
-        sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         self.dense_h_to_4h = ColumnParallelLinear(
-            hidden_size,
-            ffn_hidden_size,
-            tp_group=tp_group,
-            init_method=init_method,
-            sequence_parallel=sequence_parallel,
-            overlap_comm=overlap_comm,
+            hidden_size, ffn_hidden_size, options=options, tp_group=tp_group, init_method=init_method
         )
         self.hidden_dropout = ParallelDropout(dropout, rng, partition_dim=-1, tp_group=tp_group)
         self.dense_4h_to_h = RowParallelLinear(
             ffn_hidden_size,
             hidden_size,
-            input_is_parallel=True,
+            options=options,
             tp_group=tp_group,
             init_method=output_init_method or init_method,
-            sequence_parallel=sequence_parallel,
         )
         self.output_dropout = ParallelDropout(
-            dropout, rng, partition_dim=1 if sequence_parallel else None, tp_group=tp_group
+            dropout, rng, partition_dim=1 if options.sequence_parallel else None, tp_group=tp_group
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

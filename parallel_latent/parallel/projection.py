@@ -61,19 +61,25 @@ def column_parallel_projections(
     return list(_ColumnParallelProjections.apply(x, prefix, group, sequence_parallel, overlap, tuple(layout), *tensors))
 
 
+def _unpack(layout, tensors) -> list[tuple]:
+    """(weight, bias, index) per projection from the flat tensor list autograd.Function needs."""
+    projections, position = [], 0
+    for has_bias, has_index in layout:
+        weight = tensors[position]
+        bias = tensors[position + 1] if has_bias else None
+        index = tensors[position + 1 + has_bias] if has_index else None
+        position += 1 + has_bias + has_index
+        projections.append((weight, bias, index))
+    return projections
+
+
 class _ColumnParallelProjections(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, prefix, group, sequence_parallel, overlap, layout, *tensors):
         full = gather_along_sequence(x, group) if sequence_parallel else x
         if prefix is not None:
             full = torch.cat([prefix, full], dim=1)
-        projections, position = [], 0
-        for has_bias, has_index in layout:
-            weight = tensors[position]
-            bias = tensors[position + 1] if has_bias else None
-            index = tensors[position + 1 + has_bias] if has_index else None
-            position += 1 + has_bias + has_index
-            projections.append((weight, bias, index))
+        projections = _unpack(layout, tensors)
         outputs = [F.linear(full if i is None else full.index_select(1, i), w, b) for w, b, i in projections]
         ctx.group, ctx.sequence_parallel, ctx.overlap, ctx.layout = group, sequence_parallel, overlap, layout
         ctx.prefix_length = 0 if prefix is None else prefix.shape[1]
@@ -83,13 +89,7 @@ class _ColumnParallelProjections(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         full, *tensors = ctx.saved_tensors
-        projections, position = [], 0
-        for has_bias, has_index in ctx.layout:
-            weight = tensors[position]
-            bias = tensors[position + 1] if has_bias else None
-            index = tensors[position + 1 + has_bias] if has_index else None
-            position += 1 + has_bias + has_index
-            projections.append((weight, bias, index))
+        projections = _unpack(ctx.layout, tensors)
 
         # 1. The input's gradient, then its collective, in flight while 2. runs.
         grad_full = work = None

@@ -78,8 +78,12 @@ class TensorParallelOptions:
     overlap_comm: bool = True  # the column-parallel backward overlaps its input-gradient collective
 
     def active(self, group) -> TensorParallelOptions:
-        """These options as they apply to ``group``: nothing to split at TP=1."""
+        """These options as they apply to ``group`` (nothing to split at TP=1): resolved once, by
+        whoever builds the model, and passed whole to every layer."""
         return TensorParallelOptions(self.sequence_parallel and group_size(group) > 1, self.overlap_comm)
+
+
+SINGLE_PROCESS = TensorParallelOptions()
 
 
 class CompiledWithFallback:

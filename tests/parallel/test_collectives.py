@@ -12,6 +12,7 @@ from parallel_latent.parallel import (
     DropoutRNG,
     ParallelAttention,
     ParallelMLP,
+    TensorParallelOptions,
     VocabParallelHead,
     initialize_model_parallel,
     vocab_parallel_cross_entropy,
@@ -26,7 +27,7 @@ class Block(nn.Module):
         super().__init__()
         rng = DropoutRNG(seed=1)
         self.ln_attn, self.ln_context, self.ln_mlp = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
-        sp = {"sequence_parallel": sequence_parallel}
+        sp = {"options": TensorParallelOptions(sequence_parallel=sequence_parallel).active(tp_group)}
         self.attention = ParallelAttention(D, HEADS, dropout=0.1, rng=rng, tp_group=tp_group, **sp)
         self.mlp = ParallelMLP(D, 4 * D, dropout=0.1, rng=rng, tp_group=tp_group, **sp)
 

@@ -13,19 +13,23 @@ from parallel_latent.parallel import (
     ParallelAttention,
     ParallelMLP,
     RowParallelLinear,
+    TensorParallelOptions,
     VocabParallelHead,
     initialize_model_parallel,
     vocab_parallel_cross_entropy,
 )
-from parallel_latent.parallel.mappings import (
-    gather_along_sequence,
-    gather_from_tp_region,
-    reduce_from_tp_region,
-    scatter_to_tp_region,
-    split_along_sequence,
-)
+from parallel_latent.parallel.mappings import gather_along_sequence, reduce_from_tp_region, split_along_sequence
 from parallel_latent.parallel.utils import group_rank, group_size
-from tests.tp_compare import gather_full, max_abs, max_param_diff, order_bound, terms_scale, weights_after_adam
+from tests.tp_compare import (
+    gather_full,
+    gather_last_dim,
+    max_abs,
+    max_param_diff,
+    order_bound,
+    scatter_last_dim,
+    terms_scale,
+    weights_after_adam,
+)
 
 B, T, S, D, HEADS, VOCAB = 3, 8, 4, 32, 4, 300  # T and S divisible by TP (sequence parallelism)
 STEPS, LR, ADAM_EPS = 5, 1e-2, 1e-8
@@ -51,25 +55,39 @@ def reduction_length(kind: str, tp: int) -> int:
     }[kind]
 
 
+class ScatterThenRow(RowParallelLinear):
+    """A row-parallel layer fed a whole input: the harness hands it this rank's slice."""
+
+    def forward(self, x):
+        return super().forward(scatter_last_dim(x, self.tp_group))
+
+
 class RowParallelBiasPerRank(RowParallelLinear):
     """BROKEN on purpose: adds its bias before the all-reduce, so TP ranks add it TP times."""
 
     def forward(self, x):
-        x = scatter_to_tp_region(x, self.tp_group)
+        x = scatter_last_dim(x, self.tp_group)
         return reduce_from_tp_region(F.linear(x, self.weight, self.bias), self.tp_group)
+
+
+class ColumnThenGather(ColumnParallelLinear):
+    """A column-parallel layer whose split output the harness gathers, to compare it whole."""
+
+    def forward(self, x):
+        return gather_last_dim(super().forward(x), self.tp_group)
 
 
 class ColumnParallelNoBackwardReduce(ColumnParallelLinear):
     """BROKEN on purpose: skips the input-gradient all-reduce at the region's entry."""
 
     def forward(self, x):
-        return gather_from_tp_region(F.linear(x, self.weight, self.bias), self.tp_group)
+        return gather_last_dim(F.linear(x, self.weight, self.bias), self.tp_group)
 
 
 def _build(kind: str, tp_group, dropout: float, broken: str | None = None):
     torch.manual_seed(1234)
     rng = DropoutRNG(seed=99)
-    sp = {"sequence_parallel": kind.endswith("_sp")}
+    sp = {"options": TensorParallelOptions(sequence_parallel=kind.endswith("_sp")).active(tp_group)}
     if kind.startswith("mlp"):
         module = ParallelMLP(D, 4 * D, dropout=dropout, rng=rng, tp_group=tp_group, **sp)
     elif kind.startswith("attention"):
@@ -77,13 +95,13 @@ def _build(kind: str, tp_group, dropout: float, broken: str | None = None):
     elif kind == "head":
         module = VocabParallelHead(D, VOCAB, tp_group=tp_group)
     elif kind == "column_gather":
-        module = ColumnParallelLinear(D, 2 * D, gather_output=True, tp_group=tp_group)
+        module = ColumnThenGather(D, 2 * D, tp_group=tp_group)
     elif kind == "row_scatter":
-        cls = RowParallelBiasPerRank if broken == "bias_per_rank" else RowParallelLinear
-        module = cls(D, 2 * D, input_is_parallel=False, tp_group=tp_group)
+        cls = RowParallelBiasPerRank if broken == "bias_per_rank" else ScatterThenRow
+        module = cls(D, 2 * D, tp_group=tp_group)
     elif kind == "column_no_reduce":
-        cls = ColumnParallelNoBackwardReduce if broken == "no_backward_reduce" else ColumnParallelLinear
-        module = cls(D, 2 * D, gather_output=True, tp_group=tp_group)
+        cls = ColumnParallelNoBackwardReduce if broken == "no_backward_reduce" else ColumnThenGather
+        module = cls(D, 2 * D, tp_group=tp_group)
     else:
         raise ValueError(kind)
     # Non-zero biases (the same full vector at every TP degree, sliced like the weights), so a bias
