@@ -69,6 +69,26 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, zero_stage):
     assert not (run_dir / "checkpoints" / "step_00000008").exists()  # none written mid-streak
 
 
+def test_a_nonfinite_bf16_step_stops_the_run_before_its_weights_are_published(tmp_path):
+    """bf16 runs without DeepSpeed's per-tensor overflow scan (it costs a kernel per gradient and a
+    device read every step), so a NaN step is applied; the trainer catches it at the next log line
+    or checkpoint, whichever comes first, exits 3 with one line, and `latest` stays before it."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "tests.trainer_faults", "5-99", "--",
+        *train_args(run_dir, "parallel.tensor_parallel=1", "training.precision=bf16", "training.max_steps=20",
+                    "training.log_every=3", "checkpoint.save_every=2", "model.dropout=0.0"),
+    ]  # fmt: skip
+    result = run(command, timeout=240)
+    assert result.returncode == 3, describe(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("parallel-latent: error:")]
+    assert len(errors) == 1 and "stopped at step 6: a non-finite loss in the last" in errors[0], errors
+    assert "under bf16" in errors[0] and "step_00000004" in errors[0]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert not (run_dir / "checkpoints" / "step_00000006").exists()
+    assert [r["step"] for r in train_records(run_dir)] == [3]  # step 6's line was not written
+
+
 def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
     """SIGTERM to `parallel-latent train --nproc 2` (what SLURM sends before preemption): the
     ranks agree on a step, write a checkpoint there and everything exits 0; resuming goes on
