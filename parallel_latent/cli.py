@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel_latent import inference
+from parallel_latent import inference, pretrained
 from parallel_latent.checkpoint import cli as checkpoint_cli
 from parallel_latent.data import cli as data_cli
 from parallel_latent.errors import (
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_cli.add_subcommands(sub)
     inference.add_subcommands(sub)
+    pretrained.add_subcommands(sub)
     data_cli.add_subcommands(sub)
     return parser
 
