@@ -14,9 +14,11 @@ directory (``RUN/logs/<time>/``):
   of torchrun's ``ChildFailedError`` report. torchrun's own messages go to ``agent.log``;
 - afterwards empty files go; after bad input the whole launch's directory goes (the line says it all).
 
-Under another launcher (torchrun, deepspeed, srun) the launcher's behaviour stays: every failing rank
-prints its reason as its last line (after its traceback for an unexpected failure) and writes the
-error file torchrun's report shows; ranks other than 0 keep the package's own notices to themselves.
+Under another launcher (torchrun, deepspeed, srun) the launcher's behaviour stays, and every failing
+rank writes the error file whose reason torchrun's report shows as the root cause. An unexpected
+failure is printed by each rank it hits, its traceback then ``rank R: <reason>`` as its last line;
+bad input and non-finite steps, which every rank meets alike, are printed once, by rank 0. Ranks
+other than 0 keep the package's own notices to themselves.
 
 Deprecation warnings that third-party code raises inside calls the user cannot change are filtered
 by message (:data:`UNACTIONABLE_WARNINGS`); nothing else is.
@@ -155,11 +157,12 @@ def report_failure(error: BaseException, exit_code: int) -> int:
             with open(_rank_log(log_dir, rank), "a", encoding="utf-8") as log:
                 log.write(details)
         return exit_code
-    if exit_code == EXIT_FAILURE:
-        sys.stderr.write(details)  # what Python would have printed, then the one line
-    # Under another launcher every failing rank speaks (none stays silent); the others say who they are.
-    named = world > 1 and (rank != 0 or exit_code == EXIT_FAILURE)
-    print(error_line(f"rank {rank}: {reason}" if named else reason), file=sys.stderr, flush=True)
+    if exit_code != EXIT_FAILURE:  # met by every rank alike: rank 0 says it (the error file has it too)
+        if rank == 0:
+            print(error_line(reason), file=sys.stderr, flush=True)
+        return exit_code
+    sys.stderr.write(details)  # what Python would have printed, then the one line, naming the rank
+    print(error_line(f"rank {rank}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
     return exit_code
 
 
