@@ -2,6 +2,10 @@
 
 import sys
 
-from parallel_latent.cli import main
+from parallel_latent.console import redirect_worker_output
+
+redirect_worker_output()  # a rank of `train --nproc` other than 0 writes to its log file, from the start
+
+from parallel_latent.cli import main  # noqa: E402
 
 sys.exit(main())

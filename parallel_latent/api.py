@@ -6,6 +6,7 @@
     latents = autoencoder.encode(["It is a truth universally acknowledged."])
     latents.latents.shape                  # [N, T, d]; latents.attention_mask [N, T] marks real tokens
     autoencoder.decode(latents)            # ["It is a truth universally acknowledged."]
+    autoencoder.save_pretrained("tiny")    # a Hugging Face model directory; from_pretrained("tiny" or "org/name")
 
 This module sits above both the model and the checkpoint packages (the model does not know how it
 is stored). In one process it needs no process group. At TP=N every rank of a tensor-parallel group
@@ -47,6 +48,8 @@ class Latents:
 def load_checkpoint_tokenizer(directory: Path, manifest: dict):
     """The tokenizer a portable checkpoint was trained with, checked against its recorded facts."""
     section = ((manifest.get("config") or {}).get("tokenizer")) or {}
+    if (directory / "tokenizer_config.json").is_file():  # saved with the weights (save_pretrained)
+        section = {"name_or_path": str(directory)}
     tokenizer = load_tokenizer(build_dataclass(TokenizerConfig, section, str(directory), "tokenizer"))
     saved, facts = manifest.get("tokenizer") or {}, tokenizer_facts(tokenizer)
     for key in ("vocab_size", "mask_token_id", "pad_token_id"):
@@ -62,9 +65,10 @@ class TextAutoencoder:
     """A :class:`LatentAutoencoder` and its tokenizer. Every method runs the model in eval mode and
     leaves its mode as it found it (a trainer can call them between steps)."""
 
-    def __init__(self, model: LatentAutoencoder, tokenizer):
+    def __init__(self, model: LatentAutoencoder, tokenizer, source: Path | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.source = source  # the directory it was loaded from: save_pretrained's model card reads its record
 
     @classmethod
     def from_checkpoint(
@@ -78,7 +82,33 @@ class TextAutoencoder:
         model = load_autoencoder(directory, tp_group)
         if device is not None:
             model = model.to(device)
-        return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest))
+        return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), source=directory)
+
+    @classmethod
+    def from_pretrained(
+        cls, path_or_repo_id: str | Path, tp_group=None, device: str | torch.device | None = None, **hub_options
+    ) -> TextAutoencoder:
+        """Load a :meth:`save_pretrained` directory, or a Hugging Face hub repository by id (downloaded
+        once per node; ``hub_options``: ``revision``, ``cache_dir``, ``token``), at any TP degree as
+        :meth:`from_checkpoint`. Under a process group every rank calls it."""
+        from parallel_latent.pretrained import pretrained_directory
+
+        return cls.from_checkpoint(pretrained_directory(path_or_repo_id, **hub_options), tp_group, device)
+
+    def save_pretrained(self, directory: str | Path, **options) -> Path:
+        """Write a hub-layout directory (config.json, model.safetensors at TP=1, the tokenizer's
+        files, a model card with the held-out evaluation); see :mod:`parallel_latent.pretrained`.
+        Under a process group every rank calls it."""
+        from parallel_latent.pretrained import save_pretrained
+
+        return save_pretrained(self, directory, **options)
+
+    def push_to_hub(self, repo_id: str, **options) -> str:
+        """:meth:`save_pretrained` into a temporary directory and upload it to the hub repository
+        ``repo_id`` (``options``: ``private``, ``token``, ``revision``, ``message``); the commit URL."""
+        from parallel_latent.pretrained import push_to_hub
+
+        return push_to_hub(self, repo_id, **options)
 
     @property
     def device(self) -> torch.device:

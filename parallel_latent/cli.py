@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel_latent import inference
+from parallel_latent import inference, pretrained
 from parallel_latent.checkpoint import cli as checkpoint_cli
 from parallel_latent.data import cli as data_cli
 from parallel_latent.errors import (
@@ -46,10 +46,6 @@ PROG = "parallel-latent"
 
 def _error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-
-
-def _is_rank_zero() -> bool:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def _under_launcher() -> bool:
@@ -86,10 +82,11 @@ def _load_train_config(args: argparse.Namespace):
 
 
 def _torchrun_command(nproc: int, argv: list[str]) -> list[str]:
+    """torchrun through the agent of :mod:`parallel_latent.console` (one line per failure)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "parallel_latent.console",
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
@@ -123,15 +120,24 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return its exit status.
+def _launch_local(nproc: int, argv: list[str], run_dir: Path) -> int:
+    """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return the exit status of
+    the first rank that failed (0 if none did).
 
     torchrun runs in its own session so a terminal's Ctrl-C reaches only this process, which
     forwards SIGTERM to the ranks themselves (not to the torchrun agent): they finish the step,
     write a checkpoint and exit 0, and torchrun then exits 0 as well.  (Signalling the agent
     instead makes it tear the ranks down and exit non-zero.)  A second Ctrl-C kills the ranks.
+
+    Rank 0 keeps the terminal; the other ranks, torchrun's messages and any traceback go to
+    ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
+    one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
     """
+    from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
+
+    log_dir, run_dir_existed = open_worker_logs(run_dir)
     env = dict(os.environ)
+    env[WORKER_LOGS_ENV] = str(log_dir.resolve())
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     process = subprocess.Popen(
@@ -152,17 +158,22 @@ def _launch_local(nproc: int, argv: list[str]) -> int:
                 os.kill(pid, signal.SIGTERM if signals_seen == 1 else signal.SIGKILL)
         if not ranks:  # not Linux, or the ranks have not started yet: the agent handles it
             process.send_signal(signal.SIGTERM)
+        elif signals_seen > 1:  # the user asked for it: no report of ranks "killed by SIGKILL"
+            process.kill()
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             try:
-                return process.wait()
+                status = process.wait()
+                break
             except InterruptedError:
                 continue
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    close_worker_logs(log_dir, run_dir_existed, status, EXIT_BAD_INPUT)
+    return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -186,7 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
             _check_local_devices(cfg, args.nproc)
-            return _launch_local(args.nproc, _rank_argv(args))
+            return _launch_local(args.nproc, _rank_argv(args), Path(cfg.logging.run_dir))
         tp = cfg.parallel.tensor_parallel
         if tp > 1:  # one process from a shell: say how to get the processes the config needs
             raise UsageError(
@@ -195,20 +206,22 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
 
     _prefer_cpu_accelerator()
+    from parallel_latent.console import quiet_repeated_notices, report_failure
     from parallel_latent.train import NonFiniteTrainingError, train
 
+    quiet_repeated_notices()
     try:
         train(cfg, deepspeed_overrides, source=args.config)
     except NonFiniteTrainingError as error:
-        if _is_rank_zero():
-            _error(str(error))
-        return EXIT_NONFINITE
+        return report_failure(error, EXIT_NONFINITE)
     except (ValueError, *PATH_ERRORS) as error:
         # Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
-        # kind) hit every rank alike: one line, from rank 0.
-        if _is_rank_zero() or not _under_launcher():
-            _error(describe_path_error(error) if isinstance(error, OSError) else str(error).splitlines()[0])
-        return EXIT_BAD_INPUT
+        # kind) hit every rank alike.
+        return report_failure(error, EXIT_BAD_INPUT)
+    except Exception as error:
+        if not _under_launcher():
+            raise  # one process: Python's own traceback
+        return report_failure(error, EXIT_FAILURE)
     finally:
         _shutdown_process_groups()
     return EXIT_OK
@@ -306,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_cli.add_subcommands(sub)
     inference.add_subcommands(sub)
+    pretrained.add_subcommands(sub)
     data_cli.add_subcommands(sub)
     return parser
 

@@ -46,6 +46,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "dp_size",
+    "keep_global_batch",
     "load_config",
     "resolved_global_batch_size",
     "save_config",
@@ -570,6 +571,46 @@ def validate_world(
             f"data-parallel size {data_parallel} (world size {world_size} / "
             f"tensor_parallel {tp}) = {actual}"
         )
+
+
+def keep_global_batch(cfg: Config, world_size: int, saved: int, where: str) -> tuple[Config, str | None]:
+    """``cfg`` for resuming a run whose checkpoint ``where`` was trained with a global batch of
+    ``saved`` samples, on ``world_size`` processes: the same global batch (so the run continues as
+    the same sequence of batches, whatever the new data-parallel size), split into this rank's
+    micro-batches and accumulation steps. Returns the config and a line saying what was chosen
+    (None when nothing changed); ConfigError (one line) when the batch cannot be kept."""
+    training, tp = cfg.training, cfg.parallel.tensor_parallel
+    data_parallel = world_size // tp
+    configured = training.micro_batch_size * training.grad_accum_steps * data_parallel
+    if training.global_batch_size:
+        if training.global_batch_size != saved:
+            raise ConfigError(
+                f"training.global_batch_size={training.global_batch_size} but {where} was trained with a global "
+                f"batch of {saved}: the batch sequence cannot continue; leave training.global_batch_size at 0 to keep "
+                f"{saved}, or start a new run (another logging.run_dir, or checkpoint.resume=never)"
+            )
+        return cfg, None
+    if saved == configured:
+        return cfg, None
+    if saved % data_parallel:
+        divisors = [d for d in range(1, saved + 1) if saved % d == 0]
+        raise ConfigError(
+            f"{where} was trained with a global batch of {saved}, which does not split over {data_parallel} "
+            f"data-parallel ranks (world size {world_size} / tensor_parallel {tp}): resume on a data-parallel size "
+            f"that divides {saved} ({', '.join(map(str, divisors))}), or set training.global_batch_size to start "
+            "a new batch sequence"
+        )
+    share = saved // data_parallel
+    micro = max(d for d in range(1, min(training.micro_batch_size, share) + 1) if share % d == 0)
+    accumulation = share // micro
+    kept = dataclasses.replace(training, micro_batch_size=micro, grad_accum_steps=accumulation)
+    note = (
+        f"global batch {saved} kept from the checkpoint: micro-batch {micro} x {accumulation} accumulation x "
+        f"DP {data_parallel}"
+        + (f" (the {share} samples of each data-parallel rank in micro-batches of at most "
+           f"training.micro_batch_size={training.micro_batch_size})" if micro != training.micro_batch_size else "")
+    )  # fmt: skip
+    return dataclasses.replace(cfg, training=kept), note
 
 
 # --------------------------------------------------------------------------- #

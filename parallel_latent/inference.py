@@ -1,8 +1,9 @@
 """The inference subcommands of ``parallel-latent``: reconstruct, encode, decode, evaluate.
 
 Each runs in one process on any checkpoint the trainer or ``parallel-latent export`` wrote (a run
-directory, a checkpoints directory, a training checkpoint or a portable/consolidated directory),
-whatever TP degree it was saved at, through :class:`parallel_latent.api.TextAutoencoder`.
+directory, a checkpoints directory, a training checkpoint or a portable/consolidated directory), on
+a ``save-pretrained`` directory, or on a Hugging Face hub repository id, whatever TP degree it was
+saved at, through :class:`parallel_latent.api.TextAutoencoder`.
 
 Latents travel as a safetensors file holding ``latents`` [N, T, d] (float32) and
 ``attention_mask`` [N, T] (int64): the decoder needs the mask to know where each text ends.
@@ -74,10 +75,31 @@ def read_texts(args: argparse.Namespace) -> list[str]:
     return texts
 
 
+def evaluate_held_out(autoencoder, batch_size: int = 32, max_samples: int = 0) -> dict:
+    """:func:`evaluate_ids` on the held-out split of the run ``autoencoder`` was loaded from (its
+    config travels with the checkpoint): the very token ids the trainer evaluates."""
+    from parallel_latent.checkpoint import PortableCheckpoint
+    from parallel_latent.config import config_from_dict
+    from parallel_latent.data import build_datasets, get_batch
+
+    source = autoencoder.source
+    config = PortableCheckpoint(source, verify_checksums=False).manifest.get("config")
+    if not config:
+        raise UsageError(f"{source}: saved without its training config, so without a held-out split; give --data")
+    cfg = config_from_dict(config, source=str(source))
+    held_out = build_datasets(cfg, autoencoder.tokenizer, announce=False)[1]  # stdout is the JSON result
+    indices = list(range(min(len(held_out), max_samples) if max_samples else len(held_out)))
+    batch = get_batch(held_out, indices)
+    truncated = int(held_out.truncated_at(indices).sum()) if hasattr(held_out, "truncated_at") else 0
+    return evaluate_ids(autoencoder, batch["input_ids"], batch["attention_mask"], batch_size, truncated)
+
+
 def _load(args: argparse.Namespace):
+    """What ``--checkpoint`` names: any checkpoint directory, a save-pretrained directory, or a
+    Hugging Face hub repository id."""
     from parallel_latent.api import TextAutoencoder
 
-    return TextAutoencoder.from_checkpoint(args.checkpoint)
+    return TextAutoencoder.from_pretrained(args.checkpoint)
 
 
 def cmd_reconstruct(args: argparse.Namespace) -> int:
@@ -121,9 +143,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from parallel_latent.checkpoint import PortableCheckpoint, resolve_portable_dir
-    from parallel_latent.config import config_from_dict
-    from parallel_latent.data import build_datasets, get_batch, read_samples
+    from parallel_latent.data import read_samples
 
     autoencoder = _load(args)
     if args.data:  # any corpus, e.g. out-of-domain text
@@ -131,20 +151,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if args.max_samples:
             texts = texts[: args.max_samples]
         result = evaluate_texts(autoencoder, texts, args.batch_size)
-    else:  # the run's own held-out split, the very token ids the trainer evaluates
-        manifest = PortableCheckpoint(resolve_portable_dir(args.checkpoint), verify_checksums=False).manifest
-        cfg = config_from_dict(manifest["config"], source=str(args.checkpoint))
-        held_out = build_datasets(cfg, autoencoder.tokenizer, announce=False)[1]  # stdout is the JSON result
-        indices = list(range(min(len(held_out), args.max_samples) if args.max_samples else len(held_out)))
-        batch = get_batch(held_out, indices)
-        truncated = int(held_out.truncated_at(indices).sum()) if hasattr(held_out, "truncated_at") else 0
-        result = evaluate_ids(autoencoder, batch["input_ids"], batch["attention_mask"], args.batch_size, truncated)
+    else:  # the run's own held-out split
+        result = evaluate_held_out(autoencoder, args.batch_size, args.max_samples)
     print(json.dumps(result))
     return 0
 
 
 def add_subcommands(sub) -> None:
-    checkpoint_help = "a run directory, a checkpoints directory, a training checkpoint or a portable directory"
+    checkpoint_help = (
+        "a run directory, a checkpoints directory, a training checkpoint, a portable or save-pretrained "
+        "directory, or a Hugging Face hub repository id"
+    )
     reconstruct = sub.add_parser("reconstruct", help="encode texts to latents and decode them back")
     reconstruct.add_argument("--checkpoint", required=True, help=checkpoint_help)
     reconstruct.add_argument("texts", nargs="*", help="texts to reconstruct")
@@ -176,4 +193,10 @@ def add_subcommands(sub) -> None:
     evaluate.set_defaults(handler=cmd_evaluate)
 
 
-__all__ = ["add_subcommands", "evaluate_ids", "evaluate_texts", "read_texts"]
+__all__ = [
+    "add_subcommands",
+    "evaluate_held_out",
+    "evaluate_ids",
+    "evaluate_texts",
+    "read_texts",
+]

@@ -134,10 +134,11 @@ def load_tokenizer_once_per_node(cfg: Config):
 
 def build_model_once_per_node(cfg: Config, tp_group):
     """The model; a pretrained feature model is fetched from the hub by the first process of each
-    node before the others read it from the cache."""
+    node before the others read it from the cache. Random features are said once, in the banner."""
     from parallel_latent.model import build_model
+    from parallel_latent.model.features import random_features_unannounced
 
-    with main_first(per_node=True) if cfg.feature_model.pretrained else contextlib.nullcontext():
+    with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
         return build_model(cfg, tp_group)
 
 
@@ -724,6 +725,10 @@ class Trainer:
             + (f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}" if zero["stage"] else ""),
             flush=True,
         )
+        if not cfg.feature_model.pretrained:
+            from parallel_latent.model.features import random_features_notice
+
+            print(random_features_notice(cfg.feature_model), flush=True)
         if s.tp_size > 1:
             print(f"tensor parallelism: {self._tp_options_line()}", flush=True)
         if self.device_kind == "cpu":

@@ -154,7 +154,7 @@ def test_ranks_run_the_command_without_nproc():
     )
     assert cli._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
     command = cli._torchrun_command(4, cli._rank_argv(args))
-    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m"]
+    assert command[1:6] == ["-m", "parallel_latent.console", "--standalone", "--nproc_per_node=4", "-m"]
 
 
 def test_deepspeed_launchers_local_rank_argument_is_accepted():

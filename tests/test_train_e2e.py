@@ -212,6 +212,33 @@ def test_from_checkpoint_accepts_every_path_the_cli_accepts(run_a, tmp_path):
         assert torch.equal(latents, results[0][0]) and decoded == results[0][1]
 
 
+def test_save_pretrained_of_a_run_carries_its_held_out_evaluation(run_a, tmp_path, capsys):
+    """`parallel-latent save-pretrained RUN OUT`: the card's metadata is the run's own last
+    evaluation (of exactly these weights, from metrics.jsonl), and OUT reconstructs as the run does."""
+    from huggingface_hub import ModelCard
+
+    from parallel_latent.api import TextAutoencoder
+    from parallel_latent.cli import main
+    from parallel_latent.metrics import read_metrics
+
+    out = tmp_path / "shared"
+    assert main(["save-pretrained", str(run_a), str(out)]) == 0
+    assert "evaluating" not in capsys.readouterr().out  # recorded by the run: nothing to evaluate
+    last = [r for r in read_metrics(run_a / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    assert last["step"] == STEPS
+    card = ModelCard.load(out / "README.md")
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results} == {
+        "accuracy": round(last["eval_token_accuracy"], 4),
+        "exact_match": round(last["eval_exact_match"], 4),
+        "bleu": round(last["eval_bleu"], 4),
+    }
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == STEPS
+    texts = ["It is a truth universally acknowledged.", "Mr. Darcy bowed."]
+    shared, original = TextAutoencoder.from_pretrained(out), TextAutoencoder.from_checkpoint(run_a)
+    assert torch.equal(shared.encode(texts).latents, original.encode(texts).latents)
+    assert shared.reconstruct(texts) == original.reconstruct(texts)
+
+
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("B") / "run"

@@ -9,7 +9,9 @@ by the identity, so ``last_hidden_state`` *is* hidden state -3.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,19 +29,34 @@ GPT2_EOS_ID = 50256
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
+def random_features_notice(feature_cfg: FeatureModelConfig) -> str:
+    return (
+        f"feature_model.pretrained is false: the GPT-2 features are RANDOM (a {feature_cfg.n_layer}-layer, "
+        f"{feature_cfg.n_embd}-wide GPT-2 built from its config; the weights of {feature_cfg.name_or_path} "
+        "are not loaded)"
+    )
+
+
+@contextlib.contextmanager
+def random_features_unannounced() -> Iterator[None]:
+    """Inside the block a random GPT-2 is built without the warning: for callers that say it once
+    themselves (the trainer's banner), or to whom it does not apply (weights loaded afterwards)."""
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def load_gpt2(feature_cfg: FeatureModelConfig, vocab_size: int) -> GPT2Model:
-    """GPT-2 by name or local path (``pretrained``), else built from the config with random weights;
-    either way its token table resized to ``vocab_size``. Uses (and advances) the global torch RNG."""
+    """GPT-2 by name or local path (``pretrained``), else built from the config with random weights
+    (and a warning); either way its token table resized to ``vocab_size``. Uses (and advances) the
+    global torch RNG."""
     if feature_cfg.pretrained:
         gpt2 = GPT2Model.from_pretrained(feature_cfg.name_or_path, dtype=torch.float32, **NO_DROPOUT)
     else:
-        logger.warning(
-            "feature_model.pretrained is false: the GPT-2 features are RANDOM (a %d-layer, %d-wide "
-            "GPT-2 built from its config; the weights of %s are not loaded)",
-            feature_cfg.n_layer,
-            feature_cfg.n_embd,
-            feature_cfg.name_or_path,
-        )
+        logger.warning("%s", random_features_notice(feature_cfg))
         eos = GPT2_EOS_ID if vocab_size > GPT2_EOS_ID else None  # keeps transformers' checks quiet
         config = GPT2Config(
             vocab_size=vocab_size,

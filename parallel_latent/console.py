@@ -1,0 +1,275 @@
+"""One line per problem: what the terminal shows when training runs as several processes.
+
+``parallel-latent train --nproc N`` runs the torchrun agent through :func:`run_agent` (``python -m
+parallel_latent.console``) with ``$PARALLEL_LATENT_WORKER_LOGS`` naming a fresh directory in the run
+directory (``RUN/logs/<time>/``):
+
+- rank 0 keeps the terminal (progress, banner, summary); every other rank writes its stdout and
+  stderr to ``rank<R>.log`` there, so what every rank says alike (notices, library warnings) is
+  shown once;
+- a failing rank writes torchrun's error file (``$TORCHELASTIC_ERROR_FILE``) with its one-line
+  reason, and its traceback, if the failure was unexpected, to ``rank<R>.log``; the agent, once every
+  rank has stopped, prints the first failing rank's line last (after the log's path when there is a
+  traceback) and exits with that rank's status (2 bad input, 3 non-finite, 1 anything else) instead
+  of torchrun's ``ChildFailedError`` report. torchrun's own messages go to ``agent.log``;
+- afterwards empty files go; after bad input the whole launch's directory goes (the line says it all).
+
+Under another launcher (torchrun, deepspeed, srun) the launcher's behaviour stays, and every failing
+rank writes the error file whose reason torchrun's report shows as the root cause. An unexpected
+failure is printed by each rank it hits, its traceback then ``rank R: <reason>`` as its last line;
+bad input and non-finite steps, which every rank meets alike, are printed once, by rank 0. Ranks
+other than 0 keep the package's own notices to themselves.
+
+Deprecation warnings that third-party code raises inside calls the user cannot change are filtered
+by message (:data:`UNACTIONABLE_WARNINGS`); nothing else is.
+
+Nothing here imports torch at module level: :func:`redirect_worker_output` runs before the CLI loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+PROG = "parallel-latent"
+WORKER_LOGS_ENV = "PARALLEL_LATENT_WORKER_LOGS"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+RECORD_KEY = "parallel_latent"  # our entry in torchrun's error file, beside its "message"
+EXIT_FAILURE = 1
+
+# (message regex, category): raised by DeepSpeed's ZeRO collectives on torch >= 2.13, once per call
+# site per rank; nothing a user of this package can change.
+UNACTIONABLE_WARNINGS = [
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning),
+    (r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", FutureWarning),
+]
+
+__all__ = [
+    "UNACTIONABLE_WARNINGS",
+    "WORKER_LOGS_ENV",
+    "close_worker_logs",
+    "filter_unactionable_warnings",
+    "open_worker_logs",
+    "quiet_repeated_notices",
+    "redirect_worker_output",
+    "report_failure",
+    "run_agent",
+]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _rank_log(log_dir: str | Path, rank: int) -> Path:
+    return Path(log_dir) / f"rank{rank}.log"
+
+
+def error_line(message: str) -> str:
+    return f"{PROG}: error: {message}"
+
+
+# --------------------------------------------------------------------------- #
+# In every rank.
+# --------------------------------------------------------------------------- #
+
+
+def redirect_worker_output() -> None:
+    """A rank other than 0 started by ``train --nproc``: its stdout and stderr (file descriptors 1
+    and 2, so native libraries' output too) go to its log file from here on."""
+    log_dir = os.environ.get(WORKER_LOGS_ENV)
+    if not log_dir or _rank() == 0 or "RANK" not in os.environ:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    descriptor = os.open(_rank_log(log_dir, _rank()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+
+
+def filter_unactionable_warnings() -> None:
+    import warnings
+
+    for message, category in UNACTIONABLE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def quiet_repeated_notices() -> None:
+    """Under a launcher, the package's notices (warnings every rank logs alike, such as "``latest``
+    names an incomplete checkpoint") are said by rank 0 only; ranks started by ``train --nproc``
+    keep them in their log files instead."""
+    filter_unactionable_warnings()
+    if _rank() != 0 and not os.environ.get(WORKER_LOGS_ENV):
+        logging.getLogger("parallel_latent").setLevel(logging.ERROR)
+
+
+def _one_line(error: BaseException) -> str:
+    from parallel_latent.errors import describe_path_error
+
+    text = describe_path_error(error) if isinstance(error, OSError) and error.filename else str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _write_error_file(reason: str, details: str, exit_code: int) -> None:
+    """torchrun's error file (the format of ``ErrorHandler.record_exception``, which its
+    ``ChildFailedError`` report shows) plus our record: the reason, the exit status, the exact time."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    now = time.time()
+    data = {
+        "message": {"message": reason, "extraInfo": {"py_callstack": details, "timestamp": str(int(now))}},
+        RECORD_KEY: {"reason": reason, "exit_code": exit_code, "time": now},
+    }
+    with contextlib.suppress(OSError):  # the line on stderr (or the agent's fallback) still says it
+        Path(path).write_text(json.dumps(data), encoding="utf-8")
+
+
+def _with_rank(reason: str, rank: int, exit_code: int) -> str:
+    """An unexpected failure is about one rank: say which. Bad input and non-finite steps are met by
+    every rank alike: the reason alone."""
+    return f"rank {rank}: {reason}" if exit_code == EXIT_FAILURE else reason
+
+
+def report_failure(error: BaseException, exit_code: int) -> int:
+    """Say why this rank stops, in one line (call inside the ``except`` block); returns ``exit_code``.
+
+    ``exit_code`` 2 (bad input) and 3 (non-finite steps) are failures every rank meets alike, whose
+    message is the whole story; anything else (1) is unexpected, and its traceback is kept."""
+    rank, world = _rank(), int(os.environ.get("WORLD_SIZE", "1"))
+    reason = _one_line(error)
+    if exit_code == EXIT_FAILURE:
+        reason = f"{type(error).__name__}: {reason}"
+    details = traceback.format_exc() if exit_code == EXIT_FAILURE else reason
+    _write_error_file(reason, details, exit_code)
+    log_dir = os.environ.get(WORKER_LOGS_ENV)
+    if log_dir and "RANK" in os.environ:  # started by train --nproc: the agent says it, once
+        if exit_code == EXIT_FAILURE:
+            with open(_rank_log(log_dir, rank), "a", encoding="utf-8") as log:
+                log.write(details)
+        return exit_code
+    if exit_code != EXIT_FAILURE:  # met by every rank alike: rank 0 says it (the error file has it too)
+        if rank == 0:
+            print(error_line(reason), file=sys.stderr, flush=True)
+        return exit_code
+    sys.stderr.write(details)  # what Python would have printed, then the one line, naming the rank
+    print(error_line(f"rank {rank}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
+    return exit_code
+
+
+# --------------------------------------------------------------------------- #
+# The local torchrun agent of ``train --nproc``, and its log directory.
+# --------------------------------------------------------------------------- #
+
+
+def open_worker_logs(run_dir: Path) -> tuple[Path, bool]:
+    """A new ``RUN_DIR/logs/<time>/`` for one launch, and whether the run directory existed before."""
+    existed = run_dir.exists()
+    log_dir = run_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir, existed
+
+
+def close_worker_logs(log_dir: Path, run_dir_existed: bool, status: int, bad_input: int) -> None:
+    """Keep what the ranks said (empty files and directories go). After bad input, whose one line
+    says it all, nothing stays: neither the logs nor a run directory made only for them."""
+    if status == bad_input:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        for path in sorted(log_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                if path.is_dir():
+                    path.rmdir()  # only if empty
+                elif path.stat().st_size == 0:
+                    path.unlink()
+    run_dir = log_dir.parent.parent
+    for directory in (log_dir, log_dir.parent, *(() if run_dir_existed else (run_dir,))):
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if empty
+
+
+def _agent_logs_to(path: Path) -> None:
+    """torchrun's own messages ("closing signal SIGTERM", its failure report) into ``path``."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("torch.distributed", "torch.distributed.elastic", "torch.distributed.run"):
+        torch_logger = logging.getLogger(name)
+        torch_logger.handlers[:] = [handler]
+        torch_logger.propagate = False
+
+
+def _record(failure) -> dict | None:
+    data = failure.error_file_data
+    return data.get(RECORD_KEY) if isinstance(data, dict) and isinstance(data.get(RECORD_KEY), dict) else None
+
+
+def _root_cause(failed) -> tuple[int, object, dict | None]:
+    """(rank, failure, our record) of the rank that failed first.
+
+    Our records carry the exact time. A rank that died without one (a signal, a hard crash) is only
+    known to the second in which torchrun saw it dead, so it counts from a second before that: its
+    peers' errors ("connection closed by peer") follow it within milliseconds. The SIGTERM with which
+    torchrun stops the other ranks is a consequence, never a cause."""
+    candidates = [
+        (record["time"] if record else failure.timestamp - 1, rank, failure, record)
+        for rank, failure in failed.failures.items()
+        if (record := _record(failure)) is not None or failure.exitcode != -signal.SIGTERM
+    ]
+    if not candidates:
+        rank, failure = failed.get_first_failure()
+        return rank, failure, _record(failure)
+    _, rank, failure, record = min(candidates, key=lambda item: (item[0], item[1]))
+    return rank, failure, record
+
+
+def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tuple[list[str], int]:
+    """What the terminal shows for the root failure (the reason last), and the exit status."""
+    if record is not None:
+        exit_code = int(record["exit_code"])
+        lines = [error_line(_with_rank(record["reason"], rank, exit_code))]
+        if exit_code == EXIT_FAILURE:
+            lines.insert(0, f"{PROG}: traceback of rank {rank}: {_rank_log(log_dir, rank)}")
+        return lines, exit_code
+    if failure.exitcode == -signal.SIGKILL:
+        how = "was killed by SIGKILL (out of memory?)"
+    elif failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with status {failure.exitcode} without saying why"
+    log = _rank_log(log_dir, rank)
+    if rank != 0 and log.is_file() and log.stat().st_size:
+        how += f"; its output: {log}"
+    return [error_line(f"rank {rank} {how}")], EXIT_FAILURE
+
+
+def run_agent(torchrun_args: list[str]) -> int:
+    """torchrun (``torch.distributed.run``) with ``torchrun_args``; a failed job ends with the first
+    failing rank's one line and exit status instead of torchrun's report."""
+    log_dir = Path(os.environ[WORKER_LOGS_ENV])
+    _agent_logs_to(log_dir / "agent.log")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(["--log-dir", str(log_dir / "torchrun"), *torchrun_args]))
+    except ChildFailedError as failed:
+        lines, status = failure_lines(*_root_cause(failed), log_dir)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return status
+    except SignalException as stopped:  # the agent itself was signalled: its ranks are gone too
+        return 128 + int(stopped.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(sys.argv[1:]))
