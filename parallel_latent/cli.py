@@ -11,7 +11,9 @@ deepspeed launcher, accelerate launch, srun) it is one rank of the launcher's jo
 Bad input (an unknown config key, an impossible parallel layout, a missing corpus, ...) prints
 one line on stderr and exits with status 2 before anything is written.  Exit statuses:
 0 done (or stopped cleanly by SIGTERM/SIGINT with a checkpoint), 1 unexpected failure,
-2 bad input, 3 stopped after too many consecutive non-finite steps.
+2 bad input, 3 stopped after too many consecutive non-finite steps, 4 a checkpoint could not be
+written (a full disk, an I/O error: the last complete checkpoint is intact, and a rerun resumes
+from it).
 
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so ``--help`` and
 argument errors are instant.
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 from parallel_latent import inference
+from parallel_latent.checkpoint import CheckpointSaveError
 from parallel_latent.checkpoint import cli as checkpoint_cli
 from parallel_latent.data import cli as data_cli
 from parallel_latent.errors import (
@@ -40,7 +43,7 @@ from parallel_latent.errors import (
     require_output_dir,
 )
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 1, 2, 3, 4
 PROG = "parallel-latent"
 
 
@@ -202,6 +205,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if _is_rank_zero():
             _error(str(error))
         return EXIT_NONFINITE
+    except CheckpointSaveError as error:  # raised on every rank alike: one line, from rank 0
+        if _is_rank_zero():
+            _error(str(error))
+        return EXIT_SAVE_FAILED
     except (ValueError, *PATH_ERRORS) as error:
         # Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
         # kind) hit every rank alike: one line, from rank 0.

@@ -9,34 +9,30 @@ from __future__ import annotations
 
 import argparse
 
+from .describe import inspect_checkpoint
+from .layout import resolve_checkpoint
+from .portable import consolidate
+from .universal import convert_to_universal, export_portable
+
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_portable
-
     out = export_portable(args.checkpoint, args.out)
     print(f"portable checkpoint written to {out}")
     return 0
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from .portable import consolidate
-
     out = consolidate(args.checkpoint, args.out)
     print(f"consolidated checkpoint written to {out} (model.safetensors, config.json, manifest.json)")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .describe import inspect_checkpoint
-
     print(inspect_checkpoint(args.checkpoint, max_rows=None if args.all else 40))
     return 0
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .reshard import convert_to_universal
-    from .training import resolve_checkpoint
-
     out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.out)
     print(f"universal optimizer state written to {out}")
     if args.out is None:

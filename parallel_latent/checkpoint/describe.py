@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from .errors import CheckpointError
-from .portable import MANIFEST_NAME, PortableCheckpoint
-
-
-def resolve_portable_dir(path: str | Path) -> Path:
-    """The portable directory of ``path``, whichever of these it names: a portable or consolidated
-    directory (itself), a training checkpoint (its ``model/``), a checkpoints directory (its
-    ``latest``) or a run directory (its ``checkpoints/``)."""
-    from .training import PORTABLE_DIR, resolve_checkpoint
-
-    path = Path(path)
-    if (path / MANIFEST_NAME).is_file():
-        return path
-    step_dir = resolve_checkpoint(path)
-    portable = step_dir / PORTABLE_DIR
-    if not (portable / MANIFEST_NAME).is_file():
-        raise CheckpointError(
-            f"{step_dir}: saved without portable weights (checkpoint.export_portable was off); "
-            f"run `parallel-latent export {step_dir} OUT` first"
-        )
-    return portable
+from .layout import (
+    CLIENT_STATE_FILE,
+    INFO_FILE,
+    MANIFEST_NAME,
+    PORTABLE_DIR,
+    UNIVERSAL_DIR,
+    read_info,
+    read_json,
+    resolve_checkpoint,
+)
+from .shards import PortableCheckpoint
 
 
 def _size(n: float) -> str:
@@ -94,8 +83,6 @@ def describe_portable(directory: Path, max_rows: int | None = None) -> list[str]
 
 
 def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
-    from .training import CLIENT_STATE_FILE, INFO_FILE, PORTABLE_DIR, UNIVERSAL_DIR, read_info
-
     info = read_info(step_dir)
     layout = info["layout"]
     lines = [
@@ -106,7 +93,7 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
     ]
     client_path = step_dir / CLIENT_STATE_FILE
     if client_path.is_file():
-        client = json.loads(client_path.read_text(encoding="utf-8"))
+        client = read_json(client_path, "client state")
         config = client.get("config") or {}
         lines += _config_lines("model", config.get("model"))
         lines += _config_lines("tokenizer", client.get("tokenizer"))
@@ -142,8 +129,6 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
 def inspect_checkpoint(path: str | Path, max_rows: int | None = None) -> str:
     """A human-readable summary of a portable directory, a training checkpoint, or a checkpoints
     directory (its ``latest``)."""
-    from .training import resolve_checkpoint
-
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
         return "\n".join(describe_portable(path, max_rows))

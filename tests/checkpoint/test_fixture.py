@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from parallel_latent.checkpoint import load_autoencoder, load_training_checkpoint
+from parallel_latent.api import load_autoencoder
+from parallel_latent.checkpoint import load_training_checkpoint
 from tests.checkpoint.make_fixture import FIXTURE, fixture_batch, fixture_config
 from tests.distributed import DistributedPool
 
