@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except PATH_ERRORS as error:  # a path of the wrong kind that a check above did not foresee
         _error(describe_path_error(error))
         return EXIT_BAD_INPUT
+    except CheckpointSaveError as error:  # export, consolidate, reshard on a full disk: one line
+        _error(str(error))
+        return EXIT_SAVE_FAILED
     except ValueError as error:  # ConfigError, DataError, CheckpointError, UsageError: one line each
         _error(str(error).splitlines()[0] if str(error) else type(error).__name__)
         return EXIT_BAD_INPUT

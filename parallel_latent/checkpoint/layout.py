@@ -68,10 +68,13 @@ def staging_dir(checkpoint_dir: Path, step: int) -> Path:
 
 
 def error_reason(error: BaseException) -> str:
-    """One line saying why a write failed: the OS's words for an OSError (``No space left on
-    device``), else the first line of the message (torch.save's writer raises RuntimeError)."""
+    """One line saying why a write failed: the OS's words (``No space left on device``) for an
+    OSError or for the safetensors library's ``(os error 28)``, else the message's first line."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
+    os_error = re.search(r"\(os error (\d+)\)", str(error))
+    if os_error:
+        return os.strerror(int(os_error.group(1)))
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 
@@ -216,17 +219,21 @@ def discard(staging: Path) -> None:
 @contextlib.contextmanager
 def staged(final: Path) -> Iterator[Path]:
     """A new, empty staging directory next to ``final`` (a dead one of an earlier attempt is
-    removed), published as ``final`` when the block ends, removed if anything fails. For writers
-    that run in one process."""
+    removed), published as ``final`` when the block ends. For writers that run in one process: if
+    anything fails, the staging directory is removed, and a failed write raises
+    :class:`CheckpointSaveError` (one line) with the reason."""
     staging = final.with_name(f".{final.name}.partial")
     discard(staging)
-    staging.mkdir(parents=True)
+    staging.mkdir(parents=True)  # a file in the way of the output path is the caller's error, as it is
     try:
         yield staging
         publish(staging, final)
-    except BaseException:
+    except CheckpointError:
         discard(staging)
         raise
+    except Exception as error:
+        discard(staging)
+        raise CheckpointSaveError(f"{final}: not written: {error_reason(error)}") from error
 
 
 def remove_unfinished_saves(checkpoint_dir: Path) -> list[Path]:

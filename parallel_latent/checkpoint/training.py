@@ -59,7 +59,8 @@ from .shards import tp_group_of
 from .universal import ensure_universal_state, load_universal_state, tensor_table
 from .zero_access import base_optimizer, import_deepspeed, recording_write_errors, weights_only_loading
 
-# Test hook: seconds to sleep after everything is written and before the rename that publishes.
+# Test hook: seconds to sleep after everything is written and before the rename that publishes
+# (``SECONDS`` or ``SECONDS@STEP``), leaving PAUSE_MARKER in the staging directory meanwhile.
 PAUSE_BEFORE_PUBLISH_ENV = "PARALLEL_LATENT_PAUSE_BEFORE_PUBLISH"
 PAUSE_MARKER = "PAUSED_BEFORE_PUBLISH"
 
@@ -165,9 +166,10 @@ def _prepare(checkpoint_dir: Path, staging: Path, export_portable: bool) -> None
         (staging / PORTABLE_DIR).mkdir()
 
 
-def _pause_before_publish(staging: Path) -> None:
-    seconds = os.environ.get(PAUSE_BEFORE_PUBLISH_ENV)
-    if seconds:
+def _pause_before_publish(staging: Path, step: int) -> None:
+    """The test hook: ``SECONDS`` pauses every save, ``SECONDS@STEP`` the save of that step."""
+    seconds, _, at_step = os.environ.get(PAUSE_BEFORE_PUBLISH_ENV, "").partition("@")
+    if seconds and (not at_step or int(at_step) == step):
         marker = staging / PAUSE_MARKER
         marker.write_text(str(os.getpid()))
         time.sleep(float(seconds))
@@ -267,7 +269,7 @@ def save_training_checkpoint(
             **facts,
         }
         _attempt(failures, lambda: write_json(staging / INFO_FILE, info))  # written last: marks it complete
-        _pause_before_publish(staging)
+        _pause_before_publish(staging, step)
         _attempt(failures, lambda: _publish(checkpoint_dir, staging, tag))
         if not failures:
             prune_checkpoints(checkpoint_dir, keep_last)

@@ -37,6 +37,7 @@ from .layout import (
     PORTABLE_DIR,
     UNIVERSAL_DIR,
     CheckpointError,
+    CheckpointSaveError,
     read_info,
     read_json,
     resolve_checkpoint,
@@ -282,11 +283,11 @@ def ensure_universal_state(step_dir: Path) -> Path:
     if is_main() and not universal.is_dir():
         try:
             convert_to_universal(step_dir)
-        except CheckpointError as error:
-            failure = str(error)
+        except (CheckpointError, CheckpointSaveError) as error:
+            failure = error
     failure = broadcast_value(failure)
-    if failure:
-        raise CheckpointError(failure)
+    if failure is not None:
+        raise failure
     return universal
 
 

@@ -17,6 +17,7 @@ on DeepSpeed internals of the 0.19 series: :func:`import_deepspeed` refuses any 
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
@@ -226,25 +227,49 @@ def weights_only_loading(engine):
         checkpoint_engine.load = original
 
 
+class _ErrnoFile(io.FileIO):
+    """An unbuffered file that keeps the first OSError of its writes (torch.save's zip writer turns
+    it into an opaque RuntimeError) and writes every byte it is given, or raises."""
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        view, done = memoryview(data).cast("B"), 0
+        try:
+            while done < len(view):
+                done += super().write(view[done:])
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        return done
+
+
 @contextlib.contextmanager
 def recording_write_errors(engine, failures: list[str]):
     """Inside the block, a file DeepSpeed fails to write (a full disk, an I/O error) appends the
     reason to ``failures`` instead of raising: DeepSpeed's save then still reaches the barriers
     the other ranks wait at, and the caller decides, with every rank, what the failure means."""
     checkpoint_engine = engine.checkpoint_engine
-    originals = {"save": checkpoint_engine.save, "makedirs": checkpoint_engine.makedirs}
+    zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
+
+    def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save, with the OS's reason kept
+        with _ErrnoFile(path, "wb") as handle:
+            try:
+                torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile)
+            except RuntimeError as error:
+                raise handle.error or error from None
 
     def recorded(write):
         def call(*args, **kwargs):
             try:
                 return write(*args, **kwargs)
-            except Exception as error:  # torch.save's writer raises RuntimeError on a full disk
+            except Exception as error:
                 failures.append(error_reason(error))
 
         return call
 
-    for name, write in originals.items():
-        setattr(checkpoint_engine, name, recorded(write))
+    originals = {"save": checkpoint_engine.save, "makedirs": checkpoint_engine.makedirs}
+    checkpoint_engine.save, checkpoint_engine.makedirs = recorded(save), recorded(checkpoint_engine.makedirs)
     engine._copy_recovery_script = recorded(engine._copy_recovery_script)
     try:
         yield

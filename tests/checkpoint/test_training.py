@@ -24,6 +24,7 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.checkpoint.shards import PortableCheckpoint
 from parallel_latent.checkpoint.training import PAUSE_MARKER
+from parallel_latent.checkpoint.zero_access import import_deepspeed
 from tests.checkpoint.engines import ADAM_EPS, BETAS, WEIGHT_DECAY, full_state, get_step, make_engine, train_step
 from tests.tp_compare import max_abs, order_bound, terms_scale, unit_roundoff
 
@@ -112,6 +113,18 @@ def test_deepspeed_files_load_weights_only(pool4, tmp_path):
     assert len(files) == 2 + 4  # model states per TP rank, ZeRO shards per rank
     for path in files:
         safe_torch_load(path)
+
+
+def test_an_unsupported_deepspeed_is_refused_in_one_line(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(CheckpointError) as error:
+        import_deepspeed()
+    assert str(error.value) == (
+        "DeepSpeed 0.20.1 is installed, but checkpoints read DeepSpeed's private keys of the 0.19 series: "
+        "pip install 'deepspeed>=0.19,<0.20'"
+    )
 
 
 class Payload:
