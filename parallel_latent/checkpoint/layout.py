@@ -27,9 +27,11 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,6 @@ def checkpoint_tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def staging_dir(checkpoint_dir: Path, step: int) -> Path:
-    return checkpoint_dir / f"{STAGING_PREFIX}{checkpoint_tag(step)}"
-
-
 def error_reason(error: BaseException) -> str:
     """One line saying why a write failed: the OS's words (``No space left on device``) for an
     OSError or for the safetensors library's ``(os error 28)``, else the message's first line."""
@@ -77,11 +75,6 @@ def error_reason(error: BaseException) -> str:
         return os.strerror(int(os_error.group(1)))
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
-
-
-# --------------------------------------------------------------------------- #
-# Reading.
-# --------------------------------------------------------------------------- #
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -164,11 +157,6 @@ def resolve_portable_dir(path: str | Path) -> Path:
     return step_dir / PORTABLE_DIR
 
 
-# --------------------------------------------------------------------------- #
-# Writing and publishing.
-# --------------------------------------------------------------------------- #
-
-
 def fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries (a rename, a new file), to the disk. A file
     system that cannot fsync a directory says EINVAL: nothing to flush there."""
@@ -212,6 +200,11 @@ def publish(staging: Path, final: Path) -> None:
     fsync(final.parent)
 
 
+def partial(final: Path) -> Path:
+    """Where a one-off output (an export, a consolidation) is staged before it is published."""
+    return final.with_name(f".{final.name}.partial")
+
+
 def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -222,7 +215,7 @@ def staged(final: Path) -> Iterator[Path]:
     removed), published as ``final`` when the block ends. For writers that run in one process: if
     anything fails, the staging directory is removed, and a failed write raises
     :class:`CheckpointSaveError` (one line) with the reason."""
-    staging = final.with_name(f".{final.name}.partial")
+    staging = partial(final)
     discard(staging)
     staging.mkdir(parents=True)  # a file in the way of the output path is the caller's error, as it is
     try:
@@ -236,17 +229,50 @@ def staged(final: Path) -> Iterator[Path]:
         raise CheckpointSaveError(f"{final}: not written: {error_reason(error)}") from error
 
 
+def attempt(failures: list[str], write: Callable[[], Any]) -> None:
+    """Run a write of this rank alone (no collective inside) unless one failed already; a failure
+    is recorded in ``failures``, not raised, so that this rank stays in step with the others."""
+    if not failures:
+        try:
+            write()
+        except Exception as error:
+            failures.append(error_reason(error))
+
+
+def _agreed(failures: list[str]) -> str | None:
+    return next((f for f in all_gather_value(failures[0] if failures else None) if f), None)
+
+
+def save_collectively(staging: Path, write: Callable[[list[str]], None], finish: Callable[[], None]) -> str | None:
+    """The way every collective writer saves: rank 0 makes a fresh ``staging`` directory; every
+    rank runs ``write`` (which records its failures in the list it gets, never raising); if no
+    rank failed, rank 0 runs ``finish`` (publishes). The ranks agree over the control group after
+    each stage, so all take the same way out. Returns the first failure's reason on every rank
+    (None: published); after a failure the staging directory is gone."""
+    failures: list[str] = []
+    if is_main():
+        attempt(failures, lambda: (discard(staging), staging.mkdir(parents=True)))
+    failure = _agreed(failures)
+    if failure is None:
+        write(failures)
+        failure = _agreed(failures)
+    if failure is None and is_main():
+        attempt(failures, finish)
+        failure = failures[0] if failures else None
+    if failure is not None and is_main():
+        discard(staging)  # before the others hear of it: when they return, it is gone
+    return broadcast_value(failure)
+
+
 def remove_unfinished_saves(checkpoint_dir: Path) -> list[Path]:
     """Delete what saves that died left in ``checkpoint_dir`` (staging directories, a replaced copy
     never deleted). Saves are collective and serial, so any such directory is a dead one."""
     if not checkpoint_dir.is_dir():
         return []
-    removed = [
-        p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
-    ]
-    for path in removed:
+    dead = [p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))]
+    for path in dead:
         discard(path)
-    return removed
+    return dead
 
 
 def prune_checkpoints(checkpoint_dir: Path, keep_last: int) -> list[Path]:

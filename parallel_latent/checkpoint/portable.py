@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
 from parallel_latent.parallel.state import get_dp_rank
 from parallel_latent.parallel.utils import group_rank, group_size
 
@@ -29,10 +28,10 @@ from .layout import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointSaveError,
-    discard,
-    error_reason,
+    partial,
     publish,
     resolve_portable_dir,
+    save_collectively,
     staged,
     write_json,
 )
@@ -51,15 +50,8 @@ from .zero_access import is_zero3, write_param
 MODEL_PREFIX = "model"
 CONSOLIDATED_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-# What a consolidated directory's config.json repeats from the manifest.
-RECORD_KEYS = (
-    "model_class",
-    "model_config",
-    "feature_model_config",
-    "feature_model_architecture",
-    "tokenizer",
-    "config",
-)
+# What a consolidated directory's config.json repeats from the manifest (with tokenizer, config, step).
+RECORD_KEYS = ("model_class", "model_config", "feature_model_config", "feature_model_architecture")
 
 
 def plain(value: Any) -> Any:
@@ -124,50 +116,28 @@ def write_portable(
 def save_portable(
     model: nn.Module, directory: str | Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
 ) -> Path:
-    """Export ``model`` as a portable checkpoint in ``directory`` (which must not exist yet).
-
-    Collective when a process group exists: every rank calls it. Written under a
-    ``.<name>.partial`` staging name and renamed into place once complete; a failed write raises
-    :class:`CheckpointSaveError` on every rank and leaves nothing behind.
-    """
+    """Export ``model`` as a portable checkpoint in the new ``directory`` (collective: every rank
+    calls it). A failed write raises :class:`CheckpointSaveError` on every rank, leaving nothing."""
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory}: already exists; not overwriting a checkpoint")
-    staging = directory.with_name(f".{directory.name}.partial")
-    failure = None
-    if is_main():
-        discard(staging)  # a save that died half-way; never a published checkpoint
-        try:
-            staging.mkdir(parents=True)
-        except OSError as error:
-            failure = error_reason(error)
-    failure = broadcast_value(failure)
-    if failure is None:
-        failures = all_gather_value(write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step))
-        failure = next((f for f in failures if f), None)
-    if failure is None and is_main():
-        try:
-            publish(staging, directory)
-        except OSError as error:
-            failure = error_reason(error)
-    failure = broadcast_value(failure)
+    staging = partial(directory)
+
+    def write(failures: list[str]) -> None:
+        failure = write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step)
+        failures += [failure] if failure else []
+
+    failure = save_collectively(staging, write, lambda: publish(staging, directory))
     if failure is not None:
-        if is_main():
-            discard(staging)
         raise CheckpointSaveError(f"{directory}: not written: {failure}")
     return directory
 
 
-def load_portable(
-    directory: str | Path, model: nn.Module, tp_group=None, *, strict: bool = True, verify_checksums: bool = True
-) -> dict:
-    """Load a portable checkpoint saved at any TP degree into ``model`` at its own TP degree.
-
-    Needs no collective (each rank reads its own ranges), so it also runs in a single process
-    without a process group. Checks, each failing with one :class:`CheckpointError` line: manifest
-    present and readable, every shard file present with the recorded size, the model's record, the
-    set of tensor names (``strict``), every full shape, every shard checksum. Returns the manifest.
-    """
+def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, verify_checksums: bool = True) -> dict:
+    """Load a portable checkpoint saved at any TP degree into ``model`` at its own TP degree (no
+    collective: each rank reads its own ranges; also without a process group). Every check fails
+    with one :class:`CheckpointError` line: the files, the model's record, the tensor names and
+    full shapes, every shard's checksum. Returns the manifest."""
     checkpoint = PortableCheckpoint(directory, verify_checksums)
     tp_group = tp_group_of(model, tp_group)
     tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
@@ -181,7 +151,7 @@ def load_portable(
             f"e.g. {missing[0]!r} (a different model?)"
         )
     unexpected = sorted(saved_names - set(tensors) - set(aliases))
-    if strict and unexpected:
+    if unexpected:
         raise CheckpointError(
             f"{checkpoint.directory}: checkpoint has {len(unexpected)} tensor(s) the model "
             f"lacks, e.g. {unexpected[0]!r} (a different model?)"
@@ -205,12 +175,9 @@ def load_portable(
 
 
 def consolidate(source: str | Path, output: str | Path, *, verify_checksums: bool = True) -> Path:
-    """Gather a portable checkpoint (or a training checkpoint's ``model/``) into one safetensors file.
-
-    ``output`` gets ``model.safetensors`` (full, unpadded tensors; loads with
-    ``safetensors.torch.load_file``), ``config.json`` (the model's record and tokenizer facts) and a
-    TP=1 ``manifest.json``, so it is itself a portable checkpoint that loads at any TP degree.
-    """
+    """Gather a portable checkpoint (or a training checkpoint's ``model/``) into ``output``:
+    ``model.safetensors`` (full, unpadded tensors), ``config.json`` (the model's record, tokenizer
+    facts) and a TP=1 ``manifest.json``, so that it is itself a portable checkpoint."""
     checkpoint = PortableCheckpoint(resolve_portable_dir(source), verify_checksums)
     output = Path(output)
     if output.exists() and not output.is_dir():
@@ -235,6 +202,6 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
             aliases=checkpoint.aliases,
             consolidated_from=str(checkpoint.directory),
         )
-        write_json(staging / CONFIG_FILE, {k: manifest.get(k) for k in (*RECORD_KEYS, "step")})
+        write_json(staging / CONFIG_FILE, {k: manifest.get(k) for k in (*RECORD_KEYS, "tokenizer", "config", "step")})
         write_json(staging / MANIFEST_NAME, manifest)
     return output

@@ -50,11 +50,6 @@ def tp_group_of(model: nn.Module, tp_group=None):
     return tp_group if tp_group is not None else getattr(model, "tp_group", None)
 
 
-# --------------------------------------------------------------------------- #
-# Where each rank's tensor sits in the full tensor.
-# --------------------------------------------------------------------------- #
-
-
 @dataclass(frozen=True)
 class Placement:
     """This TP rank's tensor as a block of the full, unpadded tensor."""
@@ -69,17 +64,11 @@ class Placement:
         return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
 
     def spec(self) -> dict:
-        return {
-            "partition_dim": self.partition_dim,
-            "local_shape": list(self.local_shape),
-            "full_shape": list(self.full_shape),
-        }
+        return {"partition_dim": self.partition_dim, "local_shape": self.local_shape, "full_shape": self.full_shape}
 
     def rank_range(self, tp_rank: int) -> tuple[int, int]:
-        """The slice ``[start, stop)`` of the partition dim that ``tp_rank`` holds real data for.
-
-        Rows past the full size are padding (the vocabulary head): they are neither saved nor read.
-        """
+        """The slice ``[start, stop)`` of the partition dim that ``tp_rank`` holds real data for; rows
+        past the full size are padding (the vocabulary head), neither saved nor read."""
         per_rank = self.local_shape[self.partition_dim]
         start = min(tp_rank * per_rank, self.full_shape[self.partition_dim])
         return start, min(start + per_rank, self.full_shape[self.partition_dim])
@@ -138,11 +127,6 @@ class Entry:
     dtype: torch.dtype
     placement: Placement
     value: Callable[[], torch.Tensor]
-
-
-# --------------------------------------------------------------------------- #
-# Writing.
-# --------------------------------------------------------------------------- #
 
 
 def shard_file_name(prefix: str, tp_rank: int, tp_size: int) -> str:
@@ -222,6 +206,13 @@ def assemble_manifest(
     }
 
 
+def write_all_ranks(directory: Path, entries_by_rank: list[list[Entry]], prefix: str, fields: dict, aliases: dict):
+    """One process writing the files of every TP rank and the manifest (offline conversions)."""
+    tp_size = len(entries_by_rank)
+    parts = [write_rank_file(directory, rank_shards(e, r), prefix, r, tp_size) for r, e in enumerate(entries_by_rank)]
+    write_json(directory / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
+
+
 def write_sharded(
     directory: Path,
     entries: list[Entry],
@@ -243,6 +234,7 @@ def write_sharded(
     part, failure = None, None
     if is_writer:
         try:
+            directory.mkdir(exist_ok=True)
             part = write_rank_file(directory, shards, prefix, tp_rank, tp_size)
         except Exception as error:
             failure = error_reason(error)
@@ -255,11 +247,6 @@ def write_sharded(
         except Exception as error:
             failure = error_reason(error)
     return failure
-
-
-# --------------------------------------------------------------------------- #
-# Reading.
-# --------------------------------------------------------------------------- #
 
 
 class PortableCheckpoint:
@@ -319,17 +306,10 @@ class PortableCheckpoint:
 
     def read_full(self, name: str) -> torch.Tensor:
         """The whole (unpadded) tensor, assembled from its shards."""
-        info = self.tensors.get(name)
-        if info is None:
+        if name not in self.tensors:
             raise CheckpointError(f"{self.directory}: no tensor {name!r}")
-        if info["partition_dim"] is None:
-            return self._read_shard(name, info["shards"][0])
-        full = torch.cat([self._read_shard(name, shard) for shard in info["shards"]], dim=info["partition_dim"])
-        if list(full.shape) != info["shape"]:
-            raise CheckpointError(
-                f"{self.directory}: shards of {name!r} cover {list(full.shape)}, not the full shape {info['shape']}"
-            )
-        return full
+        shape = tuple(self.tensors[name]["shape"])
+        return self.read_block(name, Placement(self.tensors[name]["partition_dim"], shape, shape), 0)
 
     def read_block(
         self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
+from parallel_latent.coordination import is_main
 
 from .layout import (
     CLIENT_STATE_FILE,
@@ -39,11 +38,12 @@ from .layout import (
     PORTABLE_DIR,
     REPLACED_PREFIX,
     RNG_DIR,
+    STAGING_PREFIX,
     CheckpointError,
     CheckpointSaveError,
+    attempt,
     checkpoint_tag,
     discard,
-    error_reason,
     find_latest_checkpoint,
     prune_checkpoints,
     publish,
@@ -51,7 +51,7 @@ from .layout import (
     read_json,
     replace_file,
     resolve_checkpoint,
-    staging_dir,
+    save_collectively,
     write_json,
 )
 from .portable import check_model_record, plain, write_portable
@@ -83,11 +83,6 @@ def engine_layout(engine) -> dict[str, Any]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-# --------------------------------------------------------------------------- #
-# RNG states (JSON: nothing here needs pickle).
-# --------------------------------------------------------------------------- #
 
 
 def capture_rng_state(model=None) -> dict[str, Any]:
@@ -122,11 +117,6 @@ def _rng_file(step_dir: Path, rank: int) -> Path:
     return step_dir / RNG_DIR / f"rank_{rank:05d}.json"
 
 
-# --------------------------------------------------------------------------- #
-# Saving.
-# --------------------------------------------------------------------------- #
-
-
 def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
     """What the offline conversion to the universal state needs beyond DeepSpeed's files: how each
     tensor is split over TP, and (ZeRO-0) which parameter each optimizer slot belongs to."""
@@ -141,29 +131,6 @@ def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
     if optimizer is engine.optimizer:
         facts["optimizer_param_names"] = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]]
     return facts
-
-
-def _attempt(failures: list[str], write: Callable[[], Any]) -> None:
-    """Run a file write of this rank alone (no collective inside); a failure is recorded, not raised."""
-    if failures:
-        return
-    try:
-        write()
-    except Exception as error:
-        failures.append(error_reason(error))
-
-
-def _agreed_failure(failures: list[str]) -> str | None:
-    """The first failure of any rank, the same on every rank (over the control group)."""
-    return next((f for f in all_gather_value(failures[0] if failures else None) if f), None)
-
-
-def _prepare(checkpoint_dir: Path, staging: Path, export_portable: bool) -> None:
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    discard(staging)  # an earlier attempt at this step died before publishing
-    (staging / RNG_DIR).mkdir(parents=True)
-    if export_portable:
-        (staging / PORTABLE_DIR).mkdir()
 
 
 def _pause_before_publish(staging: Path, step: int) -> None:
@@ -223,42 +190,35 @@ def save_training_checkpoint(
     """
     checkpoint_dir = Path(checkpoint_dir)
     model = model if model is not None else engine.module
-    tp_group = tp_group_of(model, tp_group)
-    tag, staging = checkpoint_tag(step), staging_dir(checkpoint_dir, step)
-    layout = engine_layout(engine)
-    failures: list[str] = []
-    if is_main():
-        _attempt(failures, lambda: _prepare(checkpoint_dir, staging, export_portable))
-    failure = _agreed_failure(failures)
+    tag, layout = checkpoint_tag(step), engine_layout(engine)
+    staging = checkpoint_dir / f"{STAGING_PREFIX}{tag}"
+    facts = _tensor_facts(engine, model, layout["tensor_parallel"])
 
-    if failure is None:
-        facts = _tensor_facts(engine, model, layout["tensor_parallel"])
+    def write(failures: list[str]) -> None:
         with recording_write_errors(engine, failures):
             engine.save_checkpoint(
                 str(checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False
             )
-        _attempt(failures, lambda: write_json(_rng_file(staging, _rank()), capture_rng_state(model), indent=None))
+        rng_file = _rng_file(staging, _rank())
+        attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
+        attempt(failures, lambda: write_json(rng_file, capture_rng_state(model), indent=None))
         if export_portable:  # collective: every rank takes part, whatever happened to its own files
-            portable_failure = write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
-            failures += [portable_failure] if portable_failure else []
+            portable = write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
+            failures += [portable] if portable else []
         if is_main():
             scheduler = getattr(engine, "lr_scheduler", None)
+            counters = {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")}
             state = {
                 "step": step,
                 "client": plain(client_state or {}),
-                "engine": {
-                    "global_steps": int(engine.global_steps),
-                    "global_samples": int(engine.global_samples),
-                    "skipped_steps": int(engine.skipped_steps),
-                },
+                "engine": counters,
                 "lr_scheduler": plain(scheduler.state_dict()) if scheduler is not None else None,
                 "tokenizer": plain(tokenizer_facts),
                 "config": plain(cfg) if cfg is not None else None,
             }
-            _attempt(failures, lambda: write_json(staging / CLIENT_STATE_FILE, state))
-        failure = _agreed_failure(failures)
+            attempt(failures, lambda: write_json(staging / CLIENT_STATE_FILE, state))
 
-    if failure is None and is_main():
+    def finish() -> None:
         info = {
             "tag": tag,
             "step": step,
@@ -268,29 +228,19 @@ def save_training_checkpoint(
             "deepspeed_version": import_deepspeed().__version__,
             **facts,
         }
-        _attempt(failures, lambda: write_json(staging / INFO_FILE, info))  # written last: marks it complete
+        write_json(staging / INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
-        _attempt(failures, lambda: _publish(checkpoint_dir, staging, tag))
-        if not failures:
-            prune_checkpoints(checkpoint_dir, keep_last)
-        failure = failures[0] if failures else None
+        _publish(checkpoint_dir, staging, tag)
 
-    message = None
-    if failure is not None and is_main():
-        discard(staging)
+    failure = save_collectively(staging, write, finish)
+    if failure is not None:
         latest = find_latest_checkpoint(checkpoint_dir)
         last = f"step {read_info(latest)['step']}" if latest is not None else "none"
-        message = f"checkpoint at step {step} not written: {failure} ({checkpoint_dir}); "
-        message += f"the last complete checkpoint is {last}"
-    message = broadcast_value(message)
-    if message is not None:
-        raise CheckpointSaveError(message)
+        where = f"({checkpoint_dir}); the last complete checkpoint is {last}"
+        raise CheckpointSaveError(f"checkpoint at step {step} not written: {failure} {where}")
+    if is_main():
+        prune_checkpoints(checkpoint_dir, keep_last)
     return checkpoint_dir / tag
-
-
-# --------------------------------------------------------------------------- #
-# Loading.
-# --------------------------------------------------------------------------- #
 
 
 @dataclass

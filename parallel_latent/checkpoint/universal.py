@@ -1,19 +1,13 @@
 """Resharded resume: continue training at another TP x DP (and ZeRO stage) with Adam's state.
 
-The bridge between layouts is the *universal* state, stored as shards (:mod:`.shards`) whose
-tensors are, for every trainable parameter ``p``:
-
-    fp32/<p>        the fp32 master weight        (full over DP, sharded over TP like the weight)
-    exp_avg/<p>     Adam's first moment
-    exp_avg_sq/<p>  Adam's second moment
-
-and ``state/<name>`` for every frozen parameter and buffer, plus Adam's step count and the param
-groups' hyperparameters in the manifest. It has one producer: :func:`convert_to_universal`, which
-reads DeepSpeed's own files of any ZeRO stage (``weights_only=True``) and reassembles them per TP
-rank, in one process; a resume at another layout runs it on rank 0 (:func:`ensure_universal_state`),
-and ``parallel-latent reshard`` runs it by hand. :func:`load_universal_state` cuts each tensor for
-the new TP rank and writes it into the new engine's model copy, fp32 master and Adam state.
-:func:`export_portable` makes the portable weights of a checkpoint saved without them from it.
+The bridge between layouts is the *universal* state, stored as shards (:mod:`.shards`): for every
+trainable parameter ``p`` its fp32 master ``fp32/<p>`` and Adam moments ``exp_avg/<p>``,
+``exp_avg_sq/<p>`` (full over DP, split over TP like the weight), ``state/<name>`` for every frozen
+tensor, and Adam's step and hyperparameters in the manifest. Its one producer is
+:func:`convert_to_universal`, which reads DeepSpeed's files of any ZeRO stage (``weights_only``)
+in one process: rank 0 runs it when a resume finds another layout, ``parallel-latent reshard`` by
+hand. :func:`load_universal_state` cuts each tensor for the new TP rank and sets the new engine's
+weights, masters and moments. :func:`export_portable` makes portable weights from it.
 """
 
 from __future__ import annotations
@@ -42,21 +36,18 @@ from .layout import (
     read_json,
     resolve_checkpoint,
     staged,
-    write_json,
 )
 from .portable import MODEL_PREFIX, check_model_record
 from .shards import (
     Entry,
     Placement,
     PortableCheckpoint,
-    assemble_manifest,
     dtype_from_name,
     dtype_name,
     module_tensors,
     placement_of,
-    rank_shards,
     tp_group_of,
-    write_rank_file,
+    write_all_ranks,
 )
 from .zero_access import (
     ADAM_MOMENTS,
@@ -83,32 +74,21 @@ def trainable(tensor: torch.Tensor) -> bool:
 def tensor_table(model: nn.Module, tp_size: int) -> tuple[dict[str, Any], dict[str, str]]:
     """How each tensor of ``model`` is laid out (recorded in checkpoint.json for the converter)."""
     tensors, aliases = module_tensors(model)
-    table = {
-        name: {
-            **placement_of(tensor, tp_size, name).spec(),
-            "dtype": dtype_name(tensor.dtype),
-            "trainable": trainable(tensor),
-        }
-        for name, tensor in tensors.items()
-    }
+    table = {}
+    for name, tensor in tensors.items():
+        table[name] = {**placement_of(tensor, tp_size, name).spec(), "dtype": dtype_name(tensor.dtype)}
+        table[name]["trainable"] = trainable(tensor)
     return table, aliases
 
 
 def _json_group(group: dict) -> dict:
+    """A param group's hyperparameters (GROUP_KEYS) as JSON values."""
     out = {}
     for key in GROUP_KEYS:
-        value = group.get(key)
-        if torch.is_tensor(value):
-            value = value.item()
-        if isinstance(value, (int, float, bool, list, tuple)):
+        value = group[key].item() if torch.is_tensor(group.get(key)) else group.get(key)
+        if isinstance(value, (int, float, list, tuple)):
             out[key] = list(value) if isinstance(value, tuple) else value
     return out
-
-
-# --------------------------------------------------------------------------- #
-# DeepSpeed's files -> per-TP-rank tensors. Each returns (trainable {name: {fp32, exp_avg,
-# exp_avg_sq}}, the module state, Adam's step, the param groups) of one TP rank.
-# --------------------------------------------------------------------------- #
 
 
 def _optim_file(step_dir: Path, dp_rank: int, mp_rank: int, precision: str) -> Path:
@@ -223,33 +203,30 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         raise CheckpointError(f"{output}: already exists")
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
-    per_rank = []
-    for mp_rank in range(tp_size):
-        if stage == 0:
-            per_rank.append(_zero0_tensors(step_dir, mp_rank, info.get("optimizer_param_names", [])))
-        elif stage in (1, 2):
-            per_rank.append(_zero12_tensors(step_dir, mp_rank, dp_size, precision))
-        else:
-            per_rank.append(_zero3_tensors(step_dir, mp_rank, dp_size, precision))
+    if stage == 0:
+        per_rank = [_zero0_tensors(step_dir, r, info.get("optimizer_param_names", [])) for r in range(tp_size)]
+    else:
+        read = _zero12_tensors if stage in (1, 2) else _zero3_tensors
+        per_rank = [read(step_dir, r, dp_size, precision) for r in range(tp_size)]
 
     entries_by_rank: list[list[Entry]] = [[] for _ in range(tp_size)]
     for name, spec in table.items():
-        place = Placement.from_spec(spec)
-        for mp_rank, (weights, module, _, _) in enumerate(per_rank):
-            if spec["trainable"]:
-                if name not in weights:
-                    raise CheckpointError(f"{step_dir}: trainable {name!r} missing from the optimizer files")
-                for key in (MASTER, *ADAM_MOMENTS):
-                    value = weights[name][key]
-                    entries_by_rank[mp_rank].append(Entry(f"{key}/{name}", torch.float32, place, lambda v=value: v))
-            else:
-                if name not in module:
-                    raise CheckpointError(f"{step_dir}: frozen tensor {name!r} missing from the model files")
-                dtype = dtype_from_name(spec["dtype"])
-                entries_by_rank[mp_rank].append(Entry(f"{FROZEN}/{name}", dtype, place, lambda v=module[name]: v))
+        place, kinds = Placement.from_spec(spec), (MASTER, *ADAM_MOMENTS) if spec["trainable"] else (FROZEN,)
+        for entries, (weights, module, _, _) in zip(entries_by_rank, per_rank, strict=True):
+            for kind in kinds:
+                value = weights.get(name, {}).get(kind) if spec["trainable"] else module.get(name)
+                if value is None:
+                    raise CheckpointError(f"{step_dir}: {name!r} missing from DeepSpeed's files")
+                dtype = torch.float32 if spec["trainable"] else dtype_from_name(spec["dtype"])
+                entries.append(Entry(f"{kind}/{name}", dtype, place, lambda v=value: v))
     client = read_json(step_dir / CLIENT_STATE_FILE, "client state") if (step_dir / CLIENT_STATE_FILE).is_file() else {}
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
+    optimizer = {
+        "class": info.get("optimizer_class", "AdamW"),
+        "step": step,
+        "param_groups": list(map(_json_group, groups)),
+    }
     fields = {
         "contents": "optimizer",
         "step": info["step"],
@@ -259,19 +236,11 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         "config": config or None,
         "source_layout": layout,
         "converted_from": "deepspeed",
-        "optimizer": {
-            "class": info.get("optimizer_class", "AdamW"),
-            "step": step,
-            "param_groups": [_json_group(g) for g in groups],
-        },
+        "optimizer": optimizer,
     }
     aliases = {f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in (info.get("aliases") or {}).items()}
     with staged(output) as staging:
-        parts = [
-            write_rank_file(staging, rank_shards(entries, r), UNIVERSAL_PREFIX, r, tp_size)
-            for r, entries in enumerate(entries_by_rank)
-        ]
-        write_json(staging / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
+        write_all_ranks(staging, entries_by_rank, UNIVERSAL_PREFIX, fields, aliases)
     return output
 
 
@@ -334,14 +303,12 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
             for moment in ADAM_MOMENTS if load_optimizer else ():
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
                 set_moment(engine, tensor, moment, value)
-    if load_optimizer:
-        groups = manifest["optimizer"].get("param_groups", [])
-        optimizer = base_optimizer(engine)
-        if len(groups) == len(optimizer.param_groups):
-            for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
-                for key, value in saved_group.items():
-                    if key in group:
-                        group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)
+    if load_optimizer and len(groups) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+            group.update(
+                {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved_group.items() if k in group}
+            )
     return manifest
 
 
@@ -377,25 +344,18 @@ def export_portable(source: str | Path, output: str | Path) -> Path:
 
 def _model_from_universal(universal_dir: Path, info: dict, output: Path) -> Path:
     universal = PortableCheckpoint(universal_dir)
-    tp_size = universal.manifest["tp_size"]
-    entries_by_rank = []
-    for tp_rank in range(tp_size):
-        entries = []
-        for name, spec in info["tensors"].items():
-            place, dtype = Placement.from_spec(spec), dtype_from_name(spec["dtype"])
-            key = f"{MASTER if spec['trainable'] else FROZEN}/{name}"
-            entries.append(
-                Entry(name, dtype, place, lambda k=key, p=place, r=tp_rank, d=dtype: universal.read_block(k, p, r, d))
-            )
-        entries_by_rank.append(entries)
+
+    def entry(name: str, spec: dict, tp_rank: int) -> Entry:
+        place, dtype = Placement.from_spec(spec), dtype_from_name(spec["dtype"])
+        key = f"{MASTER if spec['trainable'] else FROZEN}/{name}"
+        return Entry(name, dtype, place, lambda: universal.read_block(key, place, tp_rank, dtype))
+
+    tensors = info["tensors"].items()
+    entries_by_rank = [[entry(n, spec, r) for n, spec in tensors] for r in range(universal.manifest["tp_size"])]
     dropped = ("format", "format_version", "tp_size", "files", "tensors", "aliases", "optimizer", "source_layout")
     fields = {k: v for k, v in universal.manifest.items() if k not in (*dropped, "converted_from")}
     fields.update(contents="model", step=info["step"])
     aliases = {a.removeprefix(f"{FROZEN}/"): t.removeprefix(f"{FROZEN}/") for a, t in universal.aliases.items()}
     with staged(output) as staging:
-        parts = [
-            write_rank_file(staging, rank_shards(entries, r), MODEL_PREFIX, r, tp_size)
-            for r, entries in enumerate(entries_by_rank)
-        ]
-        write_json(staging / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
+        write_all_ranks(staging, entries_by_rank, MODEL_PREFIX, fields, aliases)
     return output

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .layout import CheckpointError, error_reason
+from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
@@ -43,11 +43,6 @@ def import_deepspeed():
             f"of the {major}.{minor} series: pip install 'deepspeed>={major}.{minor},<{major}.{minor + 1}'"
         )
     return deepspeed
-
-
-# --------------------------------------------------------------------------- #
-# Parameters and Adam state of a running engine.
-# --------------------------------------------------------------------------- #
 
 
 def is_zero3(param: torch.Tensor) -> bool:
@@ -182,11 +177,6 @@ def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> No
     safe_set_full_optimizer_state(param, value.to(device, torch.float32).reshape(local_shape(param)), key)
 
 
-# --------------------------------------------------------------------------- #
-# DeepSpeed's files.
-# --------------------------------------------------------------------------- #
-
-
 def deepspeed_safe_globals() -> list:
     """The DeepSpeed types found in its checkpoint files (0.19): plain data holders whose
     unpickling runs no code of theirs beyond setting attributes or building an enum/namedtuple."""
@@ -215,16 +205,22 @@ def safe_torch_load(path: str | Path, map_location=None):
 
 
 @contextlib.contextmanager
-def weights_only_loading(engine):
-    """Route DeepSpeed's checkpoint reads through :func:`safe_torch_load` (its own engine calls
-    ``torch.load(weights_only=False)``)."""
-    checkpoint_engine = engine.checkpoint_engine
-    original = checkpoint_engine.load
-    checkpoint_engine.load = lambda path, map_location=None: safe_torch_load(path, map_location)
+def _replaced(target, **attributes):
+    """``target``'s attributes replaced inside the block, put back after it."""
+    originals = {name: getattr(target, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(target, name, value)
     try:
         yield
     finally:
-        checkpoint_engine.load = original
+        for name, value in originals.items():
+            setattr(target, name, value)
+
+
+def weights_only_loading(engine):
+    """Route DeepSpeed's checkpoint reads through :func:`safe_torch_load` (its own engine calls
+    ``torch.load(weights_only=False)``)."""
+    return _replaced(engine.checkpoint_engine, load=lambda path, map_location=None: safe_torch_load(path, map_location))
 
 
 class _ErrnoFile(io.FileIO):
@@ -260,20 +256,11 @@ def recording_write_errors(engine, failures: list[str]):
                 raise handle.error or error from None
 
     def recorded(write):
-        def call(*args, **kwargs):
-            try:
-                return write(*args, **kwargs)
-            except Exception as error:
-                failures.append(error_reason(error))
+        return lambda *args, **kwargs: attempt(failures, lambda: write(*args, **kwargs))
 
-        return call
-
-    originals = {"save": checkpoint_engine.save, "makedirs": checkpoint_engine.makedirs}
-    checkpoint_engine.save, checkpoint_engine.makedirs = recorded(save), recorded(checkpoint_engine.makedirs)
-    engine._copy_recovery_script = recorded(engine._copy_recovery_script)
-    try:
+    makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
+    with (
+        _replaced(checkpoint_engine, save=recorded(save), makedirs=recorded(makedirs)),
+        _replaced(engine, _copy_recovery_script=recorded(copy_scripts)),
+    ):
         yield
-    finally:
-        for name, write in originals.items():
-            setattr(checkpoint_engine, name, write)
-        del engine._copy_recovery_script
