@@ -17,19 +17,52 @@ the group, and every rank gets the same latents and the same texts back.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_autoencoder, resolve_portable_dir
-from parallel_latent.config import TokenizerConfig, build_dataclass
+from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_portable, resolve_portable_dir
+from parallel_latent.checkpoint.layout import MANIFEST_NAME
+from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.quality import detokenize
 
-__all__ = ["Latents", "TextAutoencoder", "load_checkpoint_tokenizer"]
+__all__ = ["Latents", "TextAutoencoder", "load_autoencoder", "load_checkpoint_tokenizer"]
+
+
+def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool = True) -> LatentAutoencoder:
+    """Build a ``LatentAutoencoder`` from a checkpoint's manifest and load its weights (eval mode).
+
+    ``path``: a portable directory, a consolidated directory or a training checkpoint (its
+    ``model/``). With ``tp_group=None`` it runs in a single process without any process group. The
+    GPT-2 is rebuilt from the recorded architecture (no hub access) and filled from the checkpoint.
+    """
+    directory = resolve_portable_dir(path)
+    manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
+    if not manifest.get("model_config") or not manifest.get("feature_model_config"):
+        raise CheckpointError(f"{directory}: the manifest has no model config; not a LatentAutoencoder checkpoint")
+    source = str(directory / MANIFEST_NAME)
+    model_cfg = build_dataclass(ModelConfig, ModelConfig.saved(manifest["model_config"]), source, "model_config")
+    feature_cfg = build_dataclass(FeatureModelConfig, manifest["feature_model_config"], source, "feature_model_config")
+    architecture = manifest.get("feature_model_architecture")
+    if architecture:
+        # Random GPT-2 of the recorded shape: every weight is overwritten by the checkpoint's.
+        feature_cfg = dataclasses.replace(feature_cfg, pretrained=False, **architecture)
+    seed = ((manifest.get("config") or {}).get("training") or {}).get("seed", 1234)
+    features_logger = logging.getLogger("parallel_latent.model.features")
+    previous_level = features_logger.level
+    features_logger.setLevel(logging.ERROR)  # its "RANDOM features" warning does not apply here
+    try:
+        model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
+    finally:
+        features_logger.setLevel(previous_level)
+    load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
+    return model.eval()
 
 
 @dataclass

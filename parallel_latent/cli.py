@@ -11,7 +11,9 @@ deepspeed launcher, accelerate launch, srun) it is one rank of the launcher's jo
 Bad input (an unknown config key, an impossible parallel layout, a missing corpus, ...) prints
 one line on stderr and exits with status 2 before anything is written.  Exit statuses:
 0 done (or stopped cleanly by SIGTERM/SIGINT with a checkpoint), 1 unexpected failure,
-2 bad input, 3 stopped after too many consecutive non-finite steps.
+2 bad input, 3 stopped after too many consecutive non-finite steps, 4 a checkpoint could not be
+written (a full disk, an I/O error: the last complete checkpoint is intact, and a rerun resumes
+from it).
 
 Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so ``--help`` and
 argument errors are instant.
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 from parallel_latent import inference, pretrained
+from parallel_latent.checkpoint import CheckpointSaveError
 from parallel_latent.checkpoint import cli as checkpoint_cli
 from parallel_latent.data import cli as data_cli
 from parallel_latent.errors import (
@@ -40,7 +43,7 @@ from parallel_latent.errors import (
     require_output_dir,
 )
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 1, 2, 3, 4
 PROG = "parallel-latent"
 
 
@@ -214,6 +217,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         train(cfg, deepspeed_overrides, source=args.config)
     except NonFiniteTrainingError as error:
         return report_failure(error, EXIT_NONFINITE)
+    except CheckpointSaveError as error:  # raised on every rank alike: one line
+        return report_failure(error, EXIT_SAVE_FAILED)
     except (ValueError, *PATH_ERRORS) as error:
         # Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
         # kind) hit every rank alike.
@@ -332,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     except PATH_ERRORS as error:  # a path of the wrong kind that a check above did not foresee
         _error(describe_path_error(error))
         return EXIT_BAD_INPUT
+    except CheckpointSaveError as error:  # export, consolidate, reshard on a full disk: one line
+        _error(str(error))
+        return EXIT_SAVE_FAILED
     except ValueError as error:  # ConfigError, DataError, CheckpointError, UsageError: one line each
         _error(str(error).splitlines()[0] if str(error) else type(error).__name__)
         return EXIT_BAD_INPUT

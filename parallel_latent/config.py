@@ -24,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -87,6 +87,28 @@ class ModelConfig:
     # never occur in training stay reachable). token_table_init: a trainable copy of that table,
     # rescaled to rows of norm ~1. normal: a trainable matrix drawn from N(0, init_std).
     head: Literal["tied", "token_table_init", "normal"] = "tied"
+
+    # Keys that do not change the weights: a checkpoint loads whatever they are set to.
+    RUNTIME_ONLY_KEYS: ClassVar[frozenset[str]] = frozenset({"dropout", "activation_checkpointing", "init_std"})
+    # Keys added after checkpoints were already written, with the value the code behaved as before
+    # the key existed: such a checkpoint means that value, not today's default.
+    KEYS_ADDED_LATER: ClassVar[dict[str, Any]] = {"head": "normal"}
+
+    @classmethod
+    def saved(cls, record: dict | None) -> dict:
+        """A checkpoint's model config, with the keys it predates filled in."""
+        return {**cls.KEYS_ADDED_LATER, **record} if record else {}
+
+    def difference(self, record: dict | None) -> str | None:
+        """How the model config a checkpoint records differs from this one in a key that shapes
+        the weights (the first such key), or None."""
+        saved, current = self.saved(record), dataclasses.asdict(self)
+        if not saved:
+            return None
+        for key in sorted(set(saved) | set(current)):
+            if key not in self.RUNTIME_ONLY_KEYS and saved.get(key) != current.get(key):
+                return f"model.{key} is {saved.get(key)!r} in the checkpoint but {current.get(key)!r} in the model"
+        return None
 
 
 @dataclass

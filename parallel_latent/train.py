@@ -44,6 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel_latent.checkpoint import (
+    CheckpointSaveError,
+    checkpoints_dir,
+    find_latest_checkpoint,
+    load_training_checkpoint,
+    remove_unfinished_saves,
+    resolve_checkpoint,
+    save_training_checkpoint,
+)
 from parallel_latent.config import Config, ConfigError, save_config, validate_world
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
@@ -53,9 +62,7 @@ from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_
 from parallel_latent.parallel import init_distributed, launcher_environment
 from parallel_latent.quality import output_totals, reconstruction_metrics
 
-__all__ = ["CHECKPOINTS_DIRNAME", "NonFiniteTrainingError", "TrainResult", "checkpoints_dir", "preflight", "train"]
-
-CHECKPOINTS_DIRNAME = "checkpoints"
+__all__ = ["NonFiniteTrainingError", "TrainResult", "preflight", "train"]
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -77,10 +84,6 @@ class TrainResult:
 # --------------------------------------------------------------------------- #
 # Checks that need no process group (the CLI runs them before launching ranks).
 # --------------------------------------------------------------------------- #
-
-
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIRNAME
 
 
 def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
@@ -194,6 +197,10 @@ class Trainer:
         launcher = launcher_environment()
         preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
         self.state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend)
+        if self.state.rank == 0:
+            # Before anything is written: a save killed half-way may have left the disk full.
+            for unfinished in remove_unfinished_saves(checkpoints_dir(cfg.logging.run_dir)):
+                print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
         require_shared_run_dir(Path(cfg.logging.run_dir), source)
 
         from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
@@ -257,8 +264,6 @@ class Trainer:
         or a run directory).  The checkpoint package restores weights, optimizer, schedule,
         engine counters and every RNG, also at another TP x DP layout; the data position and
         our counters come back from the client state saved by :meth:`save`."""
-        from parallel_latent.checkpoint import find_latest_checkpoint, load_training_checkpoint, resolve_checkpoint
-
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return
@@ -286,22 +291,26 @@ class Trainer:
 
     def save(self) -> Path:
         """A training checkpoint of this step (collective), with the portable weights if
-        ``checkpoint.export_portable``; ``latest`` moves only once it is complete."""
-        from parallel_latent.checkpoint import save_training_checkpoint
-
+        ``checkpoint.export_portable``; ``latest`` moves only once it is complete. A save that
+        cannot be written (CheckpointSaveError, on every rank) ends the run: the metrics are
+        closed and the error goes up to the command line, which prints its one line."""
         client_state = {"step": self.step, "skipped_steps": self.skipped_steps, "sampler": self.sampler.state_dict()}
-        path = save_training_checkpoint(
-            self.engine,
-            checkpoints_dir(self.run_dir),
-            self.step,
-            client_state,
-            model=self.model,
-            cfg=self.cfg,
-            tokenizer_facts=self.tokenizer_facts,
-            keep_last=self.cfg.checkpoint.keep_last,
-            export_portable=self.cfg.checkpoint.export_portable,
-            tp_group=self.state.tp_group,
-        )
+        try:
+            path = save_training_checkpoint(
+                self.engine,
+                checkpoints_dir(self.run_dir),
+                self.step,
+                client_state,
+                model=self.model,
+                cfg=self.cfg,
+                tokenizer_facts=self.tokenizer_facts,
+                keep_last=self.cfg.checkpoint.keep_last,
+                export_portable=self.cfg.checkpoint.export_portable,
+                tp_group=self.state.tp_group,
+            )
+        except CheckpointSaveError:
+            self.logger.close()
+            raise
         self.last_saved_step, self.last_checkpoint = self.step, path
         return path
 

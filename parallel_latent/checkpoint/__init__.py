@@ -1,45 +1,63 @@
 """Checkpoints: exact-resume training checkpoints (DeepSpeed + client state, atomic publish),
 portable safetensors shards that load at any TP degree, consolidation, inspection, and resharded
-resume with the optimizer's moments. See the module docstrings for the on-disk layouts."""
+resume with the optimizer's moments.
 
-from .describe import inspect_checkpoint, resolve_portable_dir
-from .errors import CheckpointError
-from .portable import PortableCheckpoint, consolidate, load_autoencoder, load_portable, save_portable
-from .reshard import convert_to_universal, load_universal_state, save_universal_state
+Modules, each importing only those before it: ``layout`` (names, finding checkpoints, durable
+writes, publishing), ``zero_access`` (DeepSpeed's parameters, Adam state and files), ``shards``
+(tensors as safetensors shards at any TP degree), ``portable`` (model weights), ``universal``
+(the layout-free optimizer state and its converter), ``training`` (save and resume), ``describe``
+(inspect) and ``cli``. No model is known here: a model describes itself
+(``checkpoint_record``/``checkpoint_mismatch``); ``parallel_latent.api.load_autoencoder`` builds
+the autoencoder from a checkpoint.
+"""
+
+from .describe import inspect_checkpoint
+from .layout import (
+    CheckpointError,
+    CheckpointSaveError,
+    checkpoints_dir,
+    find_latest_checkpoint,
+    list_checkpoints,
+    remove_unfinished_saves,
+    resolve_checkpoint,
+    resolve_portable_dir,
+)
+from .portable import consolidate, load_portable, save_portable
+from .shards import PortableCheckpoint
 from .training import (
     LoadedCheckpoint,
     capture_rng_state,
-    find_latest_checkpoint,
-    list_checkpoints,
     load_training_checkpoint,
-    resolve_checkpoint,
     restore_rng_state,
-    safe_torch_load,
     save_training_checkpoint,
 )
+from .universal import convert_to_universal, export_portable, load_universal_state
+from .zero_access import safe_torch_load
 
 inspect = inspect_checkpoint  # the name docs/CONTRACTS.md uses
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "LoadedCheckpoint",
     "PortableCheckpoint",
     "capture_rng_state",
+    "checkpoints_dir",
     "consolidate",
     "convert_to_universal",
+    "export_portable",
     "find_latest_checkpoint",
     "inspect",
     "inspect_checkpoint",
     "list_checkpoints",
-    "load_autoencoder",
     "load_portable",
     "load_training_checkpoint",
     "load_universal_state",
+    "remove_unfinished_saves",
     "resolve_checkpoint",
     "resolve_portable_dir",
     "restore_rng_state",
     "safe_torch_load",
     "save_portable",
     "save_training_checkpoint",
-    "save_universal_state",
 ]

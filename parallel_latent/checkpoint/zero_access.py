@@ -1,4 +1,5 @@
-"""Reading and writing whole parameters, master weights and Adam moments under any ZeRO stage.
+"""DeepSpeed's side of checkpoints: whole parameters and Adam state under any ZeRO stage, and
+DeepSpeed's own files read without running pickled code.
 
 Inside a DeepSpeed engine a parameter is not simply ``param.data``:
 
@@ -8,32 +9,44 @@ Inside a DeepSpeed engine a parameter is not simply ``param.data``:
   reachable per parameter through ``param._hp_mapping``;
 * ZeRO-0 in fp32 hands the parameters to the torch optimizer as they are.
 
-Everything here returns or accepts the *whole* tensor of this tensor-parallel rank (gathered over
-data parallelism). The ``get_*`` functions are collective over the data-parallel group under ZeRO:
-every rank must call them for the same parameters in the same order.
+The functions here take or give the *whole* tensor of this tensor-parallel rank. They, the
+allowlist of :func:`deepspeed_safe_globals` and the offline converter of :mod:`.universal` rely
+on DeepSpeed internals of the 0.19 series: :func:`import_deepspeed` refuses any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
+SUPPORTED_DEEPSPEED = (0, 19)
+
+
+def import_deepspeed():
+    """``deepspeed``, if it is a release whose internals this code knows."""
+    import deepspeed
+
+    if tuple(int(part) for part in deepspeed.__version__.split(".")[:2]) != SUPPORTED_DEEPSPEED:
+        major, minor = SUPPORTED_DEEPSPEED
+        raise CheckpointError(
+            f"DeepSpeed {deepspeed.__version__} is installed, but checkpoints read DeepSpeed's private keys "
+            f"of the {major}.{minor} series: pip install 'deepspeed>={major}.{minor},<{major}.{minor + 1}'"
+        )
+    return deepspeed
 
 
 def is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
-
-
-def has_hp_mapping(param: torch.Tensor) -> bool:
-    # The attribute exists (possibly None) on every parameter that ZeRO-1/2 or the bf16 optimizer
-    # manages; None only means this rank owns no fragment of it, yet it still joins the all-reduce.
-    return hasattr(param, "_hp_mapping")
 
 
 def local_shape(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -48,9 +61,7 @@ def gathered(params: Iterable[torch.Tensor]):
     if not zero3:
         yield
         return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(zero3, modifier_rank=None):
+    with import_deepspeed().zero.GatheredParameters(zero3, modifier_rank=None):
         yield
 
 
@@ -68,8 +79,7 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
             size = partition.numel()
             if size * world < value.numel():
                 raise CheckpointError(f"ZeRO-3 partition of {size} x {world} cannot hold {value.numel()} elements")
-            flat = value.reshape(-1).to(partition.device, partition.dtype)
-            piece = flat[rank * size : (rank + 1) * size]
+            piece = value.reshape(-1).to(partition.device, partition.dtype)[rank * size : (rank + 1) * size]
             partition.data.view(-1).zero_()
             partition.data.view(-1)[: piece.numel()].copy_(piece)
         else:
@@ -87,16 +97,18 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
     raise CheckpointError(f"cannot find the torch optimizer inside {type(optimizer).__name__}")
 
 
-def _check_adam(engine) -> torch.optim.Optimizer:
-    optimizer = base_optimizer(engine)
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise CheckpointError(f"resharded optimizer state supports Adam/AdamW, not {type(optimizer).__name__}")
-    return optimizer
+def adam_step(state: dict) -> int | None:
+    """Adam's step count in one parameter's (or flat group's) optimizer state; None before the first step."""
+    step = state.get("step")
+    if step is None:
+        return None
+    return int(step.item() if torch.is_tensor(step) else step)
 
 
-def _plain_param(engine, param: torch.Tensor) -> bool:
+def plain_param(engine, param: torch.Tensor) -> bool:
     """ZeRO-0 in fp32: the torch optimizer steps the model's own parameters."""
-    if is_zero3(param) or has_hp_mapping(param):
+    # _hp_mapping exists (possibly None) on every parameter that ZeRO-1/2 or the bf16 optimizer manages.
+    if is_zero3(param) or hasattr(param, "_hp_mapping"):
         return False
     if engine.optimizer is base_optimizer(engine):
         return True
@@ -104,41 +116,6 @@ def _plain_param(engine, param: torch.Tensor) -> bool:
         f"{type(engine.optimizer).__name__} (ZeRO-0 with fp16) keeps master weights that "
         "this code cannot address; use ZeRO >= 1 or bf16/fp32"
     )
-
-
-def get_master(engine, param: torch.Tensor) -> torch.Tensor:
-    """The fp32 master weight of ``param`` (whole, this TP rank's)."""
-    if _plain_param(engine, param):
-        return param.detach().float().clone()
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    return safe_get_full_fp32_param(param).detach().float().cpu().reshape(local_shape(param))
-
-
-def optimizer_has_state(engine) -> bool:
-    return any(len(state) for state in base_optimizer(engine).state.values())
-
-
-def get_moment(engine, param: torch.Tensor, key: str) -> torch.Tensor:
-    """Adam moment ``key`` of ``param`` (zeros before the first step, when Adam has no state yet)."""
-    if not optimizer_has_state(engine):
-        return torch.zeros(local_shape(param), dtype=torch.float32)
-    if _plain_param(engine, param):
-        state = base_optimizer(engine).state.get(param, {})
-        value = state.get(key)
-        return torch.zeros(local_shape(param)) if value is None else value.detach().float().cpu().clone()
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    return safe_get_full_optimizer_state(param, key).detach().float().cpu().reshape(local_shape(param))
-
-
-def get_step(engine) -> int:
-    """Adam's step count (0 before the first step)."""
-    for state in base_optimizer(engine).state.values():
-        if "step" in state:
-            step = state["step"]
-            return int(step.item() if torch.is_tensor(step) else step)
-    return 0
 
 
 def _stepped_tensors(engine, optimizer) -> list[tuple[dict, torch.Tensor]]:
@@ -157,14 +134,14 @@ def ensure_optimizer_state(engine, step: int) -> None:
 
     torch's Adam creates its state lazily at the first step; a resumed run must have it before that
     step so the loaded moments are used, not zeros."""
-    optimizer = _check_adam(engine)
+    optimizer = base_optimizer(engine)
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise CheckpointError(f"resharded optimizer state supports Adam/AdamW, not {type(optimizer).__name__}")
     for group, flat in _stepped_tensors(engine, optimizer):
         state = optimizer.state[flat]
         if not state:
-            state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
         previous = state.get("step")
         if torch.is_tensor(previous):
             state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
@@ -181,7 +158,7 @@ def ensure_optimizer_state(engine, step: int) -> None:
 def set_master(engine, param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master weight and the model copy of ``param`` (no communication)."""
     write_param(param, value)
-    if _plain_param(engine, param):
+    if plain_param(engine, param):
         return
     from deepspeed.utils import safe_set_full_fp32_param
 
@@ -191,10 +168,99 @@ def set_master(engine, param: torch.Tensor, value: torch.Tensor) -> None:
 
 def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
     """Set Adam moment ``key`` of ``param``; call :func:`ensure_optimizer_state` first."""
-    if _plain_param(engine, param):
+    if plain_param(engine, param):
         base_optimizer(engine).state[param][key].copy_(value.view(param.shape))
         return
     from deepspeed.utils import safe_set_full_optimizer_state
 
     device = param.ds_tensor.device if is_zero3(param) else param.device
     safe_set_full_optimizer_state(param, value.to(device, torch.float32).reshape(local_shape(param)), key)
+
+
+def deepspeed_safe_globals() -> list:
+    """The DeepSpeed types found in its checkpoint files (0.19): plain data holders whose
+    unpickling runs no code of theirs beyond setting attributes or building an enum/namedtuple."""
+    import_deepspeed()
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_torch_load(path: str | Path, map_location=None):
+    """``torch.load(weights_only=True)`` with DeepSpeed's allowlist; a file that needs anything
+    else raises :class:`CheckpointError` naming the offending global instead of being unpickled."""
+    try:
+        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file missing") from None
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as error:
+        detail = next(
+            (line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+        )
+        raise CheckpointError(f"{path}: refused to load with weights_only=True ({detail[:300]})") from None
+
+
+@contextlib.contextmanager
+def _replaced(target, **attributes):
+    """``target``'s attributes replaced inside the block, put back after it."""
+    originals = {name: getattr(target, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(target, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(target, name, value)
+
+
+def weights_only_loading(engine):
+    """Route DeepSpeed's checkpoint reads through :func:`safe_torch_load` (its own engine calls
+    ``torch.load(weights_only=False)``)."""
+    return _replaced(engine.checkpoint_engine, load=lambda path, map_location=None: safe_torch_load(path, map_location))
+
+
+class _ErrnoFile(io.FileIO):
+    """An unbuffered file that keeps the first OSError of its writes (torch.save's zip writer turns
+    it into an opaque RuntimeError) and writes every byte it is given, or raises."""
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        view, done = memoryview(data).cast("B"), 0
+        try:
+            while done < len(view):
+                done += super().write(view[done:])
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        return done
+
+
+@contextlib.contextmanager
+def recording_write_errors(engine, failures: list[str]):
+    """Inside the block, a file DeepSpeed fails to write (a full disk, an I/O error) appends the
+    reason to ``failures`` instead of raising: DeepSpeed's save then still reaches the barriers
+    the other ranks wait at, and the caller decides, with every rank, what the failure means."""
+    checkpoint_engine = engine.checkpoint_engine
+    zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
+
+    def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save, with the OS's reason kept
+        with _ErrnoFile(path, "wb") as handle:
+            try:
+                torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile)
+            except RuntimeError as error:
+                raise handle.error or error from None
+
+    def recorded(write):
+        return lambda *args, **kwargs: attempt(failures, lambda: write(*args, **kwargs))
+
+    makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
+    with (
+        _replaced(checkpoint_engine, save=recorded(save), makedirs=recorded(makedirs)),
+        _replaced(engine, _copy_recovery_script=recorded(copy_scripts)),
+    ):
+        yield

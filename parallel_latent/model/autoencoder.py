@@ -7,6 +7,7 @@ model is the TP=1 model (same init, same dropout masks), up to float summation o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,20 @@ class LatentAutoencoder(nn.Module):
                 options=options,
             )
         mark_replicated(self)
+
+    def checkpoint_record(self) -> dict:
+        """What a checkpoint records about this model beyond its tensors: enough to rebuild it
+        (the GPT-2 from its recorded shape, no hub needed) and to tell another model from it."""
+        return {
+            "model_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "model_config": dataclasses.asdict(self.model_cfg),
+            "feature_model_config": dataclasses.asdict(self.feature_cfg),
+            "feature_model_architecture": self.feature_model.architecture(),
+        }
+
+    def checkpoint_mismatch(self, record: dict) -> str | None:
+        """Why a checkpoint's record does not fit this model (a weight-shaping config key differs), or None."""
+        return self.model_cfg.difference(record.get("model_config"))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What the optimizer gets: the frozen GPT-2 and the frozen mask vector are not in it."""

@@ -125,6 +125,18 @@ class FeatureModel(nn.Module):
         """GPT-2 blocks that run (n_layer - 2 of the loaded model)."""
         return len(self.gpt2.h)
 
+    def architecture(self) -> dict[str, int]:
+        """The shape of the GPT-2 these features come from (also when it came from a hub name or
+        a path), so that it can be rebuilt from its config without them. The held GPT-2 was cut to
+        its first n_layer - 2 blocks; the uncut depth is recorded."""
+        config = self.gpt2.config
+        return {
+            "n_layer": len(self.gpt2.h) - 1 - HIDDEN_STATE_INDEX,
+            "n_head": config.n_head,
+            "n_embd": config.n_embd,
+            "n_positions": config.n_positions,
+        }
+
     def train(self, mode: bool = True) -> FeatureModel:
         return super().train(mode and not self.frozen)
 

@@ -8,8 +8,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_latent.checkpoint.portable import module_tensors, placement_of
-from parallel_latent.checkpoint.zero_access import ADAM_MOMENTS, gathered, get_master, get_moment
+from parallel_latent.checkpoint.shards import module_tensors, placement_of
+from parallel_latent.checkpoint.zero_access import (
+    ADAM_MOMENTS,
+    adam_step,
+    base_optimizer,
+    gathered,
+    local_shape,
+    plain_param,
+)
 from parallel_latent.parallel import (
     ModelParallelUnit,
     get_parallel_state,
@@ -65,6 +72,33 @@ def train_step(engine, model, step: int, noise: bool = False) -> float:
     reported = loss.detach().clone()
     dist.all_reduce(reported, group=state.dp_group)
     return (reported / state.dp_size).item()
+
+
+def get_master(engine, param: torch.Tensor) -> torch.Tensor:
+    """The fp32 master weight of ``param`` (whole, this TP rank's; collective over DP under ZeRO)."""
+    if plain_param(engine, param):
+        return param.detach().float().clone()
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param).detach().float().cpu().reshape(local_shape(param))
+
+
+def get_moment(engine, param: torch.Tensor, key: str) -> torch.Tensor:
+    """Adam moment ``key`` of ``param`` (zeros before the first step, when Adam has no state yet)."""
+    if not any(len(state) for state in base_optimizer(engine).state.values()):
+        return torch.zeros(local_shape(param), dtype=torch.float32)
+    if plain_param(engine, param):
+        value = base_optimizer(engine).state.get(param, {}).get(key)
+        return torch.zeros(local_shape(param)) if value is None else value.detach().float().cpu().clone()
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    return safe_get_full_optimizer_state(param, key).detach().float().cpu().reshape(local_shape(param))
+
+
+def get_step(engine) -> int:
+    """Adam's step count (0 before the first step)."""
+    steps = [adam_step(state) for state in base_optimizer(engine).state.values()]
+    return next((step for step in steps if step is not None), 0)
 
 
 def _tp_whole(value: torch.Tensor, place, group) -> torch.Tensor:

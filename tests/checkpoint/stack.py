@@ -3,6 +3,8 @@ Perceiver: attention, MLP (dropout on), LayerNorms, a buffer and the padded voca
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,6 +32,15 @@ class Stack(nn.Module):
         mark_replicated(self)
         self.vocab = vocab
 
+    # A test may set a ModelConfig: checkpoints then record it, and check it on loading.
+    model_cfg = None
+
+    def checkpoint_record(self) -> dict:
+        return {"model_config": dataclasses.asdict(self.model_cfg)} if self.model_cfg is not None else {}
+
+    def checkpoint_mismatch(self, record: dict) -> str | None:
+        return self.model_cfg.difference(record.get("model_config")) if self.model_cfg is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits [B, T, V/tp]."""
         x = x * self.frozen_scale + self.offset
@@ -56,7 +67,7 @@ def batch(step: int, samples: int, first_sample: int = 0, d: int = D) -> torch.T
 
 def gathered_state(model: nn.Module, tp_group, tensors: dict | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of ``model`` made whole over TP (padding rows cut), on every rank."""
-    from parallel_latent.checkpoint.portable import module_tensors, placement_of
+    from parallel_latent.checkpoint.shards import module_tensors, placement_of
 
     out = {}
     source, _ = module_tensors(model)

@@ -14,11 +14,11 @@ import torch
 from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from parallel_latent.api import load_autoencoder
 from parallel_latent.checkpoint import (
     CheckpointError,
     consolidate,
     inspect,
-    load_autoencoder,
     load_portable,
     save_portable,
 )

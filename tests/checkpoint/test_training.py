@@ -22,10 +22,10 @@ from parallel_latent.checkpoint import (
     safe_torch_load,
     save_training_checkpoint,
 )
-from parallel_latent.checkpoint.portable import PortableCheckpoint
+from parallel_latent.checkpoint.shards import PortableCheckpoint
 from parallel_latent.checkpoint.training import PAUSE_MARKER
-from parallel_latent.checkpoint.zero_access import get_step
-from tests.checkpoint.engines import ADAM_EPS, BETAS, WEIGHT_DECAY, full_state, make_engine, train_step
+from parallel_latent.checkpoint.zero_access import import_deepspeed
+from tests.checkpoint.engines import ADAM_EPS, BETAS, WEIGHT_DECAY, full_state, get_step, make_engine, train_step
 from tests.tp_compare import max_abs, order_bound, terms_scale, unit_roundoff
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,13 +94,11 @@ def weights_only_task(directory: str):
     return calls
 
 
-def save_task(tp: int, stage: int, directory: str, step: int, universal: bool = False, keep_last: int = 0):
+def save_task(tp: int, stage: int, directory: str, step: int, keep_last: int = 0):
     engine, model = make_engine(tp, stage)
     for s in range(step):
         train_step(engine, model, s)
-    save_training_checkpoint(
-        engine, directory, step, {"next_step": step}, universal=universal, keep_last=keep_last, export_portable=True
-    )
+    save_training_checkpoint(engine, directory, step, {"next_step": step}, keep_last=keep_last, export_portable=True)
     before = full_state(engine, model)
     train_step(engine, model, step)
     return before, full_state(engine, model)
@@ -115,6 +113,18 @@ def test_deepspeed_files_load_weights_only(pool4, tmp_path):
     assert len(files) == 2 + 4  # model states per TP rank, ZeRO shards per rank
     for path in files:
         safe_torch_load(path)
+
+
+def test_an_unsupported_deepspeed_is_refused_in_one_line(monkeypatch):
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
+    with pytest.raises(CheckpointError) as error:
+        import_deepspeed()
+    assert str(error.value) == (
+        "DeepSpeed 0.20.1 is installed, but checkpoints read DeepSpeed's private keys of the 0.19 series: "
+        "pip install 'deepspeed>=0.19,<0.20'"
+    )
 
 
 class Payload:
@@ -133,7 +143,7 @@ def test_unsafe_pickle_is_reported_not_loaded(tmp_path):
 
 def test_keep_last_and_latest(pool4, tmp_path):
     for step in (1, 2, 3):
-        pool4.run(save_task, 2, 2, str(tmp_path), step, False, 2)
+        pool4.run(save_task, 2, 2, str(tmp_path), step, 2)
     names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_"))
     assert names == ["step_00000002", "step_00000003"]
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
@@ -234,8 +244,11 @@ def assert_resharded_resume(pool4, directory: Path, source, tp: int, stage: int)
 
 @pytest.fixture(scope="module")
 def source_tp2_zero2(pool4, tmp_path_factory):
+    """A TP=2 x DP=2 ZeRO-2 checkpoint whose universal state is already there (converted offline)."""
     directory = tmp_path_factory.mktemp("reshard") / "z2"
-    return directory, pool4.run(save_task, 2, 2, str(directory), 3, True)[0]
+    source = pool4.run(save_task, 2, 2, str(directory), 3)[0]
+    convert_to_universal(directory / "step_00000003")
+    return directory, source
 
 
 @pytest.mark.parametrize("tp,stage", [(4, 3), (1, 1), (2, 0)])
@@ -246,18 +259,25 @@ def test_resharded_resume_from_saved_universal_state(pool4, source_tp2_zero2, tp
 
 @pytest.mark.parametrize("source_stage,tp,stage", [(3, 1, 1), (0, 4, 3)])
 def test_resharded_resume_converting_deepspeed_files(pool4, tmp_path, source_stage, tp, stage):
-    source = pool4.run(save_task, 2, source_stage, str(tmp_path), 3, False)[0]
+    source = pool4.run(save_task, 2, source_stage, str(tmp_path), 3)[0]
     assert not (tmp_path / "step_00000003" / "universal").exists()
     assert_resharded_resume(pool4, tmp_path, source, tp, stage)
     assert (tmp_path / "step_00000003" / "universal" / "manifest.json").is_file()
 
 
-def test_offline_conversion_equals_live_universal_state(source_tp2_zero2, tmp_path):
-    directory, _ = source_tp2_zero2
-    step_dir = directory / "step_00000003"
-    converted = PortableCheckpoint(convert_to_universal(step_dir, tmp_path / "converted"))
-    live = PortableCheckpoint(step_dir / "universal")
-    assert converted.tensors.keys() == live.tensors.keys()
-    assert converted.manifest["optimizer"]["step"] == live.manifest["optimizer"]["step"] == 3
-    for name in live.tensors:
-        assert torch.equal(converted.read_full(name), live.read_full(name)), name
+def test_offline_conversion_equals_the_engine_state(source_tp2_zero2, tmp_path):
+    """The one producer of the universal state against the engine the checkpoint came from: every
+    fp32 master, Adam moment and frozen tensor bit for bit, and Adam's step count."""
+    directory, (before, _) = source_tp2_zero2
+    converted = PortableCheckpoint(convert_to_universal(directory / "step_00000003", tmp_path / "converted"))
+    assert converted.manifest["optimizer"]["step"] == 3
+    want = {}
+    for key, value in before.items():
+        kind, name = key.split("/", 1)
+        if kind != "model":
+            want[key] = value  # fp32/, exp_avg/, exp_avg_sq/ of a trained parameter
+        elif f"fp32/{name}" not in before:
+            want[f"state/{name}"] = value  # a frozen parameter or a buffer
+    assert converted.tensors.keys() == want.keys()
+    for name in want:
+        assert torch.equal(converted.read_full(name), want[name]), name

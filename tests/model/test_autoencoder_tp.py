@@ -320,7 +320,7 @@ def load_tied_task(tp: int, directory: str):
 def test_tied_head_is_stored_once_and_loads_at_another_tp(pool4, tmp_path):
     from safetensors import safe_open
 
-    from parallel_latent.checkpoint import load_autoencoder
+    from parallel_latent.api import load_autoencoder
 
     directory = tmp_path / "tied_tp2"
     want_loss, want_ids = pool4.run(save_tied_task, 2, str(directory))[0]

@@ -1,0 +1,288 @@
+"""Where checkpoints live and how they become visible.
+
+A run keeps its training checkpoints in ``<run_dir>/checkpoints/``::
+
+    latest                       # the tag of the newest complete checkpoint ("step_00000020")
+    step_00000020/
+      checkpoint.json            # layout (TP, DP, ZeRO stage, precision), step, tensor table; written last
+      client_state.json          # the trainer's state (data position, ...), engine counters, LR schedule
+      rng/rank_00000.json ...    # every RNG of every rank (JSON, no pickle)
+      mp_rank_00_model_states.pt, zero_pp_rank_0_mp_rank_00_optim_states.pt, ...   (DeepSpeed)
+      model/                     # portable weights (manifest.json + safetensors per TP rank)
+      universal/                 # layout-free fp32 weights + Adam moments (made when resharding)
+    .tmp-step_00000030/          # a save in progress, or one that died: never `latest`
+
+Everything is written into a staging directory and published by :func:`publish`: every file is
+fsynced once, then one rename makes the directory visible whole. ``latest`` moves only afterwards
+(:func:`replace_file`: temporary file, fsync, ``os.replace``), so a save that fails or is killed at
+any point leaves the earlier checkpoints and ``latest`` as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
+
+logger = logging.getLogger(__name__)
+
+RUN_CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
+STAGING_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"
+INFO_FILE = "checkpoint.json"
+CLIENT_STATE_FILE = "client_state.json"
+RNG_DIR = "rng"
+PORTABLE_DIR = "model"
+UNIVERSAL_DIR = "universal"
+MANIFEST_NAME = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, an I/O error, no permission): nothing was
+    published and the earlier checkpoints and ``latest`` are as they were; the message is one line."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / RUN_CHECKPOINTS_DIR
+
+
+def checkpoint_tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def error_reason(error: BaseException) -> str:
+    """One line saying why a write failed: the OS's words (``No space left on device``) for an
+    OSError or for the safetensors library's ``(os error 28)``, else the message's first line."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    os_error = re.search(r"\(os error (\d+)\)", str(error))
+    if os_error:
+        return os.strerror(int(os_error.group(1)))
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: unreadable {what} ({error})") from None
+
+
+def read_info(step_dir: Path) -> dict[str, Any]:
+    if not (step_dir / INFO_FILE).is_file():
+        raise CheckpointError(f"{step_dir}: {INFO_FILE} missing (not a complete training checkpoint)")
+    return read_json(step_dir / INFO_FILE, "checkpoint info")
+
+
+def is_complete(step_dir: Path) -> bool:
+    return TAG_PATTERN.match(step_dir.name) is not None and (step_dir / INFO_FILE).is_file()
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``checkpoint_dir``, oldest first."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [p for p in checkpoint_dir.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(TAG_PATTERN.match(p.name).group(1)))
+
+
+def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names; if that one is gone or incomplete (a crash between
+    renames), the newest complete one; None when there is none."""
+    checkpoint_dir = Path(checkpoint_dir)
+    latest = checkpoint_dir / LATEST_FILE
+    if latest.is_file():
+        candidate = checkpoint_dir / latest.read_text(encoding="utf-8").strip()
+        if is_complete(candidate):
+            return candidate
+        logger.warning(
+            "%s names %s, which is not a complete checkpoint; using the newest complete one", latest, candidate.name
+        )
+    complete = list_checkpoints(checkpoint_dir)
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A training checkpoint directory from a path to it, to the directory holding ``latest``, or
+    to a run directory (its ``checkpoints/``)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is a file; expected a checkpoint or run directory")
+    if path.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):
+        raise CheckpointError(f"{path}: an unfinished save (never published); not loadable")
+    if (path / INFO_FILE).is_file():
+        return path
+    if (path / RUN_CHECKPOINTS_DIR).is_dir():
+        path = path / RUN_CHECKPOINTS_DIR
+    found = find_latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete training checkpoint here ({INFO_FILE} or {LATEST_FILE} missing)")
+    return found
+
+
+def resolve_portable_dir(path: str | Path) -> Path:
+    """The portable directory of ``path``, whichever of these it names: a portable or consolidated
+    directory (itself), a training checkpoint (its ``model/``), a checkpoints directory (its
+    ``latest``) or a run directory (its ``checkpoints/``)."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    step_dir = resolve_checkpoint(path)
+    if not (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file():
+        raise CheckpointError(
+            f"{step_dir}: saved without portable weights (checkpoint.export_portable was off); "
+            f"run `parallel-latent export {step_dir} OUT` first"
+        )
+    return step_dir / PORTABLE_DIR
+
+
+def fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename, a new file), to the disk. A file
+    system that cannot fsync a directory says EINVAL: nothing to flush there."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP) or not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: Any, indent: int | None = 1) -> None:
+    """A JSON file inside a staging directory (made durable when the directory is published)."""
+    path.write_text(json.dumps(data, indent=indent) + "\n", encoding="utf-8")
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Replace the small file ``path`` atomically: readers see the old or the new, never a mix."""
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync(path.parent)
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Make every file under ``staging`` durable, then rename it to ``final`` (must not exist)
+    in one atomic step. The files are fsynced here and nowhere else."""
+    for root, _, files in os.walk(staging):
+        for name in files:
+            fsync(Path(root, name))
+        fsync(Path(root))
+    os.rename(staging, final)
+    fsync(final.parent)
+
+
+def partial(final: Path) -> Path:
+    """Where a one-off output (an export, a consolidation) is staged before it is published."""
+    return final.with_name(f".{final.name}.partial")
+
+
+def discard(staging: Path) -> None:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged(final: Path) -> Iterator[Path]:
+    """A new, empty staging directory next to ``final`` (a dead one of an earlier attempt is
+    removed), published as ``final`` when the block ends. For writers that run in one process: if
+    anything fails, the staging directory is removed, and a failed write raises
+    :class:`CheckpointSaveError` (one line) with the reason."""
+    staging = partial(final)
+    discard(staging)
+    staging.mkdir(parents=True)  # a file in the way of the output path is the caller's error, as it is
+    try:
+        yield staging
+        publish(staging, final)
+    except CheckpointError:
+        discard(staging)
+        raise
+    except Exception as error:
+        discard(staging)
+        raise CheckpointSaveError(f"{final}: not written: {error_reason(error)}") from error
+
+
+def attempt(failures: list[str], write: Callable[[], Any]) -> None:
+    """Run a write of this rank alone (no collective inside) unless one failed already; a failure
+    is recorded in ``failures``, not raised, so that this rank stays in step with the others."""
+    if not failures:
+        try:
+            write()
+        except Exception as error:
+            failures.append(error_reason(error))
+
+
+def _agreed(failures: list[str]) -> str | None:
+    return next((f for f in all_gather_value(failures[0] if failures else None) if f), None)
+
+
+def save_collectively(staging: Path, write: Callable[[list[str]], None], finish: Callable[[], None]) -> str | None:
+    """The way every collective writer saves: rank 0 makes a fresh ``staging`` directory; every
+    rank runs ``write`` (which records its failures in the list it gets, never raising); if no
+    rank failed, rank 0 runs ``finish`` (publishes). The ranks agree over the control group after
+    each stage, so all take the same way out. Returns the first failure's reason on every rank
+    (None: published); after a failure the staging directory is gone."""
+    failures: list[str] = []
+    if is_main():
+        attempt(failures, lambda: (discard(staging), staging.mkdir(parents=True)))
+    failure = _agreed(failures)
+    if failure is None:
+        write(failures)
+        failure = _agreed(failures)
+    if failure is None and is_main():
+        attempt(failures, finish)
+        failure = failures[0] if failures else None
+    if failure is not None and is_main():
+        discard(staging)  # before the others hear of it: when they return, it is gone
+    return broadcast_value(failure)
+
+
+def remove_unfinished_saves(checkpoint_dir: Path) -> list[Path]:
+    """Delete what saves that died left in ``checkpoint_dir`` (staging directories, a replaced copy
+    never deleted). Saves are collective and serial, so any such directory is a dead one."""
+    if not checkpoint_dir.is_dir():
+        return []
+    dead = [p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))]
+    for path in dead:
+        discard(path)
+    return dead
+
+
+def prune_checkpoints(checkpoint_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 = keep all) and what dead
+    saves left; never the one ``latest`` names."""
+    removed = []
+    latest = find_latest_checkpoint(checkpoint_dir)
+    if keep_last > 0:
+        for old in list_checkpoints(checkpoint_dir)[:-keep_last]:
+            if latest is None or old.resolve() != latest.resolve():
+                discard(old)
+                removed.append(old)
+    return removed + remove_unfinished_saves(checkpoint_dir)

@@ -1,0 +1,335 @@
+"""Tensors stored as shards of their full, unpadded selves: one safetensors file per TP rank plus
+a manifest, readable at any TP degree.
+
+For every tensor the manifest records its *full* shape (the unpadded vocabulary for the head), its
+dtype, its partition dim (null = replicated, stored once, in rank 0's file) and its shards: which
+file, which range ``[offset, offset + length)`` of the partition dim, and the sha256 of the shard's
+bytes. Reading at TP=m re-cuts those ranges for each new rank; nothing here unpickles anything.
+The model weights (:mod:`.portable`) and the universal optimizer state (:mod:`.universal`) are
+both stored this way, which is why the writer takes abstract entries, not a module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from parallel_latent.coordination import all_gather_value
+from parallel_latent.parallel.utils import group_rank, group_size
+
+from .layout import MANIFEST_NAME, CheckpointError, error_reason, read_json, write_json
+from .zero_access import gathered, is_zero3, local_shape
+
+FORMAT = "parallel-latent-portable"
+FORMAT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the spelling manifests use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint manifest")
+    return dtype
+
+
+def tp_group_of(model: nn.Module, tp_group=None):
+    """The tensor-parallel group a model's tensors are split over: the one given, else the model's
+    own (parallel layers hold theirs explicitly), else none."""
+    return tp_group if tp_group is not None else getattr(model, "tp_group", None)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This TP rank's tensor as a block of the full, unpadded tensor."""
+
+    partition_dim: int | None  # None: replicated on every TP rank
+    local_shape: tuple[int, ...]
+    full_shape: tuple[int, ...]
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> Placement:
+        """From a tensor table entry (see :meth:`spec`)."""
+        return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
+
+    def spec(self) -> dict:
+        return {"partition_dim": self.partition_dim, "local_shape": self.local_shape, "full_shape": self.full_shape}
+
+    def rank_range(self, tp_rank: int) -> tuple[int, int]:
+        """The slice ``[start, stop)`` of the partition dim that ``tp_rank`` holds real data for; rows
+        past the full size are padding (the vocabulary head), neither saved nor read."""
+        per_rank = self.local_shape[self.partition_dim]
+        start = min(tp_rank * per_rank, self.full_shape[self.partition_dim])
+        return start, min(start + per_rank, self.full_shape[self.partition_dim])
+
+
+def placement_of(tensor: torch.Tensor, tp_size: int, name: str = "") -> Placement:
+    """Read the tensor-parallel flags (``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride``, ``partition_valid_size``) that the parallel layers set."""
+    shape = local_shape(tensor)
+    if not getattr(tensor, "tensor_model_parallel", False):
+        return Placement(None, shape, shape)
+    stride = getattr(tensor, "partition_stride", 1)
+    if stride != 1:
+        raise CheckpointError(f"{name}: partition_stride={stride} (interleaved shards) is not supported")
+    dim = tensor.partition_dim % len(shape)
+    full = list(shape)
+    full[dim] = shape[dim] * tp_size
+    valid = getattr(tensor, "partition_valid_size", None)
+    if valid is not None:
+        if valid > full[dim]:
+            raise CheckpointError(f"{name}: partition_valid_size={valid} exceeds the padded size {full[dim]}")
+        full[dim] = valid
+    return Placement(dim, shape, tuple(full))
+
+
+def module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's state (parameters with their flags, persistent buffers) by name, and the names
+    that alias another entry (tied weights are stored once)."""
+    tensors, aliases, seen = {}, {}, {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if tensor is None:
+            continue
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+            continue
+        seen[id(tensor)] = name
+        tensors[name] = tensor
+    return tensors, aliases
+
+
+def whole_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's whole tensor: itself (read before anything changes it), or under ZeRO-3 a copy
+    gathered over DP (collective)."""
+    if not is_zero3(tensor):
+        return tensor.detach()
+    with gathered([tensor]):
+        return tensor.detach().to("cpu", copy=True)
+
+
+@dataclass
+class Entry:
+    """One tensor to store: its name, dtype, placement at this TP degree, and how to get this
+    rank's whole tensor (called on every rank in the same order, so it may be collective)."""
+
+    name: str
+    dtype: torch.dtype
+    placement: Placement
+    value: Callable[[], torch.Tensor]
+
+
+def shard_file_name(prefix: str, tp_rank: int, tp_size: int) -> str:
+    return f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
+
+
+def sha256(tensor: torch.Tensor) -> str:
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def rank_shards(entries: list[Entry], tp_rank: int) -> dict[str, tuple[torch.Tensor, dict]]:
+    """What TP rank ``tp_rank`` stores of ``entries``: its slices, padding cut, and the replicated
+    tensors on rank 0, each with its shard record. Every ``value`` is called, in order (it may be
+    collective)."""
+    shards = {}
+    for entry in entries:
+        value, place = entry.value(), entry.placement
+        if tuple(value.shape) != place.local_shape:
+            raise CheckpointError(
+                f"{entry.name}: value of shape {list(value.shape)}, expected {list(place.local_shape)}"
+            )
+        if place.partition_dim is None:
+            if tp_rank == 0:
+                shards[entry.name] = (value.to(entry.dtype), {})
+            continue
+        start, stop = place.rank_range(tp_rank)
+        if stop > start:
+            shard = value.narrow(place.partition_dim, 0, stop - start).to(entry.dtype).contiguous()
+            shards[entry.name] = (shard, {"offset": start, "length": stop - start})
+    return shards
+
+
+def write_rank_file(
+    directory: Path, shards: dict[str, tuple[torch.Tensor, dict]], prefix: str, tp_rank: int, tp_size: int
+):
+    """Write one rank's shards into one safetensors file. Returns (shard records by tensor name,
+    the file's record by file name)."""
+    file_name = shard_file_name(prefix, tp_rank, tp_size)
+    tensors = {name: tensor for name, (tensor, _) in shards.items()}
+    save_file(tensors, directory / file_name, {"format": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)})
+    records = {name: {"file": file_name, "sha256": sha256(tensor), **cut} for name, (tensor, cut) in shards.items()}
+    return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
+
+
+def assemble_manifest(
+    entries: list[Entry],
+    parts: list[tuple[dict, dict]],
+    tp_size: int,
+    manifest_fields: dict[str, Any],
+    aliases: dict[str, str] | None = None,
+) -> dict:
+    """The manifest from every TP rank's (shard records, file record)."""
+    files: dict[str, dict] = {}
+    shards: dict[str, list[dict]] = {e.name: [] for e in entries}
+    for records, file_records in parts:
+        files.update(file_records)
+        for name, record in records.items():
+            shards[name].append(record)
+    tensors = {
+        e.name: {
+            "shape": list(e.placement.full_shape),
+            "dtype": dtype_name(e.dtype),
+            "partition_dim": e.placement.partition_dim,
+            "shards": sorted(shards[e.name], key=lambda r: r.get("offset", 0)),
+        }
+        for e in entries
+    }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tp_size": tp_size,
+        **manifest_fields,
+        "files": dict(sorted(files.items())),
+        "tensors": tensors,
+        "aliases": aliases or {},
+    }
+
+
+def write_all_ranks(directory: Path, entries_by_rank: list[list[Entry]], prefix: str, fields: dict, aliases: dict):
+    """One process writing the files of every TP rank and the manifest (offline conversions)."""
+    tp_size = len(entries_by_rank)
+    parts = [write_rank_file(directory, rank_shards(e, r), prefix, r, tp_size) for r, e in enumerate(entries_by_rank)]
+    write_json(directory / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
+
+
+def write_sharded(
+    directory: Path,
+    entries: list[Entry],
+    *,
+    prefix: str,
+    tp_group,
+    is_writer: bool,
+    manifest_fields: dict[str, Any],
+    aliases: dict[str, str] | None = None,
+) -> str | None:
+    """Write this rank's file into the existing ``directory`` (the ``is_writer`` ranks: one per TP
+    rank), then, on the writer of TP rank 0, the manifest. Collective: every rank calls it with the
+    same entries in the same order, and the ranks meet once, over the control group, to collect
+    the shard records. A write that fails does not raise, so that every rank stays on the same
+    path: it returns the reason (the same on every rank for a shard file; only the manifest's
+    writer learns of a failed manifest), and the caller agrees with the others on what to do."""
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    shards = rank_shards(entries, tp_rank)
+    part, failure = None, None
+    if is_writer:
+        try:
+            directory.mkdir(exist_ok=True)
+            part = write_rank_file(directory, shards, prefix, tp_rank, tp_size)
+        except Exception as error:
+            failure = error_reason(error)
+    reports = all_gather_value((failure, part))
+    failure = next((f for f, _ in reports if f), None)
+    if failure is None and is_writer and tp_rank == 0:
+        try:
+            parts = [p for _, p in reports if p is not None]
+            write_json(directory / MANIFEST_NAME, assemble_manifest(entries, parts, tp_size, manifest_fields, aliases))
+        except Exception as error:
+            failure = error_reason(error)
+    return failure
+
+
+class PortableCheckpoint:
+    """A directory of shards with its manifest checked against its files (existence, sizes,
+    headers); tensors are checked against their checksums as they are read."""
+
+    def __init__(self, directory: str | Path, verify_checksums: bool = True):
+        self.directory = Path(directory)
+        self.verify_checksums = verify_checksums
+        manifest_path = self.directory / MANIFEST_NAME
+        if not manifest_path.is_file():
+            raise CheckpointError(f"{self.directory}: not a portable checkpoint ({MANIFEST_NAME} missing)")
+        self.manifest = read_json(manifest_path, "manifest")
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
+        if self.manifest.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{manifest_path}: format version {self.manifest['format_version']} is newer "
+                f"than this code reads ({FORMAT_VERSION})"
+            )
+        self.tensors: dict[str, dict] = self.manifest["tensors"]
+        self.aliases: dict[str, str] = self.manifest.get("aliases", {})
+        self._files: dict[str, tuple[Any, set[str]]] = {}  # open file, its tensor names
+        for file_name, info in self.manifest["files"].items():
+            path = self.directory / file_name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard file missing")
+            size = path.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(
+                    f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced file)"
+                )
+
+    def _file(self, name: str):
+        if name not in self._files:
+            try:
+                handle = safe_open(str(self.directory / name), framework="pt")
+            except SafetensorError as error:
+                raise CheckpointError(f"{self.directory / name}: truncated or damaged file ({error})") from None
+            self._files[name] = handle, set(handle.keys())
+        return self._files[name]
+
+    def _read_shard(self, name: str, shard: dict, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """A shard, or the part ``index`` of it. With checksums on, the whole shard is read and
+        checked (a checksum covers the whole shard); otherwise only the part is read."""
+        handle, names = self._file(shard["file"])
+        if name not in names:
+            raise CheckpointError(f"{self.directory / shard['file']}: tensor {name!r} missing from shard")
+        if not self.verify_checksums:
+            return handle.get_slice(name)[index] if index else handle.get_tensor(name)
+        value = handle.get_tensor(name)
+        if sha256(value) != shard["sha256"]:
+            raise CheckpointError(
+                f"{self.directory / shard['file']}: checksum mismatch for tensor {name!r} (the file is corrupted)"
+            )
+        return value[index] if index else value
+
+    def read_full(self, name: str) -> torch.Tensor:
+        """The whole (unpadded) tensor, assembled from its shards."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.directory}: no tensor {name!r}")
+        shape = tuple(self.tensors[name]["shape"])
+        return self.read_block(name, Placement(self.tensors[name]["partition_dim"], shape, shape), 0)
+
+    def read_block(
+        self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """This rank's tensor at a (possibly different) TP degree: its range of the partition dim cut
+        from whichever shards overlap it, padding rows zero."""
+        info = self.tensors[name]
+        dtype = dtype or dtype_from_name(info["dtype"])
+        dim = placement.partition_dim
+        if dim is None:
+            return self._read_shard(name, info["shards"][0]).to(dtype)
+        start, stop = placement.rank_range(tp_rank)
+        block = torch.zeros(placement.local_shape, dtype=dtype)
+        covered = 0
+        for shard in info["shards"]:
+            lo, hi = max(start, shard["offset"]), min(stop, shard["offset"] + shard["length"])
+            if hi > lo:
+                rows = (slice(None),) * dim + (slice(lo - shard["offset"], hi - shard["offset"]),)
+                block.narrow(dim, lo - start, hi - lo).copy_(self._read_shard(name, shard, rows))
+                covered += hi - lo
+        if covered != stop - start:
+            raise CheckpointError(f"{self.directory}: shards of {name!r} do not cover rows [{start}, {stop})")
+        return block

@@ -1,0 +1,361 @@
+"""Resharded resume: continue training at another TP x DP (and ZeRO stage) with Adam's state.
+
+The bridge between layouts is the *universal* state, stored as shards (:mod:`.shards`): for every
+trainable parameter ``p`` its fp32 master ``fp32/<p>`` and Adam moments ``exp_avg/<p>``,
+``exp_avg_sq/<p>`` (full over DP, split over TP like the weight), ``state/<name>`` for every frozen
+tensor, and Adam's step and hyperparameters in the manifest. Its one producer is
+:func:`convert_to_universal`, which reads DeepSpeed's files of any ZeRO stage (``weights_only``)
+in one process: rank 0 runs it when a resume finds another layout, ``parallel-latent reshard`` by
+hand. :func:`load_universal_state` cuts each tensor for the new TP rank and sets the new engine's
+weights, masters and moments. :func:`export_portable` makes portable weights from it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel_latent.coordination import broadcast_value, is_main
+from parallel_latent.parallel.utils import group_rank, group_size
+
+from .layout import (
+    CLIENT_STATE_FILE,
+    INFO_FILE,
+    MANIFEST_NAME,
+    PORTABLE_DIR,
+    UNIVERSAL_DIR,
+    CheckpointError,
+    CheckpointSaveError,
+    read_info,
+    read_json,
+    resolve_checkpoint,
+    staged,
+)
+from .portable import MODEL_PREFIX, check_model_record
+from .shards import (
+    Entry,
+    Placement,
+    PortableCheckpoint,
+    dtype_from_name,
+    dtype_name,
+    module_tensors,
+    placement_of,
+    tp_group_of,
+    write_all_ranks,
+)
+from .zero_access import (
+    ADAM_MOMENTS,
+    adam_step,
+    base_optimizer,
+    ensure_optimizer_state,
+    safe_torch_load,
+    set_master,
+    set_moment,
+    write_param,
+)
+
+UNIVERSAL_PREFIX = "optim"
+MASTER = "fp32"
+FROZEN = "state"
+# Param-group keys worth carrying over (the LR itself is re-derived by the scheduler too).
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "initial_lr")
+
+
+def trainable(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, nn.Parameter) and tensor.requires_grad
+
+
+def tensor_table(model: nn.Module, tp_size: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """How each tensor of ``model`` is laid out (recorded in checkpoint.json for the converter)."""
+    tensors, aliases = module_tensors(model)
+    table = {}
+    for name, tensor in tensors.items():
+        table[name] = {**placement_of(tensor, tp_size, name).spec(), "dtype": dtype_name(tensor.dtype)}
+        table[name]["trainable"] = trainable(tensor)
+    return table, aliases
+
+
+def _json_group(group: dict) -> dict:
+    """A param group's hyperparameters (GROUP_KEYS) as JSON values."""
+    out = {}
+    for key in GROUP_KEYS:
+        value = group[key].item() if torch.is_tensor(group.get(key)) else group.get(key)
+        if isinstance(value, (int, float, list, tuple)):
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _optim_file(step_dir: Path, dp_rank: int, mp_rank: int, precision: str) -> Path:
+    prefix = "bf16_" if precision == "bf16" else ""
+    return step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
+    """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
+    ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
+    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+    shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+    pieces = {name: {key: [] for key in (MASTER, *ADAM_MOMENTS)} for name in shapes}
+    step, groups = 0, []
+    for dp_rank in range(dp_size):
+        sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
+        base = sd["base_optimizer_state"]
+        groups = base.get("param_groups", groups)
+        for group_index, mapping in enumerate(sd["param_slice_mappings"]):
+            flat = {MASTER: sd["single_partition_of_fp32_groups"][group_index]}
+            state = base["state"].get(group_index, {})
+            for key in ADAM_MOMENTS:
+                flat[key] = state.get(key, torch.zeros_like(flat[MASTER]))
+            step = adam_step(state) or step
+            for name, address in mapping.items():
+                for key, tensor in flat.items():
+                    pieces[name][key].append(tensor.narrow(0, address.start, address.numel))
+    result = {}
+    for name, shape in shapes.items():
+        result[name] = {}
+        for key, parts in pieces[name].items():
+            flat = torch.cat(parts) if parts else torch.empty(0)
+            if flat.numel() != math.prod(shape):
+                raise CheckpointError(
+                    f"{step_dir}: ZeRO fragments of {name!r} hold {flat.numel()} elements, expected {math.prod(shape)}"
+                )
+            result[name][key] = flat.view(shape).float()
+    return result, model_states["module"], step, groups
+
+
+def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
+    """Every parameter is split into ``ceil(numel / dp)`` pieces, one per DP rank (the last
+    padded), and a rank's flat group is its pieces of all parameters in order."""
+    model_states = [
+        safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+        for r in range(dp_size)
+    ]
+    shapes = {name: tuple(shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()}
+    flats: dict[str, list[torch.Tensor]] = {key: [] for key in (MASTER, *ADAM_MOMENTS)}
+    step, groups = 0, []
+    for dp_rank in range(dp_size):
+        sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
+        base = sd["optimizer_state_dict"]
+        groups = base.get("param_groups", groups)
+        fp32_groups = sd["fp32_flat_groups"]
+        flats[MASTER].append(torch.cat([g.reshape(-1) for g in fp32_groups]))
+        for key in ADAM_MOMENTS:
+            states = [base["state"].get(i, {}).get(key, torch.zeros_like(g)) for i, g in enumerate(fp32_groups)]
+            flats[key].append(torch.cat([s.reshape(-1) for s in states]))
+        step = adam_step(base["state"].get(0, {})) or step
+    result: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
+    offset = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        per_rank = math.ceil(numel / dp_size)
+        for key, rank_flats in flats.items():
+            whole = torch.cat([f.narrow(0, offset, per_rank) for f in rank_flats])
+            result[name][key] = whole[:numel].view(shape).float()
+        offset += per_rank
+    # Frozen parameters are stored as each rank's fragment; buffers whole in every rank's module.
+    module = dict(model_states[0]["module"])
+    for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
+        whole = torch.cat([ms["frozen_param_fragments"][name].reshape(-1) for ms in model_states])
+        module[name] = whole[: math.prod(shape)].view(tuple(shape))
+    return result, module, step, groups
+
+
+def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str]):
+    """ZeRO-0 (fp32): weights and the torch optimizer's state dict sit in the model states file;
+    the state is keyed by position in the optimizer, mapped to names recorded at save time."""
+    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+    module = model_states["module"]
+    optimizer_sd = model_states.get("optimizer") or {}
+    state = optimizer_sd.get("state", {})
+    order = [i for group in optimizer_sd.get("param_groups", []) for i in group["params"]]
+    if len(order) != len(names):
+        raise CheckpointError(f"{step_dir}: optimizer holds {len(order)} tensors, {len(names)} names recorded")
+    result, step = {}, 0
+    for index, name in zip(order, names, strict=True):
+        entry = state.get(index, {})
+        weight = module[name].float()
+        result[name] = {MASTER: weight, **{k: entry.get(k, torch.zeros_like(weight)).float() for k in ADAM_MOMENTS}}
+        step = adam_step(entry) or step
+    return result, module, step, optimizer_sd.get("param_groups", [])
+
+
+def convert_to_universal(step_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Build the universal state of a training checkpoint from DeepSpeed's files (one process, no
+    process group). Written next to the files as ``universal/`` unless ``output`` is given, under a
+    staging name renamed into place when complete."""
+    step_dir = Path(step_dir)
+    info = read_info(step_dir)
+    layout, table = info["layout"], info.get("tensors")
+    if not table:
+        raise CheckpointError(
+            f"{step_dir / INFO_FILE}: no tensor table (saved by an older version); resume it at its own layout"
+        )
+    tp_size, dp_size = layout["tensor_parallel"], layout["data_parallel"]
+    stage, precision = layout["zero_stage"], layout["precision"]
+    output = Path(output) if output is not None else step_dir / UNIVERSAL_DIR
+    if output.exists():
+        raise CheckpointError(f"{output}: already exists")
+    if stage == 0 and precision != "fp32":
+        raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
+    if stage == 0:
+        per_rank = [_zero0_tensors(step_dir, r, info.get("optimizer_param_names", [])) for r in range(tp_size)]
+    else:
+        read = _zero12_tensors if stage in (1, 2) else _zero3_tensors
+        per_rank = [read(step_dir, r, dp_size, precision) for r in range(tp_size)]
+
+    entries_by_rank: list[list[Entry]] = [[] for _ in range(tp_size)]
+    for name, spec in table.items():
+        place, kinds = Placement.from_spec(spec), (MASTER, *ADAM_MOMENTS) if spec["trainable"] else (FROZEN,)
+        for entries, (weights, module, _, _) in zip(entries_by_rank, per_rank, strict=True):
+            for kind in kinds:
+                value = weights.get(name, {}).get(kind) if spec["trainable"] else module.get(name)
+                if value is None:
+                    raise CheckpointError(f"{step_dir}: {name!r} missing from DeepSpeed's files")
+                dtype = torch.float32 if spec["trainable"] else dtype_from_name(spec["dtype"])
+                entries.append(Entry(f"{kind}/{name}", dtype, place, lambda v=value: v))
+    client = read_json(step_dir / CLIENT_STATE_FILE, "client state") if (step_dir / CLIENT_STATE_FILE).is_file() else {}
+    config = client.get("config") or {}
+    _, _, step, groups = per_rank[0]
+    optimizer = {
+        "class": info.get("optimizer_class", "AdamW"),
+        "step": step,
+        "param_groups": list(map(_json_group, groups)),
+    }
+    fields = {
+        "contents": "optimizer",
+        "step": info["step"],
+        "model_config": config.get("model"),
+        "feature_model_config": config.get("feature_model"),
+        "tokenizer": client.get("tokenizer"),
+        "config": config or None,
+        "source_layout": layout,
+        "converted_from": "deepspeed",
+        "optimizer": optimizer,
+    }
+    aliases = {f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in (info.get("aliases") or {}).items()}
+    with staged(output) as staging:
+        write_all_ranks(staging, entries_by_rank, UNIVERSAL_PREFIX, fields, aliases)
+    return output
+
+
+def ensure_universal_state(step_dir: Path) -> Path:
+    """The checkpoint's universal state, converted from DeepSpeed's files first (by rank 0, the
+    others wait over the control group) when the checkpoint has none yet. Collective."""
+    universal = step_dir / UNIVERSAL_DIR
+    failure = None
+    if is_main() and not universal.is_dir():
+        try:
+            convert_to_universal(step_dir)
+        except (CheckpointError, CheckpointSaveError) as error:
+            failure = error
+    failure = broadcast_value(failure)
+    if failure is not None:
+        raise failure
+    return universal
+
+
+def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_optimizer: bool = True) -> dict:
+    """Set ``engine``'s weights, fp32 masters, Adam moments and step from a universal state saved
+    at any layout. No collective: each rank reads its own ranges. Returns the manifest."""
+    checkpoint = PortableCheckpoint(directory)
+    manifest = checkpoint.manifest
+    if manifest.get("contents") != "optimizer":
+        raise CheckpointError(f"{directory}: not a universal optimizer state (contents={manifest.get('contents')!r})")
+    model = engine.module
+    tp_group = tp_group_of(model, tp_group)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    check_model_record(manifest, model, directory)
+
+    def saved(kind: str, name: str, place: Placement) -> str:
+        key = f"{kind}/{name}"
+        if key not in checkpoint.tensors:
+            if kind == FROZEN and f"{MASTER}/{name}" in checkpoint.tensors:
+                return f"{MASTER}/{name}"  # trained before, frozen now: its weight is its master
+            raise CheckpointError(
+                f"{directory}: no {key!r} in the universal state (a different model, or "
+                "a parameter that was frozen when it was saved?)"
+            )
+        if checkpoint.tensors[key]["shape"] != list(place.full_shape):
+            raise CheckpointError(
+                f"{directory}: {key!r} is {checkpoint.tensors[key]['shape']} in the checkpoint "
+                f"but {list(place.full_shape)} in the model (a different model size?)"
+            )
+        return key
+
+    plan = []
+    for name, tensor in module_tensors(model)[0].items():
+        place = placement_of(tensor, tp_size, name)
+        plan.append((name, tensor, place, saved(MASTER if trainable(tensor) else FROZEN, name, place)))
+    if load_optimizer:
+        ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
+    with torch.no_grad():
+        for name, tensor, place, key in plan:
+            if not trainable(tensor):
+                write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
+                continue
+            set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
+            for moment in ADAM_MOMENTS if load_optimizer else ():
+                value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
+                set_moment(engine, tensor, moment, value)
+    groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)
+    if load_optimizer and len(groups) == len(optimizer.param_groups):
+        for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+            group.update(
+                {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved_group.items() if k in group}
+            )
+    return manifest
+
+
+def export_portable(source: str | Path, output: str | Path) -> Path:
+    """Write the portable weights of ``source`` (a portable directory, a training checkpoint, or a
+    checkpoints directory's ``latest``) to the new directory ``output``.
+
+    A training checkpoint saved with ``checkpoint.export_portable`` already holds them (copied);
+    one saved without gets them from its universal state (converted into a temporary directory if
+    needed, so the checkpoint itself is left as it is): trained weights are the fp32 masters cast
+    to the model's dtype, the rest are stored as they were."""
+    source, output = Path(source), Path(output)
+    if output.exists():
+        raise CheckpointError(f"{output}: already exists; not overwriting")
+    if (source / MANIFEST_NAME).is_file():
+        portable = source
+    else:
+        step_dir = resolve_checkpoint(source)
+        portable = step_dir / PORTABLE_DIR if (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file() else None
+    if portable is not None:
+        PortableCheckpoint(portable)  # validate before copying
+        with staged(output) as staging:
+            shutil.copytree(portable, staging, dirs_exist_ok=True)
+        return output
+    info = read_info(step_dir)
+    if not info.get("tensors"):
+        raise CheckpointError(f"{step_dir / INFO_FILE}: no tensor table; cannot export offline")
+    if (step_dir / UNIVERSAL_DIR / MANIFEST_NAME).is_file():
+        return _model_from_universal(step_dir / UNIVERSAL_DIR, info, output)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.universal-") as scratch:
+        return _model_from_universal(convert_to_universal(step_dir, Path(scratch) / UNIVERSAL_DIR), info, output)
+
+
+def _model_from_universal(universal_dir: Path, info: dict, output: Path) -> Path:
+    universal = PortableCheckpoint(universal_dir)
+
+    def entry(name: str, spec: dict, tp_rank: int) -> Entry:
+        place, dtype = Placement.from_spec(spec), dtype_from_name(spec["dtype"])
+        key = f"{MASTER if spec['trainable'] else FROZEN}/{name}"
+        return Entry(name, dtype, place, lambda: universal.read_block(key, place, tp_rank, dtype))
+
+    tensors = info["tensors"].items()
+    entries_by_rank = [[entry(n, spec, r) for n, spec in tensors] for r in range(universal.manifest["tp_size"])]
+    dropped = ("format", "format_version", "tp_size", "files", "tensors", "aliases", "optimizer", "source_layout")
+    fields = {k: v for k, v in universal.manifest.items() if k not in (*dropped, "converted_from")}
+    fields.update(contents="model", step=info["step"])
+    aliases = {a.removeprefix(f"{FROZEN}/"): t.removeprefix(f"{FROZEN}/") for a, t in universal.aliases.items()}
+    with staged(output) as staging:
+        write_all_ranks(staging, entries_by_rank, MODEL_PREFIX, fields, aliases)
+    return output

@@ -1,0 +1,90 @@
+"""Checkpoints written by an earlier version of the code still load, at TP=1 and TP=2, to the same
+decoded ids. The files in fixtures/v1 were written once (see fixtures/README.md) and are never
+rewritten; the ids below were printed by the code that wrote them, not by the code under test."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parallel_latent.api import load_autoencoder
+from parallel_latent.checkpoint import load_training_checkpoint
+from tests.checkpoint.make_fixture import FIXTURE, fixture_batch, fixture_config
+from tests.distributed import DistributedPool
+
+# The decoded ids of fixture_batch(), recorded from the writing code (both models were trained to
+# reconstruct it: the smallest argmax margins were 0.97 and 1.69, far above any summation-order
+# difference between TP degrees).
+EXPECTED_IDS = [
+    [165, 43, 198, 277, 237, 283, 27, 188],
+    [25, 249, 294, 192, 75, 80, 128, 295],
+    [12, 51, 276, 171, 140, 299, 299, 299],
+    [202, 105, 75, 141, 88, 153, 221, 94],
+]
+TRAINING_CHECKPOINT = FIXTURE / "run" / "checkpoints" / "step_00000060"
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+def decode(model) -> list[list[int]]:
+    ids, mask = fixture_batch()
+    model.eval()
+    return model.decode(model.encode(ids, mask), mask).tolist()
+
+
+def portable_task(tp: int, path: str):
+    from parallel_latent.parallel import initialize_model_parallel
+
+    state = initialize_model_parallel(tp)
+    return decode(load_autoencoder(path, state.tp_group))
+
+
+def training_task(tp: int, checkpoints: str):
+    from parallel_latent.engine import initialize_engine
+    from parallel_latent.model import build_model
+    from parallel_latent.parallel import initialize_model_parallel
+
+    cfg = fixture_config("normal")
+    cfg.parallel.tensor_parallel = tp
+    state = initialize_model_parallel(tp)
+    model = build_model(cfg, state.tp_group)
+    engine = initialize_engine(model, cfg, state.world_size).engine
+    loaded = load_training_checkpoint(engine, checkpoints, model=model, tp_group=state.tp_group)
+    return loaded.step, loaded.resharded, loaded.client_state, decode(model)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("saved", ["portable", "run"])
+def test_portable_weights_load_at_tp(pool2, saved, tp):
+    """The tied-head portable directory, and the training checkpoint's model/ (padded split head)."""
+    for decoded in pool2.run(portable_task, tp, str(FIXTURE / saved)):
+        assert decoded == EXPECTED_IDS
+
+
+def test_single_process_load():
+    assert decode(load_autoencoder(FIXTURE / "portable")) == EXPECTED_IDS
+    assert decode(load_autoencoder(TRAINING_CHECKPOINT)) == EXPECTED_IDS
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_training_checkpoint_resumes_at_tp(pool2, tmp_path, tp):
+    """TP=2 x DP=1 is the saved layout (DeepSpeed's files); TP=1 x DP=2 goes through the universal
+    state converted from them (written next to them: into a copy, the fixture stays as it is)."""
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(TRAINING_CHECKPOINT.parent, copy)
+    for step, resharded, client, decoded in pool2.run(training_task, tp, str(copy)):
+        assert step == 60 and resharded == (tp != 2)
+        assert client == {"step": 60, "skipped_steps": 0}
+        assert decoded == EXPECTED_IDS
+
+
+def test_fixture_is_untouched():
+    assert not (TRAINING_CHECKPOINT / "universal").exists()
+    assert sorted(p.name for p in Path(FIXTURE).iterdir()) == ["portable", "run"]

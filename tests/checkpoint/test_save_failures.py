@@ -1,0 +1,173 @@
+"""A save that cannot be written, or is killed, never costs the last complete checkpoint.
+
+* one rank's writes fail (a real OS limit: RLIMIT_FSIZE, so every write past it fails with EFBIG):
+  every rank raises the same one-line error, the staging directory is gone, ``latest`` and the
+  last checkpoint are as they were, and the engine saves again once the limit is lifted;
+* a full disk (a real tmpfs of a few MB, mounted when the test may; skipped with the reason
+  otherwise) under ``parallel-latent train --nproc 2``: one line from rank 0, a non-zero exit, no
+  raw OSError, nothing else touched;
+* kill -9 of every process while a save is being published, then a rerun: it removes the dead
+  save's staging directory at start-up and resumes from the last complete checkpoint;
+* a one-process writer (consolidate) on a full disk: one line, and no staging directory left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel_latent.checkpoint import (
+    CheckpointSaveError,
+    consolidate,
+    find_latest_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from parallel_latent.checkpoint.training import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
+from tests.checkpoint.engines import make_engine, train_step
+from tests.checkpoint.make_fixture import FIXTURE
+from tests.distributed import DistributedPool
+from tests.trainer_runs import REPO, cli_command, describe, rank_env, rank_pids, run
+
+RUN_RECIPE = ["parallel.tensor_parallel=2", "training.max_steps=4", "checkpoint.save_every=2"]
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``path``, or the test skipped with the reason."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip() or 'mount failed'})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def contents(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+# --------------------------------------------------------------------------- #
+# One rank cannot write.
+# --------------------------------------------------------------------------- #
+
+
+def one_rank_fails_task(directory: str):
+    engine, model = make_engine(1, 2)  # DP=2: each rank writes its own ZeRO shard
+    train_step(engine, model, 0)
+    save_training_checkpoint(engine, directory, 1, {"next_step": 1}, export_portable=True)
+    train_step(engine, model, 1)
+    rank = engine.global_rank
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        save_training_checkpoint(engine, directory, 2, {"next_step": 2}, export_portable=True)
+        message = None
+    except CheckpointSaveError as error:
+        message = str(error)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    after_failure = contents(Path(directory))
+    loaded = load_training_checkpoint(engine, directory)  # the last complete one is intact
+    saved_again = save_training_checkpoint(engine, directory, 2, {"next_step": 2}, export_portable=True)
+    return message, after_failure, loaded.step, saved_again.name
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
+    pool = DistributedPool(2)
+    try:
+        results = pool.run(one_rank_fails_task, str(tmp_path))
+    finally:
+        pool.close()
+    messages = {message for message, *_ in results}
+    assert messages == {
+        f"checkpoint at step 2 not written: File too large ({tmp_path}); the last complete checkpoint is step 1"
+    }
+    for _, after_failure, loaded_step, saved_again in results:
+        assert [n for n in after_failure if not n.startswith("zero_to_")] == ["latest", "step_00000001"]
+        assert loaded_step == 1 and saved_again == "step_00000002"
+    assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+
+
+# --------------------------------------------------------------------------- #
+# The trainer on a full disk, and killed while saving.
+# --------------------------------------------------------------------------- #
+
+
+def test_full_disk_under_the_trainer_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """One TP=2 checkpoint of the tiny model is 14 MB: 22 MB hold the step-2 save, not step 4's."""
+    with small_filesystem(tmp_path / "disk", "22m") as disk:
+        run_dir = disk / "run"
+        result = run(cli_command(run_dir, *RUN_RECIPE, nproc=2), timeout=400)
+        assert result.returncode != 0, describe(result)
+        checkpoints = run_dir / "checkpoints"
+        want = (
+            f"checkpoint at step 4 not written: No space left on device ({checkpoints}); "
+            "the last complete checkpoint is step 2"
+        )
+        lines = result.stderr.splitlines()
+        assert [line for line in lines if "not written" in line] == [f"parallel-latent: error: {want}"], describe(
+            result
+        )
+        assert not [line for line in lines if "OSError" in line or "Errno 28" in line], describe(result)
+        assert [n for n in contents(checkpoints) if not n.startswith("zero_to_")] == ["latest", "step_00000002"]
+        assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+        assert find_latest_checkpoint(checkpoints).name == "step_00000002"
+
+
+def test_killed_save_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    marker = checkpoints / ".tmp-step_00000004" / PAUSE_MARKER
+    job = subprocess.Popen(
+        cli_command(run_dir, *RUN_RECIPE, nproc=2),
+        cwd=REPO,
+        env=rank_env({PAUSE_BEFORE_PUBLISH_ENV: "600@4"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert job.poll() is None and time.monotonic() < deadline, "the step-4 save never reached its publish"
+            time.sleep(0.2)
+        # Everything of step 4 is written; kill -9 every process, ranks first (a node going down).
+        for pid in rank_pids(job.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait(timeout=60)
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
+    assert (checkpoints / ".tmp-step_00000004").is_dir()
+
+    result = run(cli_command(run_dir, *RUN_RECIPE, nproc=2), timeout=400)
+    assert result.returncode == 0, describe(result)
+    assert f"removed {checkpoints / '.tmp-step_00000004'}: a checkpoint save that never finished" in result.stdout
+    assert f"resumed from {checkpoints / 'step_00000002'} at step 2" in result.stdout
+    assert (checkpoints / "latest").read_text().strip() == "step_00000004"
+    assert not [n for n in contents(checkpoints) if n.startswith(".")]
+
+
+def test_one_process_writer_on_a_full_disk(tmp_path):
+    with small_filesystem(tmp_path / "disk", "64k") as disk:
+        with pytest.raises(CheckpointSaveError) as error:
+            consolidate(FIXTURE / "portable", disk / "single")
+        assert str(error.value) == f"{disk / 'single'}: not written: No space left on device"
+        assert contents(disk) == []
