@@ -32,6 +32,7 @@ QUICK_FIGURES = {
     "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
     "bench_checkpoint.py": ["portable load (checksums verified) / torch.load", "portable bytes / torch.save bytes"],
     "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
+    "bench_quality.py": ["tiny.yaml seed 1: token accuracy", "tiny.yaml worst seed bleu", "tiny.yaml slowest seed"],
 }
 
 
