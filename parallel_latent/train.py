@@ -253,6 +253,7 @@ class Trainer:
             self.state.dp_size,
             seed=cfg.training.seed,
             drop_last=True,
+            grad_accum=self.grad_accum,
         )
         model = build_model_once_per_node(cfg, self.state.tp_group)
         self.bundle: EngineBundle = initialize_engine(model, cfg, self.state.world_size, deepspeed_overrides)
