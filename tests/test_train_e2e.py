@@ -460,7 +460,8 @@ def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, tmp_p
 
 
 def test_resume_from_tp2_in_one_process_continues_the_same_run(run_a, run_b, tmp_path):
-    """B's step-5 checkpoint (TP=2) resumed by one process (TP=1): steps 6-10 equal A's and B's."""
+    """B's step-5 checkpoint (TP=2, micro-batch 8) resumed by one process (TP=1) whose configured
+    micro-batch is 4: the global batch of 8 is kept as 4 x 2 accumulated, and steps 6-10 equal A's."""
     source, _ = run_b
     run_dir = tmp_path / "tp1"
     tag = "step_00000005"
@@ -469,7 +470,7 @@ def test_resume_from_tp2_in_one_process_continues_the_same_run(run_a, run_b, tmp
     result = run(cli_command(run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2"), timeout=300)
     assert result.returncode == 0, describe(result)
     assert "at step 5 (resharded from another layout)" in result.stdout
-    assert "global batch 8 kept from the checkpoint: micro-batch 8 x 1 accumulation x DP 1" in result.stdout
+    assert "global batch 8 kept from the checkpoint: micro-batch 4 x 2 accumulation x DP 1" in result.stdout
     mine, theirs = train_records(run_dir), {r["step"]: r for r in train_records(run_a)}
     assert [r["step"] for r in mine] == list(range(6, STEPS + 1))
     for record in mine:
