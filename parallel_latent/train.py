@@ -52,8 +52,9 @@ from parallel_latent.checkpoint import (
     remove_unfinished_saves,
     resolve_checkpoint,
     save_training_checkpoint,
+    saved_client_state,
 )
-from parallel_latent.config import Config, ConfigError, save_config, validate_world
+from parallel_latent.config import Config, ConfigError, keep_global_batch, save_config, validate_world
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
@@ -109,6 +110,32 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
         raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
     elif resume != "auto" and not Path(resume).is_dir():
         raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
+    # A checkpoint whose global batch cannot be kept on this many processes: one line now, before
+    # any rank starts (the trainer makes the same plan from rank 0's choice of checkpoint).
+    planned_resume(cfg, world_size, checkpoint_to_resume(cfg))
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names, as this process sees it: ``auto`` = the run
+    directory's latest complete one (None if there is none), ``never`` = None, else that path."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest_checkpoint(checkpoints_dir(cfg.logging.run_dir))
+    return resolve_checkpoint(resume)
+
+
+def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
+    """``cfg`` for continuing from ``path`` on ``world_size`` processes: the checkpoint's global
+    batch kept (micro-batch and accumulation chosen for the new data-parallel size), and the line
+    that says so; ConfigError (one line) when it cannot be kept. Unchanged without a checkpoint."""
+    if path is None:
+        return cfg, None
+    sampler = saved_client_state(path).get("sampler") or {}
+    if "global_batch_size" not in sampler:
+        return cfg, None
+    return keep_global_batch(cfg, world_size, int(sampler["global_batch_size"]), str(path))
 
 
 def require_shared_run_dir(run_dir: Path, source: str) -> None:
@@ -207,7 +234,15 @@ class Trainer:
 
         self.tokenizer = load_tokenizer_once_per_node(cfg)
         self.tokenizer_facts = tokenizer_facts(self.tokenizer)
-        self.cfg = cfg = apply_tokenizer_facts(cfg, self.tokenizer_facts)
+        cfg = apply_tokenizer_facts(cfg, self.tokenizer_facts)
+        # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a
+        # rank that resumed and one that started fresh would wait for each other forever). Its
+        # global batch is kept, whatever the new layout: the run goes on as the same run.
+        path = checkpoint_to_resume(cfg) if is_main() else None
+        path = broadcast_value(None if path is None else str(path))
+        self.resume_path = None if path is None else Path(path)
+        self.cfg, self.batch_note = planned_resume(cfg, self.state.world_size, self.resume_path)
+        cfg = self.cfg
         self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
         self.micro_batch = cfg.training.micro_batch_size
         self.grad_accum = cfg.training.grad_accum_steps
@@ -218,6 +253,7 @@ class Trainer:
             self.state.dp_size,
             seed=cfg.training.seed,
             drop_last=True,
+            grad_accum=self.grad_accum,
         )
         model = build_model_once_per_node(cfg, self.state.tp_group)
         self.bundle: EngineBundle = initialize_engine(model, cfg, self.state.world_size, deepspeed_overrides)
@@ -264,18 +300,7 @@ class Trainer:
         or a run directory).  The checkpoint package restores weights, optimizer, schedule,
         engine counters and every RNG, also at another TP x DP layout; the data position and
         our counters come back from the client state saved by :meth:`save`."""
-        resume = self.cfg.checkpoint.resume
-        if resume == "never":
-            return
-        # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a
-        # rank that resumed and one that started fresh would wait for each other forever).
-        path = None
-        if is_main():
-            if resume == "auto":
-                path = find_latest_checkpoint(checkpoints_dir(self.run_dir))
-            else:
-                path = resolve_checkpoint(resume)
-        path = broadcast_value(None if path is None else str(path))
+        path = self.resume_path
         if path is None:
             return
         loaded = load_training_checkpoint(self.engine, path, model=self.model, tp_group=self.state.tp_group)
@@ -288,6 +313,8 @@ class Trainer:
         if self.is_main:
             layout = " (resharded from another layout)" if loaded.resharded else ""
             print(f"resumed from {loaded.path} at step {self.step}{layout}", flush=True)
+            if self.batch_note:
+                print(self.batch_note, flush=True)
 
     def save(self) -> Path:
         """A training checkpoint of this step (collective), with the portable weights if

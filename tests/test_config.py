@@ -407,3 +407,40 @@ def test_floats_inside_lists_too():
 
 def test_an_integer_key_does_not_take_a_float_literal():
     assert "training.max_steps: expected int, got str '1e3'" in config_error({"training": {"max_steps": "1e3"}})
+
+
+@pytest.mark.parametrize(
+    ("world", "tp", "micro", "saved", "want"),
+    [
+        (4, 2, 8, 8, (4, 1, None)),  # DP 2: each rank's 4 samples in one micro-batch
+        (2, 2, 8, 8, (8, 1, "unchanged")),  # the same layout: nothing to do
+        (1, 1, 4, 16, (4, 4, None)),  # DP 1: accumulate 4 micro-batches of the configured 4
+        (8, 2, 16, 24, (6, 1, None)),  # DP 4: 6 per rank, micro-batches of at most 16
+        (2, 1, 5, 40, (5, 4, None)),  # 20 per rank: 4 x 5
+        (2, 1, 6, 40, (5, 4, None)),  # 20 per rank: 6 does not divide it, the largest divisor below does
+    ],
+)
+def test_resume_keeps_the_checkpoints_global_batch(world, tp, micro, saved, want):
+    from parallel_latent.config import keep_global_batch
+
+    cfg = config_from_dict({"parallel": {"tensor_parallel": tp}, "training": {"micro_batch_size": micro}})
+    kept, note = keep_global_batch(cfg, world, saved, "ck")
+    training = kept.training
+    assert (training.micro_batch_size, training.grad_accum_steps) == want[:2]
+    assert training.micro_batch_size * training.grad_accum_steps * (world // tp) == saved
+    if want[2] == "unchanged":
+        assert note is None and kept is cfg
+    else:
+        assert note.startswith(f"global batch {saved} kept from the checkpoint: micro-batch {want[0]} x {want[1]}")
+
+
+def test_resume_refuses_what_cannot_be_kept_in_one_line():
+    from parallel_latent.config import keep_global_batch
+
+    cfg = config_from_dict({"parallel": {"tensor_parallel": 1}})
+    with pytest.raises(ConfigError, match=r"global batch of 16, which does not split over 3 data-parallel ranks"):
+        keep_global_batch(cfg, 3, 16, "ck")
+    explicit = config_from_dict({"training": {"micro_batch_size": 4, "global_batch_size": 8}})
+    with pytest.raises(ConfigError, match=r"global_batch_size=8 but ck was trained with a global batch of 16"):
+        keep_global_batch(explicit, 2, 16, "ck")
+    assert keep_global_batch(explicit, 2, 8, "ck") == (explicit, None)

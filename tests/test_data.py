@@ -424,3 +424,25 @@ def test_too_few_samples_for_one_global_batch():
         ShardedBatchSampler(10, 4, dp_rank=0, dp_size=3)
     with pytest.raises(ValueError):
         ShardedBatchSampler(10, 2, dp_rank=2, dp_size=2)
+
+
+def test_resume_with_the_same_global_batch_accumulated_differently():
+    """One step of 8 = two accumulated micro-batches of 4 = four of 2 over two DP ranks: the same
+    samples, the same epoch ends (the dropped tail is counted in global batches), and a position
+    saved under one split resumes under another."""
+    one = ShardedBatchSampler(45, 8, seed=4)  # 5 steps of 8 per epoch, 5 samples dropped
+    two = ShardedBatchSampler(45, 4, seed=4, grad_accum=2)
+    four = [ShardedBatchSampler(45, 2, dp_rank=r, dp_size=2, seed=4, grad_accum=2) for r in range(2)]
+    assert one.global_batch_size == two.global_batch_size == four[0].global_batch_size == 8
+    assert (len(one), len(two), len(four[0])) == (5, 10, 10)
+    for _ in range(12):  # past the end of the first epoch
+        step = one.next_batch()
+        assert step == two.next_batch() + two.next_batch()
+        pieces = [four[0].next_batch(), four[1].next_batch(), four[0].next_batch(), four[1].next_batch()]
+        assert step == pieces[0] + pieces[1] + pieces[2] + pieces[3]
+    resumed = ShardedBatchSampler(45, 2, dp_rank=1, dp_size=2, seed=4, grad_accum=2)
+    resumed.load_state_dict(one.state_dict())
+    step = one.next_batch()
+    assert resumed.next_batch() + resumed.next_batch() == step[2:4] + step[6:8]  # rank 1's shares
+    with pytest.raises(ValueError, match="inside an optimizer step"):
+        ShardedBatchSampler(45, 8, seed=4).load_state_dict({**two.state_dict(), "batches_consumed": 3})

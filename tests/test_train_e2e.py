@@ -420,3 +420,76 @@ def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
     assert steps_logged == list(range(1, steps + 1))  # lines past the checkpoint were replaced, none lost
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     assert losses(run_dir)[-1] < losses(run_dir)[0]
+
+
+def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, tmp_path):
+    """B (TP=2 x DP=1, ZeRO-2) stopped at step 5 and resumed with the same overrides on 4 processes
+    (TP=2 x DP=2, ZeRO-1); that run "crashes" after its step-8 checkpoint and is resumed on 2
+    processes again (ZeRO-2). Nobody touches the batch settings: the global batch of 8 is kept
+    (micro-batch 4 on each of the 2 DP ranks, then 8), and every step equals B's (the data exactly,
+    the losses within the curve bound, the learning rate exactly), the metrics file holding each
+    step once."""
+    source, _ = run_b
+    run_dir = tmp_path / "elastic"
+    checkpoints = run_dir / "checkpoints"
+    shutil.copytree(source / "checkpoints" / "step_00000005", checkpoints / "step_00000005")
+    (checkpoints / "latest").write_text("step_00000005\n")
+    shutil.copy(source / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 6-10 are dropped on resume
+    same_overrides = [*RECIPE, *TP2_ZERO2]  # micro-batch 8: 16 samples a step at DP=2, unless kept
+    grown = run(
+        cli_command(run_dir, *same_overrides, "parallel.zero_stage=1", "checkpoint.save_every=4",
+                    "checkpoint.keep_last=0", nproc=4),
+        timeout=600,
+    )  # fmt: skip
+    assert grown.returncode == 0, describe(grown)
+    assert "at step 5 (resharded from another layout)" in grown.stdout
+    assert "global batch 8 kept from the checkpoint: micro-batch 4 x 1 accumulation x DP 2" in grown.stdout
+    shutil.rmtree(checkpoints / "step_00000010")  # the 4-process run dies after its step-8 checkpoint
+    (checkpoints / "latest").write_text("step_00000008\n")
+    shrunk = run(cli_command(run_dir, *same_overrides, nproc=2), timeout=600)
+    assert shrunk.returncode == 0, describe(shrunk)
+    assert "at step 8 (resharded from another layout)" in shrunk.stdout
+    assert "kept from the checkpoint" not in shrunk.stdout  # micro-batch 8 at DP=1 is the batch of 8
+    mine, theirs = train_records(run_dir), {r["step"]: r for r in train_records(source)}
+    assert [r["step"] for r in mine] == list(range(1, STEPS + 1))
+    for record in mine[5:]:
+        step = record["step"]
+        assert (record["tokens"], record["samples"]) == (theirs[step]["tokens"], theirs[step]["samples"]), step
+        assert abs(record["loss"] - theirs[step]["loss"]) <= curve_bound(step) * abs(theirs[step]["loss"]), step
+        assert record["lr"] == theirs[step]["lr"], step
+
+
+def test_resume_from_tp2_in_one_process_continues_the_same_run(run_a, run_b, tmp_path):
+    """B's step-5 checkpoint (TP=2, micro-batch 8) resumed by one process (TP=1) whose configured
+    micro-batch is 4: the global batch of 8 is kept as 4 x 2 accumulated, and steps 6-10 equal A's."""
+    source, _ = run_b
+    run_dir = tmp_path / "tp1"
+    tag = "step_00000005"
+    shutil.copytree(source / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
+    result = run(cli_command(run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2"), timeout=300)
+    assert result.returncode == 0, describe(result)
+    assert "at step 5 (resharded from another layout)" in result.stdout
+    assert "global batch 8 kept from the checkpoint: micro-batch 4 x 2 accumulation x DP 1" in result.stdout
+    mine, theirs = train_records(run_dir), {r["step"]: r for r in train_records(run_a)}
+    assert [r["step"] for r in mine] == list(range(6, STEPS + 1))
+    for record in mine:
+        step = record["step"]
+        assert (record["tokens"], record["samples"]) == (theirs[step]["tokens"], theirs[step]["samples"]), step
+        assert abs(record["loss"] - theirs[step]["loss"]) <= curve_bound(step) * abs(theirs[step]["loss"]), step
+
+
+def test_a_global_batch_that_cannot_be_kept_is_one_line_before_any_rank_starts(run_b, tmp_path, capsys):
+    """B's global batch of 8 over 3 data-parallel ranks: refused by the launching process."""
+    from parallel_latent import cli
+
+    source, _ = run_b
+    run_dir = tmp_path / "three"
+    tag = "step_00000005"
+    shutil.copytree(source / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
+    argv = [*train_args(run_dir, *RECIPE, "parallel.tensor_parallel=1"), "--nproc=3"]
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "was trained with a global batch of 8, which does not split over 3 data-parallel" in err[0]
+    assert "(1, 2, 4, 8)" in err[0]

@@ -30,6 +30,7 @@ from .training import (
     load_training_checkpoint,
     restore_rng_state,
     save_training_checkpoint,
+    saved_client_state,
 )
 from .universal import convert_to_universal, export_portable, load_universal_state
 from .zero_access import safe_torch_load
@@ -60,4 +61,5 @@ __all__ = [
     "safe_torch_load",
     "save_portable",
     "save_training_checkpoint",
+    "saved_client_state",
 ]

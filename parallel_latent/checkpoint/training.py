@@ -243,6 +243,12 @@ def save_training_checkpoint(
     return checkpoint_dir / tag
 
 
+def saved_client_state(path: str | Path) -> dict:
+    """What the trainer passed to :func:`save_training_checkpoint` for the checkpoint at ``path``
+    (read on the host, no engine needed: e.g. to plan a resume before building one)."""
+    return read_json(resolve_checkpoint(path) / CLIENT_STATE_FILE, "client state").get("client", {})
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path

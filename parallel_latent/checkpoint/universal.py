@@ -1,9 +1,10 @@
-"""Resharded resume: continue training at another TP x DP (and ZeRO stage) with Adam's state.
+"""Resharded resume: continue training at another TP x DP (and ZeRO stage) with the optimizer's state.
 
 The bridge between layouts is the *universal* state, stored as shards (:mod:`.shards`): for every
-trainable parameter ``p`` its fp32 master ``fp32/<p>`` and Adam moments ``exp_avg/<p>``,
-``exp_avg_sq/<p>`` (full over DP, split over TP like the weight), ``state/<name>`` for every frozen
-tensor, and Adam's step and hyperparameters in the manifest. Its one producer is
+trainable parameter ``p`` its fp32 master ``fp32/<p>`` and the optimizer's per-parameter state
+(Adam's moments ``exp_avg/<p>``, ``exp_avg_sq/<p>``; SGD's ``momentum_buffer/<p>``; full over DP,
+split over TP like the weight), ``state/<name>`` for every frozen tensor, and the optimizer's kind,
+step and hyperparameters in the manifest. Its one producer is
 :func:`convert_to_universal`, which reads DeepSpeed's files of any ZeRO stage (``weights_only``)
 in one process: rank 0 runs it when a resume finds another layout, ``parallel-latent reshard`` by
 hand. :func:`load_universal_state` cuts each tensor for the new TP rank and sets the new engine's
@@ -50,10 +51,10 @@ from .shards import (
     write_all_ranks,
 )
 from .zero_access import (
-    ADAM_MOMENTS,
     adam_step,
     base_optimizer,
     ensure_optimizer_state,
+    moments_of,
     safe_torch_load,
     set_master,
     set_moment,
@@ -64,7 +65,7 @@ UNIVERSAL_PREFIX = "optim"
 MASTER = "fp32"
 FROZEN = "state"
 # Param-group keys worth carrying over (the LR itself is re-derived by the scheduler too).
-GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "initial_lr")
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "initial_lr", "momentum", "dampening", "nesterov")
 
 
 def trainable(tensor: torch.Tensor) -> bool:
@@ -91,17 +92,23 @@ def _json_group(group: dict) -> dict:
     return out
 
 
+def _or_zeros(state: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor, or zeros where there is none yet (before the first step; SGD
+    without momentum)."""
+    return torch.zeros_like(like) if state is None else state
+
+
 def _optim_file(step_dir: Path, dp_rank: int, mp_rank: int, precision: str) -> Path:
     prefix = "bf16_" if precision == "bf16" else ""
     return step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
 
 
-def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
+def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str, moments: tuple[str, ...]):
     """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
     ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
     model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
     shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
-    pieces = {name: {key: [] for key in (MASTER, *ADAM_MOMENTS)} for name in shapes}
+    pieces = {name: {key: [] for key in (MASTER, *moments)} for name in shapes}
     step, groups = 0, []
     for dp_rank in range(dp_size):
         sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
@@ -110,8 +117,8 @@ def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
         for group_index, mapping in enumerate(sd["param_slice_mappings"]):
             flat = {MASTER: sd["single_partition_of_fp32_groups"][group_index]}
             state = base["state"].get(group_index, {})
-            for key in ADAM_MOMENTS:
-                flat[key] = state.get(key, torch.zeros_like(flat[MASTER]))
+            for key in moments:
+                flat[key] = _or_zeros(state.get(key), flat[MASTER])
             step = adam_step(state) or step
             for name, address in mapping.items():
                 for key, tensor in flat.items():
@@ -129,7 +136,7 @@ def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
     return result, model_states["module"], step, groups
 
 
-def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
+def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str, moments: tuple[str, ...]):
     """Every parameter is split into ``ceil(numel / dp)`` pieces, one per DP rank (the last
     padded), and a rank's flat group is its pieces of all parameters in order."""
     model_states = [
@@ -137,7 +144,7 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
         for r in range(dp_size)
     ]
     shapes = {name: tuple(shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()}
-    flats: dict[str, list[torch.Tensor]] = {key: [] for key in (MASTER, *ADAM_MOMENTS)}
+    flats: dict[str, list[torch.Tensor]] = {key: [] for key in (MASTER, *moments)}
     step, groups = 0, []
     for dp_rank in range(dp_size):
         sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
@@ -145,8 +152,8 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
         groups = base.get("param_groups", groups)
         fp32_groups = sd["fp32_flat_groups"]
         flats[MASTER].append(torch.cat([g.reshape(-1) for g in fp32_groups]))
-        for key in ADAM_MOMENTS:
-            states = [base["state"].get(i, {}).get(key, torch.zeros_like(g)) for i, g in enumerate(fp32_groups)]
+        for key in moments:
+            states = [_or_zeros(base["state"].get(i, {}).get(key), g) for i, g in enumerate(fp32_groups)]
             flats[key].append(torch.cat([s.reshape(-1) for s in states]))
         step = adam_step(base["state"].get(0, {})) or step
     result: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
@@ -166,7 +173,7 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str):
     return result, module, step, groups
 
 
-def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str]):
+def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str], moments: tuple[str, ...]):
     """ZeRO-0 (fp32): weights and the torch optimizer's state dict sit in the model states file;
     the state is keyed by position in the optimizer, mapped to names recorded at save time."""
     model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
@@ -180,7 +187,7 @@ def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str]):
     for index, name in zip(order, names, strict=True):
         entry = state.get(index, {})
         weight = module[name].float()
-        result[name] = {MASTER: weight, **{k: entry.get(k, torch.zeros_like(weight)).float() for k in ADAM_MOMENTS}}
+        result[name] = {MASTER: weight, **{k: _or_zeros(entry.get(k), weight).float() for k in moments}}
         step = adam_step(entry) or step
     return result, module, step, optimizer_sd.get("param_groups", [])
 
@@ -203,15 +210,18 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         raise CheckpointError(f"{output}: already exists")
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
+    optimizer_class = info.get("optimizer_class", "AdamW")
+    moments = moments_of(optimizer_class)
     if stage == 0:
-        per_rank = [_zero0_tensors(step_dir, r, info.get("optimizer_param_names", [])) for r in range(tp_size)]
+        names = info.get("optimizer_param_names", [])
+        per_rank = [_zero0_tensors(step_dir, r, names, moments) for r in range(tp_size)]
     else:
         read = _zero12_tensors if stage in (1, 2) else _zero3_tensors
-        per_rank = [read(step_dir, r, dp_size, precision) for r in range(tp_size)]
+        per_rank = [read(step_dir, r, dp_size, precision, moments) for r in range(tp_size)]
 
     entries_by_rank: list[list[Entry]] = [[] for _ in range(tp_size)]
     for name, spec in table.items():
-        place, kinds = Placement.from_spec(spec), (MASTER, *ADAM_MOMENTS) if spec["trainable"] else (FROZEN,)
+        place, kinds = Placement.from_spec(spec), (MASTER, *moments) if spec["trainable"] else (FROZEN,)
         for entries, (weights, module, _, _) in zip(entries_by_rank, per_rank, strict=True):
             for kind in kinds:
                 value = weights.get(name, {}).get(kind) if spec["trainable"] else module.get(name)
@@ -223,7 +233,7 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
     optimizer = {
-        "class": info.get("optimizer_class", "AdamW"),
+        "class": optimizer_class,
         "step": step,
         "param_groups": list(map(_json_group, groups)),
     }
@@ -261,8 +271,9 @@ def ensure_universal_state(step_dir: Path) -> Path:
 
 
 def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_optimizer: bool = True) -> dict:
-    """Set ``engine``'s weights, fp32 masters, Adam moments and step from a universal state saved
-    at any layout. No collective: each rank reads its own ranges. Returns the manifest."""
+    """Set ``engine``'s weights, fp32 masters, optimizer state (Adam's moments and step, SGD's
+    momentum) from a universal state saved at any layout. No collective: each rank reads its own
+    ranges. Returns the manifest."""
     checkpoint = PortableCheckpoint(directory)
     manifest = checkpoint.manifest
     if manifest.get("contents") != "optimizer":
@@ -300,7 +311,7 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
                 write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
             set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in ADAM_MOMENTS if load_optimizer else ():
+            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")) if load_optimizer else ():
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
                 set_moment(engine, tensor, moment, value)
     groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)

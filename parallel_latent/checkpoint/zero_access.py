@@ -28,6 +28,24 @@ import torch.distributed as dist
 from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+SGD_MOMENTS = ("momentum_buffer",)
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """ "Adam" or "SGD": the state that a resharded resume carries over (our guarded subclasses too)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "Adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "SGD"
+    raise CheckpointError(f"resharded optimizer state supports Adam, AdamW and SGD, not {type(optimizer).__name__}")
+
+
+def moments_of(kind: str) -> tuple[str, ...]:
+    """The per-parameter state tensors of an optimizer of ``kind`` (as recorded in a checkpoint;
+    older checkpoints recorded the class name, e.g. "AdamW")."""
+    return SGD_MOMENTS if "SGD" in kind else ADAM_MOMENTS
+
+
 # The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
 SUPPORTED_DEEPSPEED = (0, 19)
 
@@ -129,26 +147,31 @@ def _stepped_tensors(engine, optimizer) -> list[tuple[dict, torch.Tensor]]:
 
 
 def ensure_optimizer_state(engine, step: int) -> None:
-    """Create Adam's state (zero moments, the given step) where the optimizer has none yet, and set
-    every entry's step; under ZeRO-1/2 also link the per-parameter views DeepSpeed reads and writes.
+    """Create the optimizer's state where it has none yet: Adam's zero moments and the given step
+    (set on every entry), SGD's zero momentum buffer; under ZeRO-1/2 also link the per-parameter
+    views DeepSpeed reads and writes.
 
-    torch's Adam creates its state lazily at the first step; a resumed run must have it before that
-    step so the loaded moments are used, not zeros."""
+    torch's optimizers create their state lazily at the first step; a resumed run must have it
+    before that step so the loaded moments are used, not zeros. (SGD's first step makes the buffer
+    the gradient itself, which equals momentum x 0 + gradient without dampening.)"""
     optimizer = base_optimizer(engine)
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise CheckpointError(f"resharded optimizer state supports Adam/AdamW, not {type(optimizer).__name__}")
-    for group, flat in _stepped_tensors(engine, optimizer):
-        state = optimizer.state[flat]
-        if not state:
-            for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
-                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-        previous = state.get("step")
-        if torch.is_tensor(previous):
-            state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
-        else:
-            # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
-            device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+    if optimizer_kind(optimizer) == "SGD":
+        for group, flat in _stepped_tensors(engine, optimizer):
+            if group.get("momentum", 0) and "momentum_buffer" not in optimizer.state[flat]:
+                optimizer.state[flat]["momentum_buffer"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+    else:
+        for group, flat in _stepped_tensors(engine, optimizer):
+            state = optimizer.state[flat]
+            if not state:
+                for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
+                    state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            previous = state.get("step")
+            if torch.is_tensor(previous):
+                state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
+            else:
+                # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
+                device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
@@ -167,7 +190,8 @@ def set_master(engine, param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
-    """Set Adam moment ``key`` of ``param``; call :func:`ensure_optimizer_state` first."""
+    """Set optimizer state ``key`` (an Adam moment, SGD's momentum buffer) of ``param``; call
+    :func:`ensure_optimizer_state` first."""
     if plain_param(engine, param):
         base_optimizer(engine).state[param][key].copy_(value.view(param.shape))
         return

@@ -57,23 +57,26 @@ class HeldOutSplit:
 
 
 class ShardedBatchSampler:
-    """Batches of sample indices for one data-parallel rank, over endless epochs.
+    """Micro-batches of sample indices for one data-parallel rank, over endless epochs.
 
     Epoch ``e`` orders the samples by a keyed bijection of ``[0, num_samples)`` (key: ``seed`` and
     ``e``; identity order when ``shuffle`` is false), computed per batch, never materialised.  That
-    order is cut into global batches of ``batch_size * dp_size`` samples, and DP rank ``r`` takes the
-    ``r``-th slice of ``batch_size`` from each.  Consequences:
+    order is cut into global batches of ``batch_size * dp_size * grad_accum`` samples (one optimizer
+    step), each into ``grad_accum`` micro-steps of ``batch_size * dp_size``, and DP rank ``r`` takes
+    the ``r``-th slice of ``batch_size`` from each micro-step. Consequences:
 
     - DP ranks get disjoint indices; ranks with the same ``dp_rank`` (the
       tensor-parallel group of a replica) get identical batches;
     - the sequence of global batches depends only on ``seed`` and the global batch
-      size, not on how it is split over DP ranks or gradient-accumulation steps;
+      size, not on how it is split over DP ranks, micro-batches and accumulation steps
+      (the tail an epoch drops is counted in global batches too);
     - with ``drop_last`` the incomplete tail of an epoch is skipped; without it the
       tail is filled up by wrapping around to the start of the epoch's order, so all
       ranks always take the same number of equal-sized batches.
 
-    The position (epoch, batches consumed in it) advances as batches are handed
-    out; :meth:`state_dict` / :meth:`load_state_dict` resume exactly there.
+    The position (epoch, micro-batches consumed in it) advances as batches are handed
+    out; :meth:`state_dict` / :meth:`load_state_dict` resume exactly there, also under
+    another split of the same global batch (at an optimizer-step boundary).
     Iterating the object yields the rest of the current epoch (usable as a
     DataLoader ``batch_sampler``); :meth:`iter_batches` never ends.
     """
@@ -87,34 +90,43 @@ class ShardedBatchSampler:
         seed: int = 0,
         drop_last: bool = True,
         shuffle: bool = True,
+        grad_accum: int = 1,
     ):
-        if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"invalid sampler layout: batch_size={batch_size}, dp_rank={dp_rank}, dp_size={dp_size}")
-        if num_samples < 1 or (drop_last and num_samples < batch_size * dp_size):
+        if batch_size < 1 or dp_size < 1 or grad_accum < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(
+                f"invalid sampler layout: batch_size={batch_size}, dp_rank={dp_rank}, dp_size={dp_size}, "
+                f"grad_accum={grad_accum}"
+            )
+        global_batch = batch_size * dp_size * grad_accum
+        if num_samples < 1 or (drop_last and num_samples < global_batch):
+            accumulated = f" x {grad_accum} accumulated" if grad_accum > 1 else ""
             raise DataError(
                 f"sampler: {num_samples} samples cannot fill one global batch of "
-                f"{batch_size} x {dp_size} data-parallel ranks = {batch_size * dp_size}"
+                f"{batch_size} x {dp_size} data-parallel ranks{accumulated} = {global_batch}"
             )
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.grad_accum = grad_accum
         self.seed = seed
         self.drop_last = drop_last
         self.shuffle = shuffle
         self.epoch = 0
-        self.batches_consumed = 0  # in the current epoch
+        self.batches_consumed = 0  # this rank's micro-batches, in the current epoch
         self._order_epoch: int | None = None
         self._order: KeyedPermutation | None = None
 
     @property
     def global_batch_size(self) -> int:
-        return self.batch_size * self.dp_size
+        """Samples of one optimizer step, over all DP ranks and accumulated micro-batches."""
+        return self.batch_size * self.dp_size * self.grad_accum
 
     @property
     def batches_per_epoch(self) -> int:
+        """This rank's micro-batches per epoch (whole optimizer steps)."""
         rounding = math.floor if self.drop_last else math.ceil
-        return rounding(self.num_samples / self.global_batch_size)
+        return rounding(self.num_samples / self.global_batch_size) * self.grad_accum
 
     def __len__(self) -> int:
         return self.batches_per_epoch
@@ -143,8 +155,9 @@ class ShardedBatchSampler:
         the whole data-parallel group reads in that micro-step, e.g. to count its tokens locally."""
         if not 0 <= batch_index < self.batches_per_epoch:
             raise IndexError(f"batch {batch_index} outside an epoch of {self.batches_per_epoch}")
-        start = batch_index * self.global_batch_size
-        positions = np.arange(start, start + self.global_batch_size, dtype=np.int64) % self.num_samples
+        micro_step = self.batch_size * self.dp_size
+        start = batch_index * micro_step
+        positions = np.arange(start, start + micro_step, dtype=np.int64) % self.num_samples
         return self.epoch_order(epoch, positions)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -202,6 +215,7 @@ class ShardedBatchSampler:
         return {
             "epoch": self.epoch,
             "batches_consumed": self.batches_consumed,
+            "grad_accum": self.grad_accum,
             "seed": self.seed,
             "num_samples": self.num_samples,
             "global_batch_size": self.global_batch_size,
@@ -209,13 +223,17 @@ class ShardedBatchSampler:
         }
 
     def load_state_dict(self, state: dict[str, int | str]) -> None:
-        """Resume at a saved position.  The saved run may have split the same global
-        batch differently over DP ranks; it must have had the same data, seed and
-        global batch size, or the continuation would not be the same sequence."""
+        """Resume at a saved position.  The saved run may have split the same global batch
+        differently over DP ranks, micro-batches and accumulation steps; it must have had the same
+        data, seed and global batch size, or the continuation would not be the same sequence."""
         for key in ("seed", "num_samples", "global_batch_size"):
             if key in state and int(state[key]) != getattr(self, key):
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this sampler has "
                     f"{key}={getattr(self, key)}: cannot resume the same batch sequence"
                 )
-        self.set_position(int(state["epoch"]), int(state["batches_consumed"]))
+        # Micro-batches consumed -> whole optimizer steps -> this split's micro-batches.
+        saved_accum, consumed = int(state.get("grad_accum", 1)), int(state["batches_consumed"])
+        if consumed % saved_accum:
+            raise ValueError(f"sampler state is inside an optimizer step ({consumed} of {saved_accum} micro-batches)")
+        self.set_position(int(state["epoch"]), consumed // saved_accum * self.grad_accum)
