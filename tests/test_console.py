@@ -22,9 +22,9 @@ def fault_env(fault: str, rank: int = 1, step: int = 2) -> dict:
 
 def test_notices_once_and_bad_input_inside_the_ranks_is_one_line(tmp_path):
     """A run at DP=2 says its notices once (rank 1's go to its log file) and shows no deprecation
-    warning from DeepSpeed's collectives; resuming it with another global batch (found inside the
-    ranks, when they read the checkpoint) prints exactly one line and exits 2, with nothing left
-    behind in the run directory and the checkpoint intact."""
+    warning from DeepSpeed's collectives; resuming it as another model (another vocabulary head:
+    found inside the ranks, when they read the checkpoint) prints exactly one line and exits 2, with
+    nothing left behind in the run directory and the checkpoint intact."""
     run_dir = tmp_path / "run"
     first = run(cli_command(run_dir, *DP2, "training.max_steps=2", nproc=2))
     assert first.returncode == 0, describe(first)
@@ -32,12 +32,12 @@ def test_notices_once_and_bad_input_inside_the_ranks_is_one_line(tmp_path):
     assert first.stdout.count("the GPT-2 features are RANDOM") == 1
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
 
-    resumed = run(cli_command(run_dir, *DP2, "training.max_steps=3", "training.micro_batch_size=2", nproc=2))
+    resumed = run(cli_command(run_dir, *DP2, "training.max_steps=3", "model.head=normal", nproc=2))
     assert resumed.returncode == 2, describe(resumed)
-    assert resumed.stderr.splitlines() == [
-        "parallel-latent: error: sampler state has global_batch_size=8 but this sampler has global_batch_size=4: "
-        "cannot resume the same batch sequence"
-    ]
+    lines = resumed.stderr.splitlines()
+    assert len(lines) == 1, describe(resumed)
+    assert lines[0].startswith("parallel-latent: error: ")
+    assert "config mismatch: model.head is 'tied' in the checkpoint but 'normal' in the model" in lines[0]
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
