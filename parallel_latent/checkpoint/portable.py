@@ -14,6 +14,8 @@ What the manifest says about the architecture is the model's own account of itse
 from __future__ import annotations
 
 import dataclasses
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -164,9 +166,15 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, ver
                 f"{checkpoint.directory}: tensor {name!r} is {saved_shape} in the checkpoint but "
                 f"{list(placement.full_shape)} in the model (a different model size?)"
             )
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            block = checkpoint.read_block(checkpoint.aliases.get(name, name), placements[name], tp_rank, tensor.dtype)
+
+    def read(name: str) -> torch.Tensor:
+        return checkpoint.read_block(checkpoint.aliases.get(name, name), placements[name], tp_rank, tensors[name].dtype)
+
+    checkpoint.open_files()  # before the threads: each file opened once
+    # Reading and checksumming release the GIL: a few threads overlap them (in order, as consumed).
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for name, block in zip(tensors, pool.map(read, tensors), strict=True):
+            tensor = tensors[name]
             if is_zero3(tensor):  # this rank's partition of the whole tensor
                 write_param(tensor, block)
             else:

@@ -280,6 +280,11 @@ class PortableCheckpoint:
                     f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced file)"
                 )
 
+    def open_files(self) -> None:
+        """Open every shard file now (reads may then come from several threads)."""
+        for file_name in self.manifest["files"]:
+            self._file(file_name)
+
     def _file(self, name: str):
         if name not in self._files:
             try:

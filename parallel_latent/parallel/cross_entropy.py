@@ -142,9 +142,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).reshape(-1)
         row_max, row_sum = global_max.reshape(-1), sum_exp.reshape(-1)
         targets, hits = local_target.reshape(-1), in_range.reshape(-1).to(compute_dtype)
+        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
+        if len(chunks) == 1:  # one chunk: its result is the gradient, no copy into a second buffer
+            grad = ctx.kernels.grad(rows, row_max, row_sum, targets, hits, scale, ctx.real, compute_dtype)
+            return grad.view_as(logits), None, None, None, None, None, None
         grad = torch.empty_like(logits)  # in the logits' dtype
         grad_rows = grad.view(-1, local_vocab)
-        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
         for first in chunks:
             chunk = slice(first, first + step)
             grad_rows[chunk] = ctx.kernels.grad(
