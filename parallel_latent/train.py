@@ -48,6 +48,7 @@ from parallel_latent.data import ShardedBatchSampler, build_datasets, check_sour
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
+from parallel_latent.quality import position_accuracy
 
 __all__ = ["CHECKPOINTS_DIRNAME", "NonFiniteTrainingError", "TrainResult", "checkpoints_dir", "preflight", "train"]
 
@@ -388,13 +389,16 @@ class Trainer:
             self.engine.train()
         totals = self._reduce_stats(stats)
         tokens = max(totals[TOKENS].item(), 1.0)
-        bleu = self._score_reconstructions(total, self._gather_over_dp(torch.cat(predictions)))
+        predicted = self._gather_over_dp(torch.cat(predictions))
+        bleu = self._score_reconstructions(total, predicted)
+        held_out = get_batch(self.eval_set, list(range(total)))
         return {
             "eval_loss": totals[LOSS_SUM].item() / tokens,
             "eval_token_accuracy": totals[CORRECT].item() / tokens,
             "eval_exact_match": totals[EXACT].item() / max(totals[SAMPLES].item(), 1.0),
             "eval_bleu": bleu,
             "eval_samples": int(totals[SAMPLES].item()),
+            "eval_position_accuracy": position_accuracy(held_out["input_ids"], held_out["attention_mask"], predicted),
         }
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
