@@ -167,6 +167,21 @@ def run_seed(config: str, seed: int, nproc: int, overrides: list[str], work: Pat
     return row
 
 
+def code_version() -> dict:
+    """The commit the runs used, and whether the working tree differed from it (None outside git)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            result = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False)
+        except OSError:
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "modified": bool(status) if status is not None else None}
+
+
 def summarise(rows: list[dict]) -> dict:
     return {
         name: {c: reduce([r[c] for r in rows]) for c in COLUMNS}
@@ -288,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "goals": checked,
             "all_goals_met": all(goal["met"] for goal in checked),
             "config": resolved,
+            "code": code_version(),
             "machine": {
                 "cpus": os.cpu_count(),
                 "platform": platform.platform(),
