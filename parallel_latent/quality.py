@@ -18,6 +18,7 @@ __all__ = [
     "corpus_bleu",
     "detokenize",
     "output_totals",
+    "position_accuracy",
     "reconstruction_metrics",
     "reconstruction_records",
     "truncation_note",
@@ -59,6 +60,15 @@ def detokenize(tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         tokenizer.decode(row[:n].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         for row, n in zip(input_ids.cpu(), lengths, strict=True)
     ]
+
+
+def position_accuracy(input_ids: torch.Tensor, attention_mask: torch.Tensor, predictions: torch.Tensor) -> list:
+    """Token accuracy at each position [T] over the rows that have a token there (None where no
+    row does): where a model's errors sit in the sequence, e.g. a few positions it confuses."""
+    real = attention_mask.bool().cpu()
+    correct = (predictions.cpu() == input_ids.cpu()) & real
+    counts = real.sum(dim=0).tolist()
+    return [None if n == 0 else c / n for c, n in zip(correct.sum(dim=0).tolist(), counts, strict=True)]
 
 
 def truncation_note(max_length: int) -> str:

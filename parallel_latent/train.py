@@ -61,7 +61,7 @@ from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
-from parallel_latent.quality import output_totals, reconstruction_metrics
+from parallel_latent.quality import output_totals, position_accuracy, reconstruction_metrics
 
 __all__ = ["NonFiniteTrainingError", "TrainResult", "preflight", "train"]
 
@@ -457,12 +457,15 @@ class Trainer:
         finally:
             self.engine.train()
         totals = self._reduce_stats(stats)
-        bleu = self._score_reconstructions(total, self._gather_over_dp(torch.cat(predictions)))
+        predicted = self._gather_over_dp(torch.cat(predictions))
+        bleu = self._score_reconstructions(total, predicted)
+        held_out = get_batch(self.eval_set, list(range(total)))
         metrics = reconstruction_metrics(*totals.tolist())
         return {
             **{f"eval_{name}": value for name, value in metrics.items()},
             "eval_bleu": bleu,
             "eval_samples": int(totals[SAMPLES].item()),
+            "eval_position_accuracy": position_accuracy(held_out["input_ids"], held_out["attention_mask"], predicted),
         }
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:

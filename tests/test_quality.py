@@ -11,8 +11,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
-from parallel_latent.quality import corpus_bleu
+from parallel_latent.quality import corpus_bleu, position_accuracy
 from tests.distributed import DistributedPool
 from tests.trainer_runs import TINY, TINY_CONFIG
 
@@ -51,6 +52,14 @@ def test_bleu_is_corpus_bleu_as_defined():
     assert math.isnan(corpus_bleu([], []))
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         corpus_bleu(["a", "b"], ["a"])
+
+
+def test_position_accuracy_counts_each_position_over_the_rows_that_reach_it():
+    inputs = torch.tensor([[5, 6, 7, 8], [5, 9, 0, 0], [1, 6, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]])
+    predictions = torch.tensor([[5, 6, 3, 8], [5, 6, 2, 2], [5, 6, 2, 2]])  # pad positions hold anything
+    assert position_accuracy(inputs, mask, predictions) == [2 / 3, 2 / 3, 0.0, 1.0]
+    assert position_accuracy(inputs[1:], mask[1:], predictions[1:]) == [0.5, 0.5, None, None]
 
 
 # --------------------------------------------------------------------------- #
@@ -96,6 +105,9 @@ def test_evaluation_reports_bleu_on_every_rank_and_writes_reconstructions(pool, 
     assert all(e == evals[0] for e in evals), f"ranks disagree: {evals}"
     final = evals[0]
     assert set(final) >= {"eval_loss", "eval_token_accuracy", "eval_exact_match", "eval_bleu"}
+    by_position = [a for a in final["eval_position_accuracy"] if a is not None]
+    assert len(final["eval_position_accuracy"]) == 16 and by_position[0] is not None  # every sample has a token 0
+    assert min(by_position) <= final["eval_token_accuracy"] <= max(by_position)  # a weighted mean of them
 
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if r["kind"] == "eval"]

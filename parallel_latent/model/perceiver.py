@@ -44,6 +44,19 @@ from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
 SINGLE_PROCESS = TensorParallelOptions()
 
 
+# How the decoder starts (see LatentDecoder), at any width and init_std:
+# - its position rows at the scale of the LayerNorm'd latents they are added to (unit root-mean-
+#   square), so that the position is half of each key's variance;
+# - query and key projections equal and scaled so that a query's score for its own (uninformative)
+#   stream position starts at DECODER_SELF_SCORE;
+# - its context LayerNorm's gain, so that the score for the latent of its own position starts at
+#   DECODER_CONTEXT_GAIN / sqrt(2) times that (about 5.3): a sharp lookup, far above the other
+#   latents (whose expected score is 0).
+DECODER_POSITION_STD = 1.0
+DECODER_SELF_SCORE = 2.5
+DECODER_CONTEXT_GAIN = 3.0
+
+
 def _position_table(length: int, width: int, std: float) -> nn.Parameter:
     table = nn.Parameter(torch.empty(length, width))
     normal_init(std)(table.data)
@@ -142,12 +155,39 @@ class PerceiverStack(nn.Module):
         return x
 
 
+def _start_as_position_lookup(block: PerceiverBlock, cfg: ModelConfig) -> None:
+    """A decoder block whose attention starts by sending query t to latent t.
+
+    The key projection starts equal to the query projection W, so a score is x^T W W^T y with
+    W W^T positive semi-definite: a query prefers the keys most like itself, and query t and latent
+    t carry the same position row. With W's entries of variance v, a head of dimension h scores two
+    LayerNorm'd vectors x, y at about sqrt(h) v x.y, and x.x = d: W is rescaled to the v that
+    makes the self score DECODER_SELF_SCORE. Rescaling (and copying) the local slices equals doing
+    it to the master weight and slicing it (TP=N stays TP=1)."""
+    head_dim = cfg.d_model // cfg.n_heads
+    std = math.sqrt(DECODER_SELF_SCORE / (cfg.d_model * math.sqrt(head_dim)))
+    with torch.no_grad():
+        block.attn.query.weight.mul_(std / cfg.init_std)
+        block.attn.key.weight.copy_(block.attn.query.weight)
+        block.ln_context.weight.fill_(DECODER_CONTEXT_GAIN)
+
+
+def _start_reading_uniformly(block: PerceiverBlock) -> None:
+    """An encoder block whose latents start reading every position alike: the query projection
+    starts at zero (its bias already does), so every score starts equal, and which position a
+    latent comes to read is set by the decoder query that reads it, not by a random preference of
+    the initial weights."""
+    with torch.no_grad():
+        block.attn.query.weight.zero_()
+
+
 class PerceiverEncoder(nn.Module):
     """T learned latents (plus their own position table) read the GPT-2 features: [B, T, d].
 
     Ends with a LayerNorm: the pre-LN residual stream is unnormalised and grows with depth; a final
     norm (GPT-2's ``ln_f``) gives the latents a per-position bounded scale that the decoder, and
-    any model trained on the latents, can rely on.
+    any model trained on the latents, can rely on. Its attention starts uniform (see LatentDecoder
+    for why).
     """
 
     def __init__(
@@ -162,6 +202,8 @@ class PerceiverEncoder(nn.Module):
         self.latents = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
         self.positions = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
         self.stack = PerceiverStack(cfg, cfg.n_encoder_layers, rng, tp_group, options)
+        for block in self.stack.blocks:
+            _start_reading_uniformly(block)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.latents, self.positions, self.ln_f)
@@ -226,6 +268,16 @@ class LatentDecoder(nn.Module):
     The latents get the same positions; the queries attend to cat(latents, queries) through the
     blocks; LayerNorm; vocabulary-parallel projection (``cfg.head``; ``token_embedding`` is the
     feature model's token embedding, which the ``tied`` head uses and ``token_table_init`` copies).
+
+    Initialisation: nothing in the architecture ties latent t to position t. With random attention
+    weights on both sides the latents start as interchangeable slots: encoder and decoder must agree
+    on an arbitrary assignment of positions to latents, and where two positions start out sharing a
+    latent (both decoder queries reading it, the encoder writing both tokens into it) each stays
+    near 50% accuracy for hundreds of steps, at positions that depend on the seed. So every decoder
+    block starts as a position lookup (query t reads latent t, ``_start_as_position_lookup``) and
+    every encoder block starts reading all positions alike (``_start_reading_uniformly``): each
+    latent is then pulled towards its own position's token by its own query only, and learns to
+    read that position. Both are needed: either alone leaves seeds with merged positions.
     """
 
     def __init__(
@@ -241,7 +293,7 @@ class LatentDecoder(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
-        self.positions = _position_table(cfg.max_length, d, cfg.init_std)
+        self.positions = _position_table(cfg.max_length, d, DECODER_POSITION_STD)
         mask_vector = mask_vector.detach().clone().float()
         if train_mask_vector:  # the feature model trains, so does the vector copied from it
             self.mask_vector = nn.Parameter(mask_vector)
@@ -255,6 +307,8 @@ class LatentDecoder(nn.Module):
         # reshards parameters (ZeRO, checkpoints) sees an ordinary 1-D tensor.
         self.query_scale = nn.Parameter(torch.ones(1))
         self.stack = PerceiverStack(cfg, cfg.n_decoder_layers, rng, tp_group, options)
+        for block in self.stack.blocks:
+            _start_as_position_lookup(block, cfg)
         self.ln_f = nn.LayerNorm(d)
         self.head = build_head(cfg, token_embedding, tp_group)
         # Under sequence parallelism the head's entry all-gathers the positions (and its backward

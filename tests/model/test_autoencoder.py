@@ -4,6 +4,7 @@ checkpointing, DP sample offsets, deterministic construction, and that it learns
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -217,6 +218,39 @@ def test_construction_is_deterministic_flagged_and_leaves_the_caller_rng_alone()
     assert a.decoder.query_scale.item() == 1.0
     # Dropout sites numbered in construction order: 3 per block (4 blocks), 2 in the query MLP.
     assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2))
+
+
+def first_decoder_attention(model: LatentAutoencoder, latents: torch.Tensor) -> torch.Tensor:
+    """The first decoder block's attention probabilities [T queries, T latents + T stream positions]
+    for ``latents`` [N, T, d], averaged over samples and heads (computed here from the weights)."""
+    decoder, block = model.decoder, model.decoder.stack.blocks[0]
+    (batch, length, width), heads = latents.shape, model.model_cfg.n_heads
+    with torch.no_grad():
+        stream = decoder.queries(batch, length)
+        keys_in = torch.cat([block.ln_context(latents + decoder.positions), block.ln_query(stream)], dim=1)
+        q = F.linear(block.ln_query(stream), block.attn.query.weight, block.attn.query.bias)
+        k = F.linear(keys_in, block.attn.key.weight)
+        q, k = (t.view(batch, -1, heads, width // heads).transpose(1, 2) for t in (q, k))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(width // heads)
+        return scores.softmax(dim=-1).mean(dim=(0, 1))
+
+
+@pytest.mark.parametrize(("width", "init_std"), [(D, 0.02), (D, 0.1), (2 * D, 0.02)])
+def test_decoder_starts_reading_each_position_from_its_own_latent(width, init_std):
+    """Nothing in the architecture ties latent t to position t; the init does (LatentDecoder's
+    docstring): decoder query t starts reading latent t, far above the other latents and its own
+    stream position, at any width and init_std; and encoder latents start reading every position
+    alike (every score equal), so that no random preference decides which latent holds which token."""
+    model_cfg, feature_cfg = tiny_configs(dropout=0.0, d_model=width, init_std=init_std)
+    model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, n_embd=width), seed=7)
+    latents = F.layer_norm(torch.randn(64, T, width, generator=torch.Generator().manual_seed(0)), (width,))
+    attention = first_decoder_attention(model, latents)
+    own = attention[:, :T].diagonal()
+    others = (attention[:, :T].sum() - own.sum()) / (T * (T - 1))
+    assert own.mean() >= 5 * others, f"own latent {own.mean():.3f} vs the others {others:.3f}"
+    assert (own > attention[:, T:].diagonal()).all(), "a query prefers its own stream position"
+    for block in model.encoder.stack.blocks:
+        assert not block.attn.query.weight.any() and not block.attn.query.bias.any()
 
 
 def test_build_model_from_config_takes_the_training_seed():
