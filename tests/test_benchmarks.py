@@ -150,9 +150,11 @@ def test_gpu_script_runs_its_matrix_on_cpu_when_allowed(tmp_path):
 def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path):
     """A deadline too short for the matrix: the unfinished runs are named, the table of the finished
     ones (none here) is printed, and the script exits 0 soon after the deadline."""
-    deadline = 20
+    # Long enough that the first run starts even on a loaded 2-core machine (the facts import torch
+    # and DeepSpeed first, which took 15 s on CI), and far too short for its steps.
+    deadline = 45
     started = time.monotonic()
-    result = run_gpu_script(tmp_path, {"STEPS": "400", "LOG_EVERY": "100", "DEADLINE_S": str(deadline)})
+    result = run_gpu_script(tmp_path, {"STEPS": "100000", "LOG_EVERY": "1000", "DEADLINE_S": str(deadline)})
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
