@@ -203,8 +203,7 @@ def save_training_checkpoint(
         attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
         attempt(failures, lambda: write_json(rng_file, capture_rng_state(model), indent=None))
         if export_portable:  # collective: every rank takes part, whatever happened to its own files
-            portable = write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
-            failures += [portable] if portable else []
+            failures += write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
         if is_main():
             scheduler = getattr(engine, "lr_scheduler", None)
             counters = {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")}
