@@ -263,7 +263,7 @@ def ensure_universal_state(step_dir: Path) -> Path:
     return universal
 
 
-def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_optimizer: bool = True) -> dict:
+def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dict:
     """Set ``engine``'s weights, fp32 masters, optimizer state (Adam's moments and step, SGD's
     momentum) from a universal state saved at any layout. No collective: each rank reads its own
     ranges. Returns the manifest."""
@@ -296,19 +296,18 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
     for name, tensor in module_tensors(model)[0].items():
         place = placement_of(tensor, tp_size, name)
         plan.append((name, tensor, place, saved(MASTER if trainable(tensor) else FROZEN, name, place)))
-    if load_optimizer:
-        ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
+    ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
     with torch.no_grad():
         for name, tensor, place, key in plan:
             if not trainable(tensor):
                 write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
             set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")) if load_optimizer else ():
+            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")):
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
                 set_moment(engine, tensor, moment, value)
     groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)
-    if load_optimizer and len(groups) == len(optimizer.param_groups):
+    if len(groups) == len(optimizer.param_groups):
         for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
             group.update(
                 {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved_group.items() if k in group}
