@@ -196,6 +196,29 @@ def publish(staging: Path, final: Path) -> None:
     fsync(final.parent)
 
 
+def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:
+    """Rank 0: publish the staging directory as ``tag``, then move ``latest``; on a failure, put
+    back what was there."""
+    final = checkpoint_dir / tag
+    replaced = None
+    if final.exists():
+        # The same step saved again (e.g. a run resumed at its last step): the old copy is moved
+        # aside, not deleted, until the new one is in place.
+        replaced = checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
+        os.rename(final, replaced)
+    try:
+        publish(staging, final)
+        replace_file(checkpoint_dir / LATEST_FILE, tag + "\n")
+    except BaseException:
+        if final.exists() and not staging.exists():
+            os.rename(final, staging)  # unpublished again; the caller removes it
+        if replaced is not None:
+            os.rename(replaced, final)
+        raise
+    if replaced is not None:
+        discard(replaced)
+
+
 def partial(final: Path) -> Path:
     """Where a one-off output (an export, a consolidation) is staged before it is published."""
     return final.with_name(f".{final.name}.partial")

@@ -161,13 +161,7 @@ def write_rank_file(
     return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
 
 
-def assemble_manifest(
-    entries: list[Entry],
-    parts: list[tuple[dict, dict]],
-    tp_size: int,
-    manifest_fields: dict[str, Any],
-    aliases: dict[str, str] | None = None,
-) -> dict:
+def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_size: int, fields: dict, aliases: dict):
     """The manifest from every TP rank's (shard records, file record)."""
     files: dict[str, dict] = {}
     shards: dict[str, list[dict]] = {e.name: [] for e in entries}
@@ -188,10 +182,10 @@ def assemble_manifest(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tp_size": tp_size,
-        **manifest_fields,
+        **fields,
         "files": dict(sorted(files.items())),
         "tensors": tensors,
-        "aliases": aliases or {},
+        "aliases": aliases,
     }
 
 

@@ -28,22 +28,18 @@ from parallel_latent.coordination import is_main
 from .layout import (
     CLIENT_STATE_FILE,
     INFO_FILE,
-    LATEST_FILE,
     PORTABLE_DIR,
-    REPLACED_PREFIX,
     RNG_DIR,
     STAGING_PREFIX,
     CheckpointError,
     CheckpointSaveError,
     attempt,
     checkpoint_tag,
-    discard,
     find_latest_checkpoint,
     prune_checkpoints,
-    publish,
+    publish_checkpoint,
     read_info,
     read_json,
-    replace_file,
     resolve_checkpoint,
     save_collectively,
     write_json,
@@ -136,29 +132,6 @@ def _pause_before_publish(staging: Path, step: int) -> None:
         marker.unlink(missing_ok=True)
 
 
-def _publish(checkpoint_dir: Path, staging: Path, tag: str) -> None:
-    """Rank 0: publish the staging directory as ``tag``, then move ``latest``; on a failure, put
-    back what was there."""
-    final = checkpoint_dir / tag
-    replaced = None
-    if final.exists():
-        # The same step saved again (e.g. a run resumed at its last step): the old copy is moved
-        # aside, not deleted, until the new one is in place.
-        replaced = checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
-        os.rename(final, replaced)
-    try:
-        publish(staging, final)
-        replace_file(checkpoint_dir / LATEST_FILE, tag + "\n")
-    except BaseException:
-        if final.exists() and not staging.exists():
-            os.rename(final, staging)  # unpublished again; the caller removes it
-        if replaced is not None:
-            os.rename(replaced, final)
-        raise
-    if replaced is not None:
-        discard(replaced)
-
-
 def save_training_checkpoint(
     engine,
     checkpoint_dir: str | Path,
@@ -216,7 +189,7 @@ def save_training_checkpoint(
         }
         write_json(staging / INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
-        _publish(checkpoint_dir, staging, tag)
+        publish_checkpoint(checkpoint_dir, staging, tag)
 
     failure = save_collectively(staging, write, finish)
     if failure is not None:

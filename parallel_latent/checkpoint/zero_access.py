@@ -28,21 +28,11 @@ import torch.distributed as dist
 from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-SGD_MOMENTS = ("momentum_buffer",)
-
-
-def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """ "Adam" or "SGD" (subclasses too): the state that a resharded resume carries over."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return "Adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "SGD"
-    raise CheckpointError(f"resharded optimizer state supports Adam, AdamW and SGD, not {type(optimizer).__name__}")
 
 
 def moments_of(kind: str) -> tuple[str, ...]:
     """The per-parameter state tensors of an optimizer of ``kind`` (a checkpoint records the class name)."""
-    return SGD_MOMENTS if "SGD" in kind else ADAM_MOMENTS
+    return ("momentum_buffer",) if "SGD" in kind else ADAM_MOMENTS
 
 
 # The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
@@ -147,23 +137,25 @@ def ensure_optimizer_state(engine, step: int) -> None:
     step, so a resumed run would use zeros instead of the loaded state. (SGD's first step makes the
     buffer the gradient itself, which equals momentum x 0 + gradient without dampening.)"""
     optimizer = base_optimizer(engine)
-    if optimizer_kind(optimizer) == "SGD":
-        for group, flat in _stepped_tensors(engine, optimizer):
+    sgd = isinstance(optimizer, torch.optim.SGD)  # subclasses too
+    if not sgd and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise CheckpointError(f"resharded optimizer state supports Adam, AdamW and SGD, not {type(optimizer).__name__}")
+    for group, flat in _stepped_tensors(engine, optimizer):
+        if sgd:
             if group.get("momentum", 0) and "momentum_buffer" not in optimizer.state[flat]:
                 optimizer.state[flat]["momentum_buffer"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-    else:
-        for group, flat in _stepped_tensors(engine, optimizer):
-            state = optimizer.state[flat]
-            if not state:
-                for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
-                    state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-            previous = state.get("step")
-            if torch.is_tensor(previous):
-                state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
-            else:
-                # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
-                device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
-                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+            continue
+        state = optimizer.state[flat]
+        if not state:
+            for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        previous = state.get("step")
+        if torch.is_tensor(previous):
+            state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
+        else:
+            # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
+            device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
