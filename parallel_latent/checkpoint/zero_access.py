@@ -186,22 +186,18 @@ def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> No
         safe_set_full_optimizer_state(param, _fp32_local(param, value), key)
 
 
-def deepspeed_safe_globals() -> list:
-    """The DeepSpeed types in its checkpoint files: plain data holders whose unpickling runs no code
-    of theirs beyond setting attributes or building an enum/namedtuple."""
+def safe_torch_load(path: str | Path, map_location=None):
+    """``torch.load(weights_only=True)`` with DeepSpeed's allowlist; a file that needs anything
+    else raises :class:`CheckpointError` naming the offending global instead of being unpickled."""
     import_deepspeed()
+    # The DeepSpeed types in its checkpoint files: plain data holders whose unpickling runs no code
+    # of theirs beyond setting attributes or building an enum/namedtuple.
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def safe_torch_load(path: str | Path, map_location=None):
-    """``torch.load(weights_only=True)`` with DeepSpeed's allowlist; a file that needs anything
-    else raises :class:`CheckpointError` naming the offending global instead of being unpickled."""
     try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
