@@ -1,14 +1,8 @@
-"""Checkpoints: exact-resume training checkpoints (DeepSpeed + client state, atomic publish),
-portable safetensors shards that load at any TP degree, consolidation, inspection, and resharded
-resume with the optimizer's moments.
+"""Checkpoints: exact-resume training checkpoints, portable safetensors shards that load at any TP
+degree, consolidation, inspection, and resharded resume with the optimizer's state.
 
-Modules, each importing only those before it: ``layout`` (names, finding checkpoints, durable
-writes, publishing), ``zero_access`` (DeepSpeed's parameters, Adam state and files), ``shards``
-(tensors as safetensors shards at any TP degree), ``portable`` (model weights), ``universal``
-(the layout-free optimizer state and its converter), ``training`` (save and resume), ``describe``
-(inspect) and ``cli``. No model is known here: a model describes itself
-(``checkpoint_record``/``checkpoint_mismatch``); ``parallel_latent.api.load_autoencoder`` builds
-the autoencoder from a checkpoint.
+The modules import one way (layout, zero_access, shards, portable, universal, training, describe,
+cli). No model is known here: a model describes itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
 
 from .describe import inspect_checkpoint

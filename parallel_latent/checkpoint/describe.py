@@ -62,14 +62,8 @@ def describe_portable(directory: Path, max_rows: int | None = None) -> list[str]
     aliases = f" ({len(checkpoint.aliases)} aliases)" if checkpoint.aliases else ""
     lines.append(f"tensors: {len(tensors)}, {elements:,} elements{aliases}")
     rows = [
-        (
-            name,
-            "x".join(map(str, i["shape"])) or "scalar",
-            i["dtype"],
-            _split(i["partition_dim"]),
-            str(len(i["shards"])),
-        )
-        for name, i in tensors.items()
+        (n, "x".join(map(str, i["shape"])) or "scalar", i["dtype"], _split(i["partition_dim"]), str(len(i["shards"])))
+        for n, i in tensors.items()
     ]
     return lines + _table(("name", "shape", "dtype", "partition", "shards"), rows, max_rows)
 

@@ -12,10 +12,9 @@ A run keeps its training checkpoints in ``<run_dir>/checkpoints/``::
       universal/                 # layout-free fp32 weights + Adam moments (made when resharding)
     .tmp-step_00000030/          # a save in progress, or one that died: never `latest`
 
-Everything is written into a staging directory and published by :func:`publish`: every file is
-fsynced once, then one rename makes the directory visible whole. ``latest`` moves only afterwards
-(:func:`replace_file`: temporary file, fsync, ``os.replace``), so a save that fails or is killed at
-any point leaves the earlier checkpoints and ``latest`` as they were.
+Everything is written into a staging directory, fsynced, and made visible whole by one rename
+(:func:`publish`); ``latest`` moves only afterwards, atomically too, so a save that fails or is
+killed at any point leaves the earlier checkpoints and ``latest`` as they were.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class CheckpointError(ValueError):
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, an I/O error, no permission): nothing was
-    published and the earlier checkpoints and ``latest`` are as they were; the message is one line."""
+    published; the message is one line."""
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -66,8 +65,8 @@ def checkpoint_tag(step: int) -> str:
 
 
 def error_reason(error: BaseException) -> str:
-    """One line saying why a write failed: the OS's words (``No space left on device``) for an
-    OSError or for the safetensors library's ``(os error 28)``, else the message's first line."""
+    """One line saying why a write failed: the OS's words for an OSError or for the safetensors
+    library's ``(os error 28)``, else the message's first line."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
     os_error = re.search(r"\(os error (\d+)\)", str(error))
@@ -106,8 +105,7 @@ def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
 
 
 def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` names; if that one is gone or incomplete (a crash between
-    renames), the newest complete one; None when there is none."""
+    """The checkpoint ``latest`` names, else (a crash between renames) the newest complete one."""
     checkpoint_dir = Path(checkpoint_dir)
     latest = checkpoint_dir / LATEST_FILE
     if latest.is_file():
@@ -122,8 +120,7 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A training checkpoint directory from a path to it, to the directory holding ``latest``, or
-    to a run directory (its ``checkpoints/``)."""
+    """A training checkpoint from a path to it, to the directory holding ``latest``, or to a run."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or run directory")
@@ -142,9 +139,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def resolve_portable_dir(path: str | Path) -> Path:
-    """The portable directory of ``path``, whichever of these it names: a portable or consolidated
-    directory (itself), a training checkpoint (its ``model/``), a checkpoints directory (its
-    ``latest``) or a run directory (its ``checkpoints/``)."""
+    """The portable directory of ``path``: itself, or the ``model/`` of the training checkpoint that
+    :func:`resolve_checkpoint` finds there."""
     path = Path(path)
     if (path / MANIFEST_NAME).is_file():
         return path
@@ -158,8 +154,8 @@ def resolve_portable_dir(path: str | Path) -> Path:
 
 
 def fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries (a rename, a new file), to the disk. A file
-    system that cannot fsync a directory says EINVAL: nothing to flush there."""
+    """Flush a file's data, or a directory's entries, to the disk. A file system that cannot fsync a
+    directory says EINVAL: nothing to flush there."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -190,14 +186,37 @@ def replace_file(path: Path, text: str) -> None:
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Make every file under ``staging`` durable, then rename it to ``final`` (must not exist)
-    in one atomic step. The files are fsynced here and nowhere else."""
+    """Make every file under ``staging`` durable (here and nowhere else), then rename it to the new
+    ``final`` in one atomic step."""
     for root, _, files in os.walk(staging):
         for name in files:
             fsync(Path(root, name))
         fsync(Path(root))
     os.rename(staging, final)
     fsync(final.parent)
+
+
+def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:
+    """Rank 0: publish the staging directory as ``tag``, then move ``latest``; on a failure, put
+    back what was there."""
+    final = checkpoint_dir / tag
+    replaced = None
+    if final.exists():
+        # The same step saved again (e.g. a run resumed at its last step): the old copy is moved
+        # aside, not deleted, until the new one is in place.
+        replaced = checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
+        os.rename(final, replaced)
+    try:
+        publish(staging, final)
+        replace_file(checkpoint_dir / LATEST_FILE, tag + "\n")
+    except BaseException:
+        if final.exists() and not staging.exists():
+            os.rename(final, staging)  # unpublished again; the caller removes it
+        if replaced is not None:
+            os.rename(replaced, final)
+        raise
+    if replaced is not None:
+        discard(replaced)
 
 
 def partial(final: Path) -> Path:
@@ -211,10 +230,8 @@ def discard(staging: Path) -> None:
 
 @contextlib.contextmanager
 def staged(final: Path) -> Iterator[Path]:
-    """A new, empty staging directory next to ``final`` (a dead one of an earlier attempt is
-    removed), published as ``final`` when the block ends. For writers that run in one process: if
-    anything fails, the staging directory is removed, and a failed write raises
-    :class:`CheckpointSaveError` (one line) with the reason."""
+    """A new, empty staging directory, published as ``final`` when the block ends. For writers in one
+    process: on a failure it is removed, and a failed write raises :class:`CheckpointSaveError`."""
     staging = partial(final)
     discard(staging)
     staging.mkdir(parents=True)  # a file in the way of the output path is the caller's error, as it is
@@ -244,11 +261,10 @@ def _agreed(failures: list[str]) -> str | None:
 
 
 def save_collectively(staging: Path, write: Callable[[list[str]], None], finish: Callable[[], None]) -> str | None:
-    """The way every collective writer saves: rank 0 makes a fresh ``staging`` directory; every
-    rank runs ``write`` (which records its failures in the list it gets, never raising); if no
-    rank failed, rank 0 runs ``finish`` (publishes). The ranks agree over the control group after
-    each stage, so all take the same way out. Returns the first failure's reason on every rank
-    (None: published); after a failure the staging directory is gone."""
+    """How every collective writer saves: rank 0 makes a fresh ``staging`` directory; every rank runs
+    ``write`` (which records its failures in the list it gets, never raising); if no rank failed,
+    rank 0 runs ``finish`` (publishes). The ranks agree after each stage, so all take the same way
+    out. Returns the first failure on every rank (None: published; else the staging is gone)."""
     failures: list[str] = []
     if is_main():
         attempt(failures, lambda: (discard(staging), staging.mkdir(parents=True)))
@@ -265,8 +281,8 @@ def save_collectively(staging: Path, write: Callable[[list[str]], None], finish:
 
 
 def remove_unfinished_saves(checkpoint_dir: Path) -> list[Path]:
-    """Delete what saves that died left in ``checkpoint_dir`` (staging directories, a replaced copy
-    never deleted). Saves are collective and serial, so any such directory is a dead one."""
+    """Delete what dead saves left in ``checkpoint_dir``: saves are collective and serial, so any
+    staging directory or replaced copy is a dead one."""
     if not checkpoint_dir.is_dir():
         return []
     dead = [p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))]

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from parallel_latent.coordination import all_gather_value
 from parallel_latent.parallel.state import get_dp_rank
 from parallel_latent.parallel.utils import group_rank, group_size
 
@@ -30,6 +31,7 @@ from .layout import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointSaveError,
+    attempt,
     partial,
     publish,
     resolve_portable_dir,
@@ -40,14 +42,16 @@ from .layout import (
 from .shards import (
     Entry,
     PortableCheckpoint,
+    assemble_manifest,
     module_tensors,
     placement_of,
+    rank_shards,
     sha256,
     tp_group_of,
     whole_copy,
-    write_sharded,
+    write_rank_file,
 )
-from .zero_access import is_zero3, write_param
+from .zero_access import write_param
 
 MODEL_PREFIX = "model"
 CONSOLIDATED_FILE = "model.safetensors"
@@ -67,12 +71,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-def model_record(model: nn.Module) -> dict[str, Any]:
-    """What the model says about itself for a checkpoint (nothing, for a model that says nothing)."""
-    describe = getattr(model, "checkpoint_record", None)
-    return plain(describe()) if describe is not None else {}
-
-
 def check_model_record(record: dict, model: nn.Module, where: Path | str) -> None:
     """One line naming what differs when ``record`` (a manifest, or a training checkpoint's state)
     was made for a model other than ``model``."""
@@ -82,37 +80,37 @@ def check_model_record(record: dict, model: nn.Module, where: Path | str) -> Non
         raise CheckpointError(f"{where}: config mismatch: {problem}")
 
 
-def manifest_fields(model: nn.Module, cfg=None, tokenizer_facts: dict | None = None, step: int | None = None) -> dict:
-    return {
+def write_portable(
+    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
+) -> list[str]:
+    """Write the portable weights of ``model`` into ``directory``. Collective: the ranks of DP rank 0
+    write one file per TP rank, and all meet once, over the control group, to collect the shard
+    records. Returns the reasons of failed writes instead of raising, so that every rank stays on
+    the same path: every rank learns of a failed shard file, only its writer of a failed manifest."""
+    tp_group = tp_group_of(model, tp_group)
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    tensors, aliases = module_tensors(model)
+    entries = [Entry(n, t.dtype, placement_of(t, tp_size, n), lambda t=t: whole_copy(t)) for n, t in tensors.items()]
+    describe = getattr(model, "checkpoint_record", None)  # what the model says about itself, if anything
+    fields = {
         "contents": "model",
         "step": step,
-        **model_record(model),
+        **(plain(describe()) if describe is not None else {}),
         "tokenizer": plain(tokenizer_facts),
         "config": plain(cfg) if cfg is not None else None,
     }
-
-
-def write_portable(
-    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
-) -> str | None:
-    """Write the portable weights of ``model`` into the existing ``directory`` (collective; the
-    ranks of data-parallel rank 0 write, one file per TP rank). Returns the reason of a failed
-    write (see :func:`.shards.write_sharded`), None when all went well."""
-    tp_group = tp_group_of(model, tp_group)
-    tensors, aliases = module_tensors(model)
-    tp_size = group_size(tp_group)
-    entries = [
-        Entry(name, t.dtype, placement_of(t, tp_size, name), lambda t=t: whole_copy(t)) for name, t in tensors.items()
-    ]
-    return write_sharded(
-        directory,
-        entries,
-        prefix=MODEL_PREFIX,
-        tp_group=tp_group,
-        is_writer=get_dp_rank() == 0,
-        manifest_fields=manifest_fields(model, cfg, tokenizer_facts, step),
-        aliases=aliases,
-    )
+    shards = rank_shards(entries, tp_rank)
+    failures, parts = [], []
+    if get_dp_rank() == 0:
+        attempt(failures, lambda: parts.append(write_rank_file(directory, shards, MODEL_PREFIX, tp_rank, tp_size)))
+    reports = all_gather_value((failures, parts))
+    failures = [failure for reported, _ in reports for failure in reported]
+    if not failures and get_dp_rank() == 0 and tp_rank == 0:
+        manifest = assemble_manifest(
+            entries, [part for _, written in reports for part in written], tp_size, fields, aliases
+        )
+        attempt(failures, lambda: write_json(directory / MANIFEST_NAME, manifest))
+    return failures
 
 
 def save_portable(
@@ -126,8 +124,7 @@ def save_portable(
     staging = partial(directory)
 
     def write(failures: list[str]) -> None:
-        failure = write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step)
-        failures += [failure] if failure else []
+        failures += write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step)
 
     failure = save_collectively(staging, write, lambda: publish(staging, directory))
     if failure is not None:
@@ -174,11 +171,7 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, ver
     # Reading and checksumming release the GIL: a few threads overlap them (in order, as consumed).
     with torch.no_grad(), ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         for name, block in zip(tensors, pool.map(read, tensors), strict=True):
-            tensor = tensors[name]
-            if is_zero3(tensor):  # this rank's partition of the whole tensor
-                write_param(tensor, block)
-            else:
-                tensor.data.copy_(block)
+            write_param(tensors[name], block)
     return checkpoint.manifest
 
 

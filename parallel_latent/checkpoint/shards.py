@@ -5,8 +5,8 @@ For every tensor the manifest records its *full* shape (the unpadded vocabulary 
 dtype, its partition dim (null = replicated, stored once, in rank 0's file) and its shards: which
 file, which range ``[offset, offset + length)`` of the partition dim, and the sha256 of the shard's
 bytes. Reading at TP=m re-cuts those ranges for each new rank; nothing here unpickles anything.
-The model weights (:mod:`.portable`) and the universal optimizer state (:mod:`.universal`) are
-both stored this way, which is why the writer takes abstract entries, not a module.
+The writer takes abstract entries, not a module: the model weights (:mod:`.portable`) and the
+universal optimizer state (:mod:`.universal`) are both stored this way.
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from parallel_latent.coordination import all_gather_value
-from parallel_latent.parallel.utils import group_rank, group_size
-
-from .layout import MANIFEST_NAME, CheckpointError, error_reason, read_json, write_json
+from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
 from .zero_access import gathered, is_zero3, local_shape
 
 FORMAT = "parallel-latent-portable"
@@ -33,7 +30,6 @@ FORMAT_VERSION = 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (the spelling manifests use)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -45,8 +41,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def tp_group_of(model: nn.Module, tp_group=None):
-    """The tensor-parallel group a model's tensors are split over: the one given, else the model's
-    own (parallel layers hold theirs explicitly), else none."""
+    """The tensor-parallel group given, else the model's own, else none."""
     return tp_group if tp_group is not None else getattr(model, "tp_group", None)
 
 
@@ -60,7 +55,6 @@ class Placement:
 
     @classmethod
     def from_spec(cls, spec: dict) -> Placement:
-        """From a tensor table entry (see :meth:`spec`)."""
         return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
 
     def spec(self) -> dict:
@@ -75,8 +69,7 @@ class Placement:
 
 
 def placement_of(tensor: torch.Tensor, tp_size: int, name: str = "") -> Placement:
-    """Read the tensor-parallel flags (``tensor_model_parallel``, ``partition_dim``,
-    ``partition_stride``, ``partition_valid_size``) that the parallel layers set."""
+    """From the tensor-parallel flags that the parallel layers set on ``tensor``."""
     shape = local_shape(tensor)
     if not getattr(tensor, "tensor_model_parallel", False):
         return Placement(None, shape, shape)
@@ -129,19 +122,14 @@ class Entry:
     value: Callable[[], torch.Tensor]
 
 
-def shard_file_name(prefix: str, tp_rank: int, tp_size: int) -> str:
-    return f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
-
-
 def sha256(tensor: torch.Tensor) -> str:
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
 def rank_shards(entries: list[Entry], tp_rank: int) -> dict[str, tuple[torch.Tensor, dict]]:
-    """What TP rank ``tp_rank`` stores of ``entries``: its slices, padding cut, and the replicated
-    tensors on rank 0, each with its shard record. Every ``value`` is called, in order (it may be
-    collective)."""
+    """What TP rank ``tp_rank`` stores of ``entries`` (its slices, padding cut; on rank 0 the
+    replicated tensors), each with its shard record. Calls every ``value``, in order."""
     shards = {}
     for entry in entries:
         value, place = entry.value(), entry.placement
@@ -165,20 +153,15 @@ def write_rank_file(
 ):
     """Write one rank's shards into one safetensors file. Returns (shard records by tensor name,
     the file's record by file name)."""
-    file_name = shard_file_name(prefix, tp_rank, tp_size)
+    directory.mkdir(exist_ok=True)
+    file_name = f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
     tensors = {name: tensor for name, (tensor, _) in shards.items()}
     save_file(tensors, directory / file_name, {"format": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)})
     records = {name: {"file": file_name, "sha256": sha256(tensor), **cut} for name, (tensor, cut) in shards.items()}
     return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
 
 
-def assemble_manifest(
-    entries: list[Entry],
-    parts: list[tuple[dict, dict]],
-    tp_size: int,
-    manifest_fields: dict[str, Any],
-    aliases: dict[str, str] | None = None,
-) -> dict:
+def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_size: int, fields: dict, aliases: dict):
     """The manifest from every TP rank's (shard records, file record)."""
     files: dict[str, dict] = {}
     shards: dict[str, list[dict]] = {e.name: [] for e in entries}
@@ -199,10 +182,10 @@ def assemble_manifest(
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "tp_size": tp_size,
-        **manifest_fields,
+        **fields,
         "files": dict(sorted(files.items())),
         "tensors": tensors,
-        "aliases": aliases or {},
+        "aliases": aliases,
     }
 
 
@@ -211,42 +194,6 @@ def write_all_ranks(directory: Path, entries_by_rank: list[list[Entry]], prefix:
     tp_size = len(entries_by_rank)
     parts = [write_rank_file(directory, rank_shards(e, r), prefix, r, tp_size) for r, e in enumerate(entries_by_rank)]
     write_json(directory / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
-
-
-def write_sharded(
-    directory: Path,
-    entries: list[Entry],
-    *,
-    prefix: str,
-    tp_group,
-    is_writer: bool,
-    manifest_fields: dict[str, Any],
-    aliases: dict[str, str] | None = None,
-) -> str | None:
-    """Write this rank's file into the existing ``directory`` (the ``is_writer`` ranks: one per TP
-    rank), then, on the writer of TP rank 0, the manifest. Collective: every rank calls it with the
-    same entries in the same order, and the ranks meet once, over the control group, to collect
-    the shard records. A write that fails does not raise, so that every rank stays on the same
-    path: it returns the reason (the same on every rank for a shard file; only the manifest's
-    writer learns of a failed manifest), and the caller agrees with the others on what to do."""
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
-    shards = rank_shards(entries, tp_rank)
-    part, failure = None, None
-    if is_writer:
-        try:
-            directory.mkdir(exist_ok=True)
-            part = write_rank_file(directory, shards, prefix, tp_rank, tp_size)
-        except Exception as error:
-            failure = error_reason(error)
-    reports = all_gather_value((failure, part))
-    failure = next((f for f, _ in reports if f), None)
-    if failure is None and is_writer and tp_rank == 0:
-        try:
-            parts = [p for _, p in reports if p is not None]
-            write_json(directory / MANIFEST_NAME, assemble_manifest(entries, parts, tp_size, manifest_fields, aliases))
-        except Exception as error:
-            failure = error_reason(error)
-    return failure
 
 
 class PortableCheckpoint:

@@ -1,27 +1,21 @@
 """Training checkpoints: DeepSpeed's files plus everything needed to continue bit for bit.
 
-Every rank writes into ``.tmp-step_N`` (layout: :mod:`.layout`); once every rank has written its
-files, rank 0 writes ``checkpoint.json`` (its presence marks the directory complete), publishes
-the directory by one rename, moves ``latest`` and prunes to the last K. DeepSpeed's own ``latest``
-file is not used (``save_latest=False``): it would be written before our extra files exist. The
-training checkpoints assume a file system shared by all ranks, as DeepSpeed's do.
+Every rank writes into ``.tmp-step_N`` (:mod:`.layout`); then rank 0 writes ``checkpoint.json``
+(which marks the directory complete), publishes the directory by one rename, moves ``latest`` and
+prunes to the last K. DeepSpeed's own ``latest`` is not used: it would be written before our files
+exist. Like DeepSpeed's, these checkpoints assume a file system shared by all ranks.
 
-A write that fails on any rank (a full disk, an I/O error, no permission) is not raised where it
-happens: the ranks finish the save's collectives, agree over the control group that it failed,
-rank 0 removes the staging directory, and every rank raises one :class:`CheckpointSaveError`
-naming the step, the reason and the last complete checkpoint, which is left as it was.
-
-DeepSpeed's files are pickles; they are read with ``torch.load(weights_only=True)`` and an explicit
-allowlist of the few DeepSpeed classes they contain (:func:`.zero_access.safe_torch_load`).
+A write that fails on any rank is not raised where it happens: the ranks finish the save's
+collectives, agree that it failed, rank 0 removes the staging directory, and every rank raises one
+:class:`CheckpointSaveError` naming the step, the reason and the last complete checkpoint.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,22 +28,18 @@ from parallel_latent.coordination import is_main
 from .layout import (
     CLIENT_STATE_FILE,
     INFO_FILE,
-    LATEST_FILE,
     PORTABLE_DIR,
-    REPLACED_PREFIX,
     RNG_DIR,
     STAGING_PREFIX,
     CheckpointError,
     CheckpointSaveError,
     attempt,
     checkpoint_tag,
-    discard,
     find_latest_checkpoint,
     prune_checkpoints,
-    publish,
+    publish_checkpoint,
     read_info,
     read_json,
-    replace_file,
     resolve_checkpoint,
     save_collectively,
     write_json,
@@ -118,8 +108,8 @@ def _rng_file(step_dir: Path, rank: int) -> Path:
 
 
 def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
-    """What the offline conversion to the universal state needs beyond DeepSpeed's files: how each
-    tensor is split over TP, and (ZeRO-0) which parameter each optimizer slot belongs to."""
+    """What the conversion to the universal state needs beyond DeepSpeed's files: how each tensor is
+    split over TP, the optimizer's class and (ZeRO-0) which parameter each optimizer slot holds."""
     table, aliases = tensor_table(model, tp_size)
     facts: dict[str, Any] = {"tensors": table, "aliases": aliases}
     try:
@@ -134,36 +124,12 @@ def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
 
 
 def _pause_before_publish(staging: Path, step: int) -> None:
-    """The test hook: ``SECONDS`` pauses every save, ``SECONDS@STEP`` the save of that step."""
     seconds, _, at_step = os.environ.get(PAUSE_BEFORE_PUBLISH_ENV, "").partition("@")
     if seconds and (not at_step or int(at_step) == step):
         marker = staging / PAUSE_MARKER
         marker.write_text(str(os.getpid()))
         time.sleep(float(seconds))
         marker.unlink(missing_ok=True)
-
-
-def _publish(checkpoint_dir: Path, staging: Path, tag: str) -> None:
-    """Rank 0: rename the finished staging directory into place, then move ``latest``; on a
-    failure, put back what was there."""
-    final = checkpoint_dir / tag
-    replaced = None
-    if final.exists():
-        # The same step saved again (e.g. a run resumed at its last step): the old copy is moved
-        # aside, not deleted, until the new one is in place.
-        replaced = checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
-        os.rename(final, replaced)
-    try:
-        publish(staging, final)
-        replace_file(checkpoint_dir / LATEST_FILE, tag + "\n")
-    except BaseException:
-        if final.exists() and not staging.exists():
-            os.rename(final, staging)  # unpublished again; the caller removes it
-        if replaced is not None:
-            os.rename(replaced, final)
-        raise
-    if replaced is not None:
-        discard(replaced)
 
 
 def save_training_checkpoint(
@@ -179,15 +145,9 @@ def save_training_checkpoint(
     export_portable: bool = False,
     tp_group=None,
 ) -> Path:
-    """Save a training checkpoint of ``engine`` at ``step`` and publish it atomically.
-
-    Collective: every rank calls it. ``client_state`` must be JSON-serializable (data sampler
-    position, metrics, ...); the engine's counters and LR scheduler, and every rank's RNG states
-    (torch, CUDA, numpy, python, ``model.dropout_rng``) are added here. ``export_portable`` also
-    writes ``model/`` (portable safetensors shards). Returns the published directory
-    (``<checkpoint_dir>/step_XXXXXXXX``); raises :class:`CheckpointSaveError` on every rank if
-    any rank failed to write (see the module docstring).
-    """
+    """Save a training checkpoint of ``engine`` at ``step``, publish it atomically and return its
+    directory. Collective. Adds to the JSON-serializable ``client_state`` the engine's counters,
+    LR scheduler and every rank's RNG states; ``export_portable`` also writes ``model/``."""
     checkpoint_dir = Path(checkpoint_dir)
     model = model if model is not None else engine.module
     tag, layout = checkpoint_tag(step), engine_layout(engine)
@@ -203,8 +163,7 @@ def save_training_checkpoint(
         attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
         attempt(failures, lambda: write_json(rng_file, capture_rng_state(model), indent=None))
         if export_portable:  # collective: every rank takes part, whatever happened to its own files
-            portable = write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
-            failures += [portable] if portable else []
+            failures += write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
         if is_main():
             scheduler = getattr(engine, "lr_scheduler", None)
             counters = {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")}
@@ -230,7 +189,7 @@ def save_training_checkpoint(
         }
         write_json(staging / INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
-        _publish(checkpoint_dir, staging, tag)
+        publish_checkpoint(checkpoint_dir, staging, tag)
 
     failure = save_collectively(staging, write, finish)
     if failure is not None:
@@ -244,8 +203,7 @@ def save_training_checkpoint(
 
 
 def saved_client_state(path: str | Path) -> dict:
-    """What the trainer passed to :func:`save_training_checkpoint` for the checkpoint at ``path``
-    (read on the host, no engine needed: e.g. to plan a resume before building one)."""
+    """What the trainer passed to :func:`save_training_checkpoint` (read without an engine)."""
     return read_json(resolve_checkpoint(path) / CLIENT_STATE_FILE, "client state").get("client", {})
 
 
@@ -255,19 +213,12 @@ class LoadedCheckpoint:
     step: int
     client_state: dict  # what the trainer passed to save_training_checkpoint
     resharded: bool  # loaded through the universal state at another layout
-    saved_layout: dict = field(default_factory=dict)
 
 
-def load_training_checkpoint(
-    engine, path: str | Path, *, model=None, load_optimizer: bool = True, tp_group=None
-) -> LoadedCheckpoint:
-    """Restore ``engine`` (weights, optimizer, LR scheduler, counters) and this rank's RNG states.
-
-    ``path`` is a ``step_N`` directory or the directory holding ``latest``. At the saved layout
-    (TP, DP, ZeRO stage, precision) this is DeepSpeed's ``load_checkpoint`` with weights-only
-    unpickling; at any other layout the universal state is loaded (and, if the checkpoint has
-    none, first converted from DeepSpeed's files by rank 0). Collective: every rank calls it.
-    """
+def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=None) -> LoadedCheckpoint:
+    """Restore ``engine`` (weights, optimizer, LR scheduler, counters) and this rank's RNG states
+    from ``path`` (see :func:`.layout.resolve_checkpoint`). Collective. At the saved TP, DP, ZeRO
+    stage and precision DeepSpeed loads its own files; at any other, the universal state is loaded."""
     step_dir = resolve_checkpoint(path)
     info = read_info(step_dir)
     model = model if model is not None else engine.module
@@ -282,43 +233,29 @@ def load_training_checkpoint(
 
     if same_layout:
         with weights_only_loading(engine):
-            load_path, _ = engine.load_checkpoint(
-                str(step_dir.parent),
-                tag=step_dir.name,
-                load_optimizer_states=load_optimizer,
-                load_lr_scheduler_states=load_optimizer,
-            )
+            load_path, _ = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name)
         if load_path is None:
             raise CheckpointError(f"{step_dir}: DeepSpeed found no checkpoint files for this rank")
     else:
-        universal_dir = ensure_universal_state(step_dir)
-        load_universal_state(
-            engine, universal_dir, tp_group=tp_group_of(model, tp_group), load_optimizer=load_optimizer
-        )
+        load_universal_state(engine, ensure_universal_state(step_dir), tp_group=tp_group_of(model, tp_group))
         counters = client.get("engine", {})
         engine.global_steps = counters.get("global_steps", info["step"])
         engine.global_samples = counters.get("global_samples", 0)
         engine.skipped_steps = counters.get("skipped_steps", 0)
         scheduler = getattr(engine, "lr_scheduler", None)
-        if load_optimizer and scheduler is not None and client.get("lr_scheduler"):
+        if scheduler is not None and client.get("lr_scheduler"):
             scheduler.load_state_dict(client["lr_scheduler"])
 
     rng_file = _rng_file(step_dir, _rank())
     if saved.get("world_size") == current["world_size"] and rng_file.is_file():
-        restore_rng_state(json.loads(rng_file.read_text(encoding="utf-8")), model)
+        restore_rng_state(read_json(rng_file, "RNG state"), model)
     else:
         # Another world size: per-rank generator streams do not map onto the new ranks. Dropout is
         # keyed on (seed, step) and needs only those two, taken from rank 0's record.
         reference = _rng_file(step_dir, 0)
         dropout_rng = getattr(model, "dropout_rng", None)
         if dropout_rng is not None and reference.is_file():
-            recorded = json.loads(reference.read_text(encoding="utf-8")).get("dropout")
+            recorded = read_json(reference, "RNG state").get("dropout")
             if recorded:
                 dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
-    return LoadedCheckpoint(
-        path=step_dir,
-        step=int(info["step"]),
-        client_state=client.get("client", {}),
-        resharded=not same_layout,
-        saved_layout=saved,
-    )
+    return LoadedCheckpoint(step_dir, int(info["step"]), client.get("client", {}), resharded=not same_layout)

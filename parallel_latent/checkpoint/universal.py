@@ -2,13 +2,10 @@
 
 The bridge between layouts is the *universal* state, stored as shards (:mod:`.shards`): for every
 trainable parameter ``p`` its fp32 master ``fp32/<p>`` and the optimizer's per-parameter state
-(Adam's moments ``exp_avg/<p>``, ``exp_avg_sq/<p>``; SGD's ``momentum_buffer/<p>``; full over DP,
-split over TP like the weight), ``state/<name>`` for every frozen tensor, and the optimizer's kind,
-step and hyperparameters in the manifest. Its one producer is
-:func:`convert_to_universal`, which reads DeepSpeed's files of any ZeRO stage (``weights_only``)
-in one process: rank 0 runs it when a resume finds another layout, ``parallel-latent reshard`` by
-hand. :func:`load_universal_state` cuts each tensor for the new TP rank and sets the new engine's
-weights, masters and moments. :func:`export_portable` makes portable weights from it.
+(``exp_avg/<p>`` and ``exp_avg_sq/<p>``, or SGD's ``momentum_buffer/<p>``; whole over DP, split over
+TP like the weight), ``state/<name>`` for every frozen tensor, and the optimizer's kind, step and
+hyperparameters in the manifest. It is converted from DeepSpeed's files of any ZeRO stage, in one
+process: by rank 0 when a resume finds another layout, or by ``parallel-latent reshard``.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from .layout import (
     read_info,
     read_json,
     resolve_checkpoint,
+    resolve_portable_dir,
     staged,
 )
 from .portable import MODEL_PREFIX, check_model_record
@@ -75,10 +73,10 @@ def trainable(tensor: torch.Tensor) -> bool:
 def tensor_table(model: nn.Module, tp_size: int) -> tuple[dict[str, Any], dict[str, str]]:
     """How each tensor of ``model`` is laid out (recorded in checkpoint.json for the converter)."""
     tensors, aliases = module_tensors(model)
-    table = {}
-    for name, tensor in tensors.items():
-        table[name] = {**placement_of(tensor, tp_size, name).spec(), "dtype": dtype_name(tensor.dtype)}
-        table[name]["trainable"] = trainable(tensor)
+    table = {
+        name: {**placement_of(t, tp_size, name).spec(), "dtype": dtype_name(t.dtype), "trainable": trainable(t)}
+        for name, t in tensors.items()
+    }
     return table, aliases
 
 
@@ -92,110 +90,115 @@ def _json_group(group: dict) -> dict:
     return out
 
 
-def _or_zeros(state: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor, or zeros where there is none yet (before the first step; SGD
-    without momentum)."""
-    return torch.zeros_like(like) if state is None else state
+def _with_state(master: torch.Tensor, state: dict, moments: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """A master and the optimizer's state of it, zeros where there is none (before the first step;
+    SGD without momentum)."""
+    flat = {MASTER: master}
+    for key in moments:
+        flat[key] = torch.zeros_like(master) if state.get(key) is None else state[key]
+    return flat
 
 
-def _optim_file(step_dir: Path, dp_rank: int, mp_rank: int, precision: str) -> Path:
-    prefix = "bf16_" if precision == "bf16" else ""
-    return step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+def _optimizer_files(step_dir: Path, mp_rank: int, layout: dict):
+    """Every DP rank's ZeRO optimizer state, in order."""
+    prefix = "bf16_" if layout["precision"] == "bf16" else ""
+    for dp_rank in range(layout["data_parallel"]):
+        path = step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+        yield safe_torch_load(path, "cpu")["optimizer_state_dict"]
 
 
-def _zero12_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str, moments: tuple[str, ...]):
-    """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
-    ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
-    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-    shapes = {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+def _param_shapes(model_states: dict) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
+
+
+def _whole(step_dir: Path, shapes: dict, runs: list[tuple[dict, dict]], moments: tuple[str, ...]) -> dict:
+    """Each parameter's master and moments from the flat runs that hold its pieces, in order: a run
+    is (flat tensors by key, ``{name: (start, length)}``)."""
     pieces = {name: {key: [] for key in (MASTER, *moments)} for name in shapes}
-    step, groups = 0, []
-    for dp_rank in range(dp_size):
-        sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
-        base = sd["base_optimizer_state"]
-        groups = base.get("param_groups", groups)
-        for group_index, mapping in enumerate(sd["param_slice_mappings"]):
-            flat = {MASTER: sd["single_partition_of_fp32_groups"][group_index]}
-            state = base["state"].get(group_index, {})
-            for key in moments:
-                flat[key] = _or_zeros(state.get(key), flat[MASTER])
-            step = adam_step(state) or step
-            for name, address in mapping.items():
-                for key, tensor in flat.items():
-                    pieces[name][key].append(tensor.narrow(0, address.start, address.numel))
+    for flat, mapping in runs:
+        for name, (start, length) in mapping.items():
+            for key, tensor in flat.items():
+                pieces[name][key].append(tensor.narrow(0, start, length))
     result = {}
     for name, shape in shapes.items():
         result[name] = {}
         for key, parts in pieces[name].items():
-            flat = torch.cat(parts) if parts else torch.empty(0)
-            if flat.numel() != math.prod(shape):
+            whole = torch.cat(parts) if parts else torch.empty(0)
+            if whole.numel() != math.prod(shape):
                 raise CheckpointError(
-                    f"{step_dir}: ZeRO fragments of {name!r} hold {flat.numel()} elements, expected {math.prod(shape)}"
+                    f"{step_dir}: ZeRO fragments of {name!r} hold {whole.numel()} elements, expected {math.prod(shape)}"
                 )
-            result[name][key] = flat.view(shape).float()
-    return result, model_states["module"], step, groups
+            result[name][key] = whole.view(shape).float()
+    return result
 
 
-def _zero3_tensors(step_dir: Path, mp_rank: int, dp_size: int, precision: str, moments: tuple[str, ...]):
+def _zero12_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
+    """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
+    ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
+    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+    runs, step, groups = [], 0, []
+    for sd in _optimizer_files(step_dir, mp_rank, info["layout"]):
+        base = sd["base_optimizer_state"]
+        groups = base.get("param_groups", groups)
+        for index, mapping in enumerate(sd["param_slice_mappings"]):
+            state = base["state"].get(index, {})
+            step = adam_step(state) or step
+            flat = _with_state(sd["single_partition_of_fp32_groups"][index], state, moments)
+            runs.append((flat, {name: (address.start, address.numel) for name, address in mapping.items()}))
+    return _whole(step_dir, _param_shapes(model_states), runs, moments), model_states["module"], step, groups
+
+
+def _zero3_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
     """Every parameter is split into ``ceil(numel / dp)`` pieces, one per DP rank (the last
     padded), and a rank's flat group is its pieces of all parameters in order."""
+    dp_size = info["layout"]["data_parallel"]
     model_states = [
         safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
         for r in range(dp_size)
     ]
-    shapes = {name: tuple(shape) for group in model_states[0]["param_shapes"] for name, shape in group.items()}
-    flats: dict[str, list[torch.Tensor]] = {key: [] for key in (MASTER, *moments)}
-    step, groups = 0, []
-    for dp_rank in range(dp_size):
-        sd = safe_torch_load(_optim_file(step_dir, dp_rank, mp_rank, precision), "cpu")["optimizer_state_dict"]
+    shapes = _param_shapes(model_states[0])
+    runs, step, groups = [], 0, []
+    for dp_rank, sd in enumerate(_optimizer_files(step_dir, mp_rank, info["layout"])):
         base = sd["optimizer_state_dict"]
         groups = base.get("param_groups", groups)
-        fp32_groups = sd["fp32_flat_groups"]
-        flats[MASTER].append(torch.cat([g.reshape(-1) for g in fp32_groups]))
-        for key in moments:
-            states = [_or_zeros(base["state"].get(i, {}).get(key), g) for i, g in enumerate(fp32_groups)]
-            flats[key].append(torch.cat([s.reshape(-1) for s in states]))
         step = adam_step(base["state"].get(0, {})) or step
-    result: dict[str, dict[str, torch.Tensor]] = {name: {} for name in shapes}
-    offset = 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        per_rank = math.ceil(numel / dp_size)
-        for key, rank_flats in flats.items():
-            whole = torch.cat([f.narrow(0, offset, per_rank) for f in rank_flats])
-            result[name][key] = whole[:numel].view(shape).float()
-        offset += per_rank
+        flats = [
+            _with_state(g.reshape(-1), base["state"].get(i, {}), moments) for i, g in enumerate(sd["fp32_flat_groups"])
+        ]
+        mapping, offset = {}, 0
+        for name, shape in shapes.items():
+            per_rank = math.ceil(math.prod(shape) / dp_size)
+            mapping[name] = (offset, max(0, min(per_rank, math.prod(shape) - dp_rank * per_rank)))  # padding cut
+            offset += per_rank
+        runs.append(({key: torch.cat([f[key].reshape(-1) for f in flats]) for key in flats[0]}, mapping))
     # Frozen parameters are stored as each rank's fragment; buffers whole in every rank's module.
     module = dict(model_states[0]["module"])
     for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
         whole = torch.cat([ms["frozen_param_fragments"][name].reshape(-1) for ms in model_states])
         module[name] = whole[: math.prod(shape)].view(tuple(shape))
-    return result, module, step, groups
+    return _whole(step_dir, shapes, runs, moments), module, step, groups
 
 
-def _zero0_tensors(step_dir: Path, mp_rank: int, names: list[str], moments: tuple[str, ...]):
+def _zero0_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
     """ZeRO-0 (fp32): weights and the torch optimizer's state dict sit in the model states file;
     the state is keyed by position in the optimizer, mapped to names recorded at save time."""
     model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-    module = model_states["module"]
+    module, names = model_states["module"], info.get("optimizer_param_names", [])
     optimizer_sd = model_states.get("optimizer") or {}
-    state = optimizer_sd.get("state", {})
     order = [i for group in optimizer_sd.get("param_groups", []) for i in group["params"]]
     if len(order) != len(names):
         raise CheckpointError(f"{step_dir}: optimizer holds {len(order)} tensors, {len(names)} names recorded")
     result, step = {}, 0
     for index, name in zip(order, names, strict=True):
-        entry = state.get(index, {})
-        weight = module[name].float()
-        result[name] = {MASTER: weight, **{k: _or_zeros(entry.get(k), weight).float() for k in moments}}
-        step = adam_step(entry) or step
+        state = optimizer_sd.get("state", {}).get(index, {})
+        result[name] = _with_state(module[name].float(), state, moments)
+        step = adam_step(state) or step
     return result, module, step, optimizer_sd.get("param_groups", [])
 
 
 def convert_to_universal(step_dir: str | Path, output: str | Path | None = None) -> Path:
     """Build the universal state of a training checkpoint from DeepSpeed's files (one process, no
-    process group). Written next to the files as ``universal/`` unless ``output`` is given, under a
-    staging name renamed into place when complete."""
+    process group), as ``universal/`` next to them unless ``output`` is given."""
     step_dir = Path(step_dir)
     info = read_info(step_dir)
     layout, table = info["layout"], info.get("tensors")
@@ -203,23 +206,18 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         raise CheckpointError(
             f"{step_dir / INFO_FILE}: no tensor table (saved by an older version); resume it at its own layout"
         )
-    tp_size, dp_size = layout["tensor_parallel"], layout["data_parallel"]
-    stage, precision = layout["zero_stage"], layout["precision"]
     output = Path(output) if output is not None else step_dir / UNIVERSAL_DIR
     if output.exists():
         raise CheckpointError(f"{output}: already exists")
+    stage, precision = layout["zero_stage"], layout["precision"]
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
     optimizer_class = info.get("optimizer_class", "AdamW")
     moments = moments_of(optimizer_class)
-    if stage == 0:
-        names = info.get("optimizer_param_names", [])
-        per_rank = [_zero0_tensors(step_dir, r, names, moments) for r in range(tp_size)]
-    else:
-        read = _zero12_tensors if stage in (1, 2) else _zero3_tensors
-        per_rank = [read(step_dir, r, dp_size, precision, moments) for r in range(tp_size)]
+    read = {0: _zero0_tensors, 1: _zero12_tensors, 2: _zero12_tensors, 3: _zero3_tensors}[stage]
+    per_rank = [read(step_dir, r, info, moments) for r in range(layout["tensor_parallel"])]
 
-    entries_by_rank: list[list[Entry]] = [[] for _ in range(tp_size)]
+    entries_by_rank: list[list[Entry]] = [[] for _ in per_rank]
     for name, spec in table.items():
         place, kinds = Placement.from_spec(spec), (MASTER, *moments) if spec["trainable"] else (FROZEN,)
         for entries, (weights, module, _, _) in zip(entries_by_rank, per_rank, strict=True):
@@ -232,11 +230,6 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     client = read_json(step_dir / CLIENT_STATE_FILE, "client state") if (step_dir / CLIENT_STATE_FILE).is_file() else {}
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
-    optimizer = {
-        "class": optimizer_class,
-        "step": step,
-        "param_groups": list(map(_json_group, groups)),
-    }
     fields = {
         "contents": "optimizer",
         "step": info["step"],
@@ -246,7 +239,7 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         "config": config or None,
         "source_layout": layout,
         "converted_from": "deepspeed",
-        "optimizer": optimizer,
+        "optimizer": {"class": optimizer_class, "step": step, "param_groups": list(map(_json_group, groups))},
     }
     aliases = {f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in (info.get("aliases") or {}).items()}
     with staged(output) as staging:
@@ -270,7 +263,7 @@ def ensure_universal_state(step_dir: Path) -> Path:
     return universal
 
 
-def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_optimizer: bool = True) -> dict:
+def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dict:
     """Set ``engine``'s weights, fp32 masters, optimizer state (Adam's moments and step, SGD's
     momentum) from a universal state saved at any layout. No collective: each rank reads its own
     ranges. Returns the manifest."""
@@ -303,19 +296,18 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
     for name, tensor in module_tensors(model)[0].items():
         place = placement_of(tensor, tp_size, name)
         plan.append((name, tensor, place, saved(MASTER if trainable(tensor) else FROZEN, name, place)))
-    if load_optimizer:
-        ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
+    ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
     with torch.no_grad():
         for name, tensor, place, key in plan:
             if not trainable(tensor):
                 write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
             set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")) if load_optimizer else ():
+            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")):
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
                 set_moment(engine, tensor, moment, value)
     groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)
-    if load_optimizer and len(groups) == len(optimizer.param_groups):
+    if len(groups) == len(optimizer.param_groups):
         for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
             group.update(
                 {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved_group.items() if k in group}
@@ -325,24 +317,17 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None, load_o
 
 def export_portable(source: str | Path, output: str | Path) -> Path:
     """Write the portable weights of ``source`` (a portable directory, a training checkpoint, or a
-    checkpoints directory's ``latest``) to the new directory ``output``.
-
-    A training checkpoint saved with ``checkpoint.export_portable`` already holds them (copied);
-    one saved without gets them from its universal state (converted into a temporary directory if
-    needed, so the checkpoint itself is left as it is): trained weights are the fp32 masters cast
-    to the model's dtype, the rest are stored as they were."""
+    checkpoints directory's ``latest``) to the new directory ``output``: a copy of the ones saved
+    with the checkpoint, else made from its universal state (converted into a temporary directory
+    if needed, so the checkpoint is left as it is), the trained weights being the fp32 masters."""
     source, output = Path(source), Path(output)
     if output.exists():
         raise CheckpointError(f"{output}: already exists; not overwriting")
-    if (source / MANIFEST_NAME).is_file():
-        portable = source
-    else:
-        step_dir = resolve_checkpoint(source)
-        portable = step_dir / PORTABLE_DIR if (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file() else None
-    if portable is not None:
-        PortableCheckpoint(portable)  # validate before copying
+    step_dir = None if (source / MANIFEST_NAME).is_file() else resolve_checkpoint(source)
+    if step_dir is None or (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file():
+        portable = PortableCheckpoint(resolve_portable_dir(source))  # validated before copying
         with staged(output) as staging:
-            shutil.copytree(portable, staging, dirs_exist_ok=True)
+            shutil.copytree(portable.directory, staging, dirs_exist_ok=True)
         return output
     info = read_info(step_dir)
     if not info.get("tensors"):

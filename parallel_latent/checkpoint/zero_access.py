@@ -9,9 +9,9 @@ Inside a DeepSpeed engine a parameter is not simply ``param.data``:
   reachable per parameter through ``param._hp_mapping``;
 * ZeRO-0 in fp32 hands the parameters to the torch optimizer as they are.
 
-The functions here take or give the *whole* tensor of this tensor-parallel rank. They, the
-allowlist of :func:`deepspeed_safe_globals` and the offline converter of :mod:`.universal` rely
-on DeepSpeed internals of the 0.19 series: :func:`import_deepspeed` refuses any other.
+The functions here take or give the *whole* tensor of this tensor-parallel rank. They rely on
+DeepSpeed internals of the 0.19 series (as does :mod:`.universal`): :func:`import_deepspeed` refuses
+any other.
 """
 
 from __future__ import annotations
@@ -28,22 +28,11 @@ import torch.distributed as dist
 from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-SGD_MOMENTS = ("momentum_buffer",)
-
-
-def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    """ "Adam" or "SGD": the state that a resharded resume carries over (our guarded subclasses too)."""
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return "Adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "SGD"
-    raise CheckpointError(f"resharded optimizer state supports Adam, AdamW and SGD, not {type(optimizer).__name__}")
 
 
 def moments_of(kind: str) -> tuple[str, ...]:
-    """The per-parameter state tensors of an optimizer of ``kind`` (as recorded in a checkpoint;
-    older checkpoints recorded the class name, e.g. "AdamW")."""
-    return SGD_MOMENTS if "SGD" in kind else ADAM_MOMENTS
+    """The per-parameter state tensors of an optimizer of ``kind`` (a checkpoint records the class name)."""
+    return ("momentum_buffer",) if "SGD" in kind else ADAM_MOMENTS
 
 
 # The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
@@ -51,7 +40,6 @@ SUPPORTED_DEEPSPEED = (0, 19)
 
 
 def import_deepspeed():
-    """``deepspeed``, if it is a release whose internals this code knows."""
     import deepspeed
 
     if tuple(int(part) for part in deepspeed.__version__.split(".")[:2]) != SUPPORTED_DEEPSPEED:
@@ -84,11 +72,8 @@ def gathered(params: Iterable[torch.Tensor]):
 
 
 def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Set the model (low precision) copy of ``param`` to ``value`` (this TP rank's whole tensor).
-
-    Under ZeRO-3 each rank writes only its own flat partition: every rank of the DP group holds the
-    same ``value``, so no communication is needed.
-    """
+    """Set the model (low precision) copy of ``param`` to ``value``, this TP rank's whole tensor.
+    Under ZeRO-3 each rank writes its own partition of the ``value`` all DP ranks hold: no communication."""
     with torch.no_grad():
         if is_zero3(param):
             partition = param.ds_tensor
@@ -105,7 +90,7 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
-    """The torch optimizer that owns the Adam state (DeepSpeed wraps it under ZeRO and bf16/fp16)."""
+    """The torch optimizer that owns the state (DeepSpeed wraps it under ZeRO and bf16/fp16)."""
     optimizer = engine.optimizer
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(inner, torch.optim.Optimizer):
@@ -116,7 +101,7 @@ def base_optimizer(engine) -> torch.optim.Optimizer:
 
 
 def adam_step(state: dict) -> int | None:
-    """Adam's step count in one parameter's (or flat group's) optimizer state; None before the first step."""
+    """Adam's step count in one parameter's (or flat group's) state; None before the first step."""
     step = state.get("step")
     if step is None:
         return None
@@ -147,76 +132,72 @@ def _stepped_tensors(engine, optimizer) -> list[tuple[dict, torch.Tensor]]:
 
 
 def ensure_optimizer_state(engine, step: int) -> None:
-    """Create the optimizer's state where it has none yet: Adam's zero moments and the given step
-    (set on every entry), SGD's zero momentum buffer; under ZeRO-1/2 also link the per-parameter
-    views DeepSpeed reads and writes.
-
-    torch's optimizers create their state lazily at the first step; a resumed run must have it
-    before that step so the loaded moments are used, not zeros. (SGD's first step makes the buffer
-    the gradient itself, which equals momentum x 0 + gradient without dampening.)"""
+    """Create the optimizer's state where it has none yet (Adam's zero moments and ``step``, SGD's
+    zero momentum) and link DeepSpeed's per-parameter views of it: torch creates it at the first
+    step, so a resumed run would use zeros instead of the loaded state. (SGD's first step makes the
+    buffer the gradient itself, which equals momentum x 0 + gradient without dampening.)"""
     optimizer = base_optimizer(engine)
-    if optimizer_kind(optimizer) == "SGD":
-        for group, flat in _stepped_tensors(engine, optimizer):
+    sgd = isinstance(optimizer, torch.optim.SGD)  # subclasses too
+    if not sgd and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise CheckpointError(f"resharded optimizer state supports Adam, AdamW and SGD, not {type(optimizer).__name__}")
+    for group, flat in _stepped_tensors(engine, optimizer):
+        if sgd:
             if group.get("momentum", 0) and "momentum_buffer" not in optimizer.state[flat]:
                 optimizer.state[flat]["momentum_buffer"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-    else:
-        for group, flat in _stepped_tensors(engine, optimizer):
-            state = optimizer.state[flat]
-            if not state:
-                for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
-                    state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-            previous = state.get("step")
-            if torch.is_tensor(previous):
-                state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
-            else:
-                # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
-                device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
-                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+            continue
+        state = optimizer.state[flat]
+        if not state:
+            for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        previous = state.get("step")
+        if torch.is_tensor(previous):
+            state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
+        else:
+            # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
+            device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
         link()
 
 
+def _fp32_local(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    device = param.ds_tensor.device if is_zero3(param) else param.device
+    return value.to(device, torch.float32).reshape(local_shape(param))
+
+
 def set_master(engine, param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master weight and the model copy of ``param`` (no communication)."""
     write_param(param, value)
-    if plain_param(engine, param):
-        return
-    from deepspeed.utils import safe_set_full_fp32_param
+    if not plain_param(engine, param):
+        from deepspeed.utils import safe_set_full_fp32_param
 
-    device = param.ds_tensor.device if is_zero3(param) else param.device
-    safe_set_full_fp32_param(param, value.to(device, torch.float32).reshape(local_shape(param)))
+        safe_set_full_fp32_param(param, _fp32_local(param, value))
 
 
 def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
-    """Set optimizer state ``key`` (an Adam moment, SGD's momentum buffer) of ``param``; call
-    :func:`ensure_optimizer_state` first."""
+    """Set optimizer state ``key`` of ``param``, after :func:`ensure_optimizer_state`."""
     if plain_param(engine, param):
         base_optimizer(engine).state[param][key].copy_(value.view(param.shape))
-        return
-    from deepspeed.utils import safe_set_full_optimizer_state
+    else:
+        from deepspeed.utils import safe_set_full_optimizer_state
 
-    device = param.ds_tensor.device if is_zero3(param) else param.device
-    safe_set_full_optimizer_state(param, value.to(device, torch.float32).reshape(local_shape(param)), key)
-
-
-def deepspeed_safe_globals() -> list:
-    """The DeepSpeed types found in its checkpoint files (0.19): plain data holders whose
-    unpickling runs no code of theirs beyond setting attributes or building an enum/namedtuple."""
-    import_deepspeed()
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+        safe_set_full_optimizer_state(param, _fp32_local(param, value), key)
 
 
 def safe_torch_load(path: str | Path, map_location=None):
     """``torch.load(weights_only=True)`` with DeepSpeed's allowlist; a file that needs anything
     else raises :class:`CheckpointError` naming the offending global instead of being unpickled."""
+    import_deepspeed()
+    # The DeepSpeed types in its checkpoint files: plain data holders whose unpickling runs no code
+    # of theirs beyond setting attributes or building an enum/namedtuple.
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
     try:
-        with torch.serialization.safe_globals(deepspeed_safe_globals()):
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
@@ -230,7 +211,6 @@ def safe_torch_load(path: str | Path, map_location=None):
 
 @contextlib.contextmanager
 def _replaced(target, **attributes):
-    """``target``'s attributes replaced inside the block, put back after it."""
     originals = {name: getattr(target, name) for name in attributes}
     for name, value in attributes.items():
         setattr(target, name, value)
@@ -266,9 +246,8 @@ class _ErrnoFile(io.FileIO):
 
 @contextlib.contextmanager
 def recording_write_errors(engine, failures: list[str]):
-    """Inside the block, a file DeepSpeed fails to write (a full disk, an I/O error) appends the
-    reason to ``failures`` instead of raising: DeepSpeed's save then still reaches the barriers
-    the other ranks wait at, and the caller decides, with every rank, what the failure means."""
+    """Inside the block, a file DeepSpeed fails to write appends the reason to ``failures`` instead
+    of raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at."""
     checkpoint_engine = engine.checkpoint_engine
     zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
 
