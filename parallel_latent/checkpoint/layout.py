@@ -188,8 +188,12 @@ def replace_file(path: Path, text: str) -> None:
 def publish(staging: Path, final: Path) -> None:
     """Make every file under ``staging`` durable (here and nowhere else), then rename it to the new
     ``final`` in one atomic step."""
+    # safetensors creates its files 0600; checkpoints and exports are read by other users of a
+    # shared file system, so every file gets the mode the umask gives this directory's files.
+    mode = staging.stat().st_mode & 0o666
     for root, _, files in os.walk(staging):
         for name in files:
+            os.chmod(Path(root, name), mode)
             fsync(Path(root, name))
         fsync(Path(root))
     os.rename(staging, final)

@@ -6,6 +6,7 @@ alone, 2 and 4; a GPT-2 that came from a path or the hub is rebuilt from its rec
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 
@@ -223,6 +224,10 @@ def test_consolidate_and_inspect(saved, tmp_path):
     root, results = saved
     out = consolidate(root / "tp4", tmp_path / "single")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
+    # Every file readable as the umask allows, the safetensors file too (the library creates it 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {oct(0o666 & ~umask)}
     from safetensors.torch import load_file
 
     tensors = load_file(str(out / "model.safetensors"))
