@@ -36,17 +36,13 @@ QUICK_FIGURES = {
 }
 
 
+def run_in_repo(command: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
 def run_quick(script: str, json_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(json_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    return run_in_repo([sys.executable, str(BENCHMARKS / script), "--quick", "--json", str(json_path)], env)
 
 
 @pytest.mark.slow
@@ -116,15 +112,8 @@ def test_page_marks_goals_missing_runs_and_failures(tmp_path):
 
 def run_gpu_script(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "ALLOW_CPU": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
-    return subprocess.run(
-        ["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--json", str(tmp_path / "gpu.json"), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    command = ["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--json", str(tmp_path / "gpu.json"), *args]
+    return run_in_repo(command, env)
 
 
 @pytest.mark.slow
