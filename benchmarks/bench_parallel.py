@@ -33,7 +33,7 @@ from torch import nn
 
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
 
-from common import Report, add_common_arguments, run
+from common import REPO, Report, add_common_arguments, run
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
@@ -201,6 +201,16 @@ def _frozen_flops(args) -> list[tuple[int, float, float]]:
 
 
 def frozen_pass_flops(rows: list, args, report: Report) -> None:
+    # What splitting saves in the real configuration: the replicated frozen pass's share of a rank's
+    # model FLOPs in configs/gpt2.yaml, from the formula MFU uses (the trainable part divides by TP).
+    from parallel_latent.config import load_config
+    from parallel_latent.metrics import model_flops_per_sample
+
+    flops = model_flops_per_sample(load_config(REPO / "configs" / "gpt2.yaml"))
+    frozen, trainable = flops["frozen_forward"], flops["train"] - flops["frozen_forward"]
+    for tp in (2, 4, 8):
+        share = frozen / (frozen + trainable / tp)
+        report.figure(f"gpt2.yaml replicated frozen pass, share of a rank's model FLOPs, TP={tp}", share * 100, "%")
     for tp, replicated, split in rows:
         print(
             f"frozen feature pass per rank at TP={tp} (a 12-layer GPT-2 of width {args.flops_width}, 10 blocks run, "

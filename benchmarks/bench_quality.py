@@ -60,6 +60,25 @@ def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch
     return {"seed": seed, "step": last["step"], "wall_s": wall, **{k: last[v] for k, v in METRICS.items()}}
 
 
+def unseen_token_share(config: str, overrides: list[str]) -> float:
+    """The share of held-out tokens (padding excluded) whose id never occurs in the training split:
+    what a trainable vocabulary head could not have learned to produce, and the tied head can."""
+    import numpy as np
+
+    from parallel_latent.config import load_config
+    from parallel_latent.data import build_datasets
+    from parallel_latent.model.tokenizer import load_tokenizer
+
+    cfg = load_config(config, overrides)
+    train, held_out = build_datasets(cfg, load_tokenizer(cfg.tokenizer), announce=False)
+
+    def real_tokens(view) -> np.ndarray:
+        batch = view.batch(np.arange(len(view)))
+        return batch["input_ids"][batch["attention_mask"].bool()].numpy()
+
+    return float(np.mean(~np.isin(real_tokens(held_out), real_tokens(train))))
+
+
 def body(args, report: Report) -> None:
     config = str(Path(args.config))
     overrides = [*(QUICK if args.quick else []), *args.overrides]
@@ -100,6 +119,8 @@ def body(args, report: Report) -> None:
         report.figure(f"{name} median {key.replace('_', ' ')}", summary["median"][key])
         report.figure(f"{name} worst seed {key.replace('_', ' ')}", worst[key], at_least=goals.get(key))
     report.figure(f"{name} slowest seed wall time", worst["wall_s"], "s", at_most=goals.get("wall_s"))
+    unseen = unseen_token_share(config, overrides) * 100
+    report.figure(f"{name} held-out tokens never in the training split", unseen, "%")
 
 
 def main() -> int:

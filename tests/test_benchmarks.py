@@ -25,6 +25,7 @@ QUICK_FIGURES = {
     "bench_parallel.py": [
         "TP=1 MLP ours / nn.Sequential",
         "TP=2 MLP ours / torch.distributed.tensor.parallel",
+        "gpt2.yaml replicated frozen pass, share of a rank's model FLOPs, TP=8",
         "frozen pass FLOPs per rank split / replicated, TP=4",
         "saved activations sequence parallel / not, TP=4",
         "TP=2 step split feature pass / replicated",
@@ -32,7 +33,12 @@ QUICK_FIGURES = {
     "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
     "bench_checkpoint.py": ["portable load (checksums verified) / torch.load", "portable bytes / torch.save bytes"],
     "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
-    "bench_quality.py": ["tiny.yaml seed 1: token accuracy", "tiny.yaml worst seed bleu", "tiny.yaml slowest seed"],
+    "bench_quality.py": [
+        "tiny.yaml seed 1: token accuracy",
+        "tiny.yaml worst seed bleu",
+        "tiny.yaml slowest seed",
+        "tiny.yaml held-out tokens never in the training split",
+    ],
 }
 
 
