@@ -29,13 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, consolidate, save_portable
+from parallel_latent.checkpoint import (
+    CheckpointError,
+    PortableCheckpoint,
+    consolidate,
+    discard,
+    publish,
+    require_empty_output,
+    save_portable,
+)
 from parallel_latent.coordination import barrier, broadcast_value, is_main, main_first
 
 __all__ = [
@@ -313,13 +320,6 @@ def _read_pretrained_config(directory: Path) -> dict | None:
     return config
 
 
-def _refuse_to_overwrite(output: Path) -> None:
-    if output.exists() and not output.is_dir():
-        raise CheckpointError(f"{output}: exists and is a file; give a new or empty directory")
-    if output.is_dir() and any(output.iterdir()):
-        raise CheckpointError(f"{output}: exists and is not empty; not overwriting")
-
-
 def _write_pretrained(shards: Path, staging: Path, autoencoder, record: TrainingRecord, name: str, repo_id) -> None:
     """One process: the TP shards in ``shards`` become the pretrained layout in ``staging``."""
     from parallel_latent import __version__
@@ -349,34 +349,36 @@ def save_pretrained(
     slices; global rank 0 assembles and publishes). ``directory`` must be new or empty; the files
     appear under it all at once (staged next to it, then renamed)."""
     output = Path(directory)
-    _refuse_to_overwrite(output)  # every rank decides the same on the shared file system
+    require_empty_output(output)  # every rank decides the same on the shared file system
     record = record or training_record(getattr(autoencoder, "source", None))
     model = autoencoder.model
     work = output.with_name(f".{output.name}.save-pretrained")
     if is_main():
-        shutil.rmtree(work, ignore_errors=True)  # a save that died half-way
-        work.mkdir(parents=True)
+        discard(work)  # a save that died half-way
     barrier()
     from parallel_latent.model.tokenizer import tokenizer_facts
 
-    shards = save_portable(
-        model,
-        work / "shards",
-        record.config,
-        tokenizer_facts(autoencoder.tokenizer),
-        getattr(model, "tp_group", None),
-        step=record.steps,
-    )
     failure = None
-    if is_main():
-        try:
-            _write_pretrained(shards, work / "pretrained", autoencoder, record, repo_id or output.name, repo_id)
-            if output.is_dir():
-                output.rmdir()  # empty, checked above
-            os.rename(work / "pretrained", output)
-            shutil.rmtree(work)
-        except (OSError, ValueError) as error:
-            failure = error
+    try:
+        # Collective, and it agrees on a failure: every rank raises, none waits for rank 0.
+        shards = save_portable(
+            model,
+            work / "shards",
+            record.config,
+            tokenizer_facts(autoencoder.tokenizer),
+            getattr(model, "tp_group", None),
+            step=record.steps,
+        )
+        if is_main():
+            try:
+                staging = work / "pretrained"
+                _write_pretrained(shards, staging, autoencoder, record, repo_id or output.name, repo_id)
+                publish(staging, output)  # fsynced, then renamed over the empty or missing output
+            except (OSError, ValueError) as error:
+                failure = error
+    finally:
+        if is_main():
+            discard(work)
     message = broadcast_value(None if failure is None else str(failure).splitlines()[0])
     if failure is not None:
         raise failure
@@ -523,7 +525,7 @@ def _save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: s
     from parallel_latent.api import TextAutoencoder
     from parallel_latent.inference import evaluate_held_out
 
-    _refuse_to_overwrite(out)  # before loading anything
+    require_empty_output(out)  # before loading anything
     autoencoder = TextAutoencoder.from_pretrained(checkpoint)
     record = training_record(autoencoder.source)
     if evaluate and record.evaluation is None and record.config:

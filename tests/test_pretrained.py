@@ -180,6 +180,21 @@ def test_refuses_a_non_empty_directory_and_a_newer_format(saved, tmp_path):
         TextAutoencoder.from_pretrained(newer)
 
 
+def test_a_failed_write_leaves_no_output_and_no_scratch(tmp_path, monkeypatch):
+    """Rank 0 fails after the shards are written (a full disk while writing the card): the reason is
+    raised, the output is not created, and the scratch directory with the shards is removed."""
+    import parallel_latent.pretrained as pretrained
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pretrained, "build_model_card", full_disk)
+    record = TrainingRecord(config_to_dict(tiny_config()), steps=7, evaluation=EVALUATION)
+    with pytest.raises(OSError, match="No space left on device"):
+        build().save_pretrained(tmp_path / "out", record=record)
+    assert list(tmp_path.iterdir()) == []
+
+
 def hub_cli(*args: str, cache) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "parallel_latent", *args],

@@ -223,6 +223,14 @@ def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:
         discard(replaced)
 
 
+def require_empty_output(output: Path) -> None:
+    """Refuse an output directory that is a file or holds anything: outputs are never merged into."""
+    if output.exists() and not output.is_dir():
+        raise CheckpointError(f"{output}: exists and is a file; give a new or empty directory")
+    if output.is_dir() and any(output.iterdir()):
+        raise CheckpointError(f"{output}: exists and is not empty; not overwriting")
+
+
 def partial(final: Path) -> Path:
     """Where a one-off output (an export, a consolidation) is staged before it is published."""
     return final.with_name(f".{final.name}.partial")

@@ -34,6 +34,7 @@ from .layout import (
     attempt,
     partial,
     publish,
+    require_empty_output,
     resolve_portable_dir,
     save_collectively,
     staged,
@@ -181,10 +182,7 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
     facts) and a TP=1 ``manifest.json``, so that it is itself a portable checkpoint."""
     checkpoint = PortableCheckpoint(resolve_portable_dir(source), verify_checksums)
     output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise CheckpointError(f"{output}: exists and is a file; give a new or empty directory")
-    if output.exists() and any(output.iterdir()):
-        raise CheckpointError(f"{output}: exists and is not empty; not overwriting")
+    require_empty_output(output)
     full = {name: checkpoint.read_full(name).contiguous() for name in checkpoint.tensors}
     tensors = {}
     for name, value in full.items():
