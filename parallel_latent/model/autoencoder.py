@@ -16,6 +16,7 @@ from torch import nn
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
 from parallel_latent.parallel import (
     CompiledWithFallback,
+    CompileOutcome,
     DropoutRNG,
     LossKernels,
     TensorParallelOptions,
@@ -234,8 +235,9 @@ def compile_regions(model: LatentAutoencoder) -> LatentAutoencoder:
     one block, not the model). TP collectives and the dropout keys' host arithmetic stay outside
     the graphs; a failure to compile falls back to eager with one warning. Parameters are not
     touched: checkpoints are the same with or without it."""
+    outcome = CompileOutcome()  # one warning for the model, not one per block
     for stack in (model.encoder.stack, model.decoder.stack):
         for block in stack.blocks:
-            block.forward = CompiledWithFallback(block.forward, "a Perceiver block", fullgraph=False)
+            block.forward = CompiledWithFallback(block.forward, "the Perceiver blocks", outcome, fullgraph=False)
     model.loss_kernels = LossKernels.compiled()
     return model

@@ -39,6 +39,7 @@ from .state import (
 )
 from .utils import (
     CompiledWithFallback,
+    CompileOutcome,
     TensorParallelOptions,
     group_rank,
     group_size,
@@ -50,6 +51,7 @@ from .utils import (
 __all__ = [
     "ColumnParallelLinear",
     "ColumnParallelWeights",
+    "CompileOutcome",
     "CompiledWithFallback",
     "DropoutRNG",
     "LossKernels",

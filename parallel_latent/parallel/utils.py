@@ -86,28 +86,48 @@ class TensorParallelOptions:
 SINGLE_PROCESS = TensorParallelOptions()
 
 
+@dataclass
+class CompileOutcome:
+    """Whether compiling failed, shared by the wrappers of one kind (a model's blocks): one failure
+    is one warning, and the others run eagerly without trying to compile again."""
+
+    failure: str | None = None
+
+
 class CompiledWithFallback:
     """``fn`` through ``torch.compile`` (compiled at its first call), or eager if that fails.
 
     Compiling can fail where the code is right and the machine is not: no Triton, no host C
     compiler, an unsupported driver. Training must not die in its first step for that: the first
-    failure logs one warning naming the cause, and this object runs ``fn`` eagerly from then on
-    (the same operations, so the same results up to the fusion's rounding; bit-identical for
-    integer work such as the dropout hash)."""
+    failure logs one warning naming the cause, and ``fn`` runs eagerly from then on (the same
+    operations, so the same results up to the fusion's rounding; bit-identical for integer work
+    such as the dropout hash). Once a compiled call has succeeded, an error is the computation's
+    (out of memory, a bad input) and is raised, not retried eagerly."""
 
-    def __init__(self, fn: Callable, what: str, **compile_options):
+    def __init__(self, fn: Callable, what: str, outcome: CompileOutcome | None = None, **compile_options):
         self.fn, self.what = fn, what
         self.compile_options = {"fullgraph": True, **compile_options}
         self.compiled: Callable | None = None
-        self.failure: str | None = None
+        self.succeeded = False
+        self.outcome = outcome if outcome is not None else CompileOutcome()
+
+    @property
+    def failure(self) -> str | None:
+        return self.outcome.failure
 
     def __call__(self, *args, **kwargs):
-        if self.failure is None:
+        if self.outcome.failure is None:
             try:
                 if self.compiled is None:
                     self.compiled = torch.compile(self.fn, **self.compile_options)
-                return self.compiled(*args, **kwargs)
-            except Exception as error:  # any compiler or toolchain failure
-                self.failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+                result = self.compiled(*args, **kwargs)
+            except Exception as error:  # any compiler or toolchain failure, before the first success
+                if self.succeeded:
+                    raise
+                first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                self.outcome.failure = f"{type(error).__name__}: {first_line}"
                 logger.warning("torch.compile of %s failed (%s); running it eagerly", self.what, self.failure)
+            else:
+                self.succeeded = True
+                return result
         return self.fn(*args, **kwargs)
