@@ -18,7 +18,6 @@ the group, and every rank gets the same latents and the same texts back.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
 from parallel_latent.model import LatentAutoencoder, eval_mode
+from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.quality import detokenize
 
@@ -54,13 +54,8 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
         # Random GPT-2 of the recorded shape: every weight is overwritten by the checkpoint's.
         feature_cfg = dataclasses.replace(feature_cfg, pretrained=False, **architecture)
     seed = ((manifest.get("config") or {}).get("training") or {}).get("seed", 1234)
-    features_logger = logging.getLogger("parallel_latent.model.features")
-    previous_level = features_logger.level
-    features_logger.setLevel(logging.ERROR)  # its "RANDOM features" warning does not apply here
-    try:
+    with random_features_unannounced():  # every weight is loaded next: the warning does not apply
         model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
-    finally:
-        features_logger.setLevel(previous_level)
     load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
     return model.eval()
 

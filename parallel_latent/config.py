@@ -602,8 +602,8 @@ def keep_global_batch(cfg: Config, world_size: int, saved: int, where: str) -> t
     micro-batches and accumulation steps. Returns the config and a line saying what was chosen
     (None when nothing changed); ConfigError (one line) when the batch cannot be kept."""
     training, tp = cfg.training, cfg.parallel.tensor_parallel
-    data_parallel = world_size // tp
-    configured = training.micro_batch_size * training.grad_accum_steps * data_parallel
+    data_parallel = dp_size(cfg, world_size)
+    configured = resolved_global_batch_size(cfg, world_size)
     if training.global_batch_size:
         if training.global_batch_size != saved:
             raise ConfigError(

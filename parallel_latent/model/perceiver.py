@@ -40,9 +40,7 @@ from parallel_latent.parallel import (
     split_along_sequence,
 )
 from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
-
-SINGLE_PROCESS = TensorParallelOptions()
-
+from parallel_latent.parallel.utils import SINGLE_PROCESS
 
 # How the decoder starts (see LatentDecoder), at any width and init_std:
 # - its position rows at the scale of the LayerNorm'd latents they are added to (unit root-mean-
