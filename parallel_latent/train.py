@@ -620,6 +620,8 @@ class Trainer:
         fine or published (collective: the window's statistics are reduced over the world)."""
         if self.cfg.training.precision != "bf16":
             return
+        if totals is None and window.steps == 0:
+            return  # checked when the window was logged; the same on every rank, so no collective is skipped
         if totals is None:
             totals = self._reduce_stats(window.stats)
         if not math.isfinite(float(totals[LOSS_SUM])):
