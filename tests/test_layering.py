@@ -23,11 +23,12 @@ def imported_modules(directory: Path) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
+                module = node.module
                 if node.level:
                     base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    names.add(".".join([*base, node.module] if node.module else base))
-                else:
-                    names.add(node.module)
+                    module = ".".join([*base, node.module] if node.module else base)
+                names.add(module)
+                names.update(f"{module}.{alias.name}" for alias in node.names)  # `from . import layout`
         found[str(path.relative_to(PACKAGE))] = names
     return found
 

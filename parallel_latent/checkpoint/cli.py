@@ -5,8 +5,6 @@ checkpoint raises :class:`CheckpointError` (a ``ValueError``), which the main CL
 line with exit status 2; an output that cannot be written, :class:`CheckpointSaveError` (status 4).
 """
 
-from __future__ import annotations
-
 import argparse
 
 from .describe import inspect_checkpoint
@@ -16,8 +14,7 @@ from .universal import convert_to_universal, export_portable
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = export_portable(args.checkpoint, args.out)
-    print(f"portable checkpoint written to {out}")
+    print(f"portable checkpoint written to {export_portable(args.checkpoint, args.out)}")
     return 0
 
 

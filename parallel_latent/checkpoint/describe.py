@@ -1,20 +1,9 @@
 """``parallel-latent inspect``: what a checkpoint holds, for a portable or a training checkpoint."""
 
-from __future__ import annotations
-
 import math
 from pathlib import Path
 
-from .layout import (
-    CLIENT_STATE_FILE,
-    INFO_FILE,
-    MANIFEST_NAME,
-    PORTABLE_DIR,
-    UNIVERSAL_DIR,
-    read_info,
-    read_json,
-    resolve_checkpoint,
-)
+from . import layout
 from .shards import PortableCheckpoint
 
 
@@ -69,16 +58,16 @@ def describe_portable(directory: Path, max_rows: int | None = None) -> list[str]
 
 
 def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
-    info = read_info(step_dir)
-    layout = info["layout"]
+    info = layout.read_info(step_dir)
+    saved = info["layout"]
     lines = [
         f"training checkpoint: {step_dir}",
         f"step {info['step']}, saved {info.get('saved_at', '?')} with DeepSpeed {info.get('deepspeed_version', '?')}",
-        f"layout: TP={layout['tensor_parallel']} x DP={layout['data_parallel']} (world {layout['world_size']}), "
-        f"ZeRO stage {layout['zero_stage']}, {layout['precision']}",
+        f"layout: TP={saved['tensor_parallel']} x DP={saved['data_parallel']} (world {saved['world_size']}), "
+        f"ZeRO stage {saved['zero_stage']}, {saved['precision']}",
     ]
-    if (step_dir / CLIENT_STATE_FILE).is_file():
-        client = read_json(step_dir / CLIENT_STATE_FILE, "client state")
+    if (step_dir / layout.CLIENT_STATE_FILE).is_file():
+        client = layout.read_json(step_dir / layout.CLIENT_STATE_FILE, "client state")
         engine = client.get("engine") or {}
         scalars = {k: v for k, v in (client.get("client") or {}).items() if isinstance(v, (int, float, str, bool))}
         lines += _settings("model", (client.get("config") or {}).get("model"))
@@ -89,12 +78,12 @@ def describe_training(step_dir: Path, max_rows: int | None = None) -> list[str]:
     lines.append(f"DeepSpeed files: {len(deepspeed_files)}, {_size(sum(p.stat().st_size for p in deepspeed_files))}")
     lines += [f"  {path.name}  {_size(path.stat().st_size)}" for path in deepspeed_files]
     lines.append(f"total on disk: {_size(sum(p.stat().st_size for p in step_dir.rglob('*') if p.is_file()))}")
-    for sub in (PORTABLE_DIR, UNIVERSAL_DIR):
-        if (step_dir / sub / MANIFEST_NAME).is_file():
+    for sub in (layout.PORTABLE_DIR, layout.UNIVERSAL_DIR):
+        if (step_dir / sub / layout.MANIFEST_NAME).is_file():
             lines += ["", *describe_portable(step_dir / sub, max_rows)]
     table = info.get("tensors")
-    if table and not (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file():
-        lines.append(f"tensors (from {INFO_FILE}): {len(table)}")
+    if table and not (step_dir / layout.PORTABLE_DIR / layout.MANIFEST_NAME).is_file():
+        lines.append(f"tensors (from {layout.INFO_FILE}): {len(table)}")
         rows = [
             (name, "x".join(map(str, s["full_shape"])), s["dtype"], _split(s["partition_dim"]), str(s["trainable"]))
             for name, s in table.items()
@@ -107,6 +96,6 @@ def inspect_checkpoint(path: str | Path, max_rows: int | None = None) -> str:
     """A human-readable summary of a portable directory, a training checkpoint, or a checkpoints
     directory (its ``latest``)."""
     path = Path(path)
-    if (path / MANIFEST_NAME).is_file():
+    if (path / layout.MANIFEST_NAME).is_file():
         return "\n".join(describe_portable(path, max_rows))
-    return "\n".join(describe_training(resolve_checkpoint(path), max_rows))
+    return "\n".join(describe_training(layout.resolve_checkpoint(path), max_rows))

@@ -17,8 +17,6 @@ Everything is written into a staging directory, fsynced, and made visible whole 
 killed at any point leaves the earlier checkpoints and ``latest`` as they were.
 """
 
-from __future__ import annotations
-
 import contextlib
 import errno
 import json

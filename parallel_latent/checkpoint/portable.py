@@ -11,8 +11,6 @@ What the manifest says about the architecture is the model's own account of itse
 (``model.checkpoint_mismatch(record)``). This package knows no particular model.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -20,45 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from parallel_latent.coordination import all_gather_value
 from parallel_latent.parallel.state import get_dp_rank
-from parallel_latent.parallel.utils import group_rank, group_size
 
-from .layout import (
-    MANIFEST_NAME,
-    CheckpointError,
-    CheckpointSaveError,
-    attempt,
-    partial,
-    publish,
-    require_empty_output,
-    resolve_portable_dir,
-    save_collectively,
-    staged,
-    write_json,
-)
-from .shards import (
-    Entry,
-    PortableCheckpoint,
-    assemble_manifest,
-    module_tensors,
-    placement_of,
-    rank_shards,
-    sha256,
-    tp_group_of,
-    whole_copy,
-    write_rank_file,
-)
+from . import layout, shards
+from .layout import CheckpointError, CheckpointSaveError
 from .zero_access import write_param
 
 MODEL_PREFIX = "model"
 CONSOLIDATED_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-# What a consolidated directory's config.json repeats from the manifest (with tokenizer, config, step).
-RECORD_KEYS = ("model_class", "model_config", "feature_model_config", "feature_model_architecture")
+# What a consolidated directory's config.json repeats from the manifest.
+CONFIG_KEYS = ("model_class", "model_config", "feature_model_config", "feature_model_architecture")
+CONFIG_KEYS += ("tokenizer", "config", "step")
 
 
 def plain(value: Any) -> Any:
@@ -88,10 +62,12 @@ def write_portable(
     write one file per TP rank, and all meet once, over the control group, to collect the shard
     records. Returns the reasons of failed writes instead of raising, so that every rank stays on
     the same path: every rank learns of a failed shard file, only its writer of a failed manifest."""
-    tp_group = tp_group_of(model, tp_group)
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
-    tensors, aliases = module_tensors(model)
-    entries = [Entry(n, t.dtype, placement_of(t, tp_size, n), lambda t=t: whole_copy(t)) for n, t in tensors.items()]
+    tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
+    tensors, aliases = shards.module_tensors(model)
+    entries = [
+        shards.Entry(n, t.dtype, shards.placement_of(t, tp_size, n), lambda t=t: shards.whole_copy(t))
+        for n, t in tensors.items()
+    ]
     describe = getattr(model, "checkpoint_record", None)  # what the model says about itself, if anything
     fields = {
         "contents": "model",
@@ -100,17 +76,19 @@ def write_portable(
         "tokenizer": plain(tokenizer_facts),
         "config": plain(cfg) if cfg is not None else None,
     }
-    shards = rank_shards(entries, tp_rank)
+    own, file_name = shards.rank_shards(entries, tp_rank), shards.rank_file_name(MODEL_PREFIX, tp_rank, tp_size)
     failures, parts = [], []
     if get_dp_rank() == 0:
-        attempt(failures, lambda: parts.append(write_rank_file(directory, shards, MODEL_PREFIX, tp_rank, tp_size)))
+        layout.attempt(
+            failures, lambda: parts.append(shards.write_rank_file(directory, own, file_name, tp_rank, tp_size))
+        )
     reports = all_gather_value((failures, parts))
     failures = [failure for reported, _ in reports for failure in reported]
     if not failures and get_dp_rank() == 0 and tp_rank == 0:
-        manifest = assemble_manifest(
+        manifest = shards.assemble_manifest(
             entries, [part for _, written in reports for part in written], tp_size, fields, aliases
         )
-        attempt(failures, lambda: write_json(directory / MANIFEST_NAME, manifest))
+        layout.attempt(failures, lambda: layout.write_json(directory / layout.MANIFEST_NAME, manifest))
     return failures
 
 
@@ -122,12 +100,12 @@ def save_portable(
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory}: already exists; not overwriting a checkpoint")
-    staging = partial(directory)
+    staging = layout.partial(directory)
 
     def write(failures: list[str]) -> None:
         failures += write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step)
 
-    failure = save_collectively(staging, write, lambda: publish(staging, directory))
+    failure = layout.save_collectively(staging, write, lambda: layout.publish(staging, directory))
     if failure is not None:
         raise CheckpointSaveError(f"{directory}: not written: {failure}")
     return directory
@@ -138,11 +116,10 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, ver
     collective: each rank reads its own ranges; also without a process group). Every check fails
     with one :class:`CheckpointError` line: the files, the model's record, the tensor names and
     full shapes, every shard's checksum. Returns the manifest."""
-    checkpoint = PortableCheckpoint(directory, verify_checksums)
-    tp_group = tp_group_of(model, tp_group)
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    checkpoint = shards.PortableCheckpoint(directory, verify_checksums)
+    tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
     check_model_record(checkpoint.manifest, model, checkpoint.directory)
-    tensors, aliases = module_tensors(model)
+    tensors, aliases = shards.module_tensors(model)
     saved_names = set(checkpoint.tensors) | set(checkpoint.aliases)
     missing = [n for n in list(tensors) + list(aliases) if n not in saved_names]
     if missing:
@@ -156,7 +133,7 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, ver
             f"{checkpoint.directory}: checkpoint has {len(unexpected)} tensor(s) the model "
             f"lacks, e.g. {unexpected[0]!r} (a different model?)"
         )
-    placements = {name: placement_of(t, tp_size, name) for name, t in tensors.items()}
+    placements = {name: shards.placement_of(t, tp_size, name) for name, t in tensors.items()}
     for name, placement in placements.items():
         saved_shape = checkpoint.tensors[checkpoint.aliases.get(name, name)]["shape"]
         if list(placement.full_shape) != saved_shape:
@@ -180,27 +157,20 @@ def consolidate(source: str | Path, output: str | Path, *, verify_checksums: boo
     """Gather a portable checkpoint (or a training checkpoint's ``model/``) into ``output``:
     ``model.safetensors`` (full, unpadded tensors), ``config.json`` (the model's record, tokenizer
     facts) and a TP=1 ``manifest.json``, so that it is itself a portable checkpoint."""
-    checkpoint = PortableCheckpoint(resolve_portable_dir(source), verify_checksums)
+    checkpoint = shards.PortableCheckpoint(layout.resolve_portable_dir(source), verify_checksums)
     output = Path(output)
-    require_empty_output(output)
-    full = {name: checkpoint.read_full(name).contiguous() for name in checkpoint.tensors}
-    tensors = {}
-    for name, value in full.items():
-        info = dict(checkpoint.tensors[name])
-        shard = {"file": CONSOLIDATED_FILE, "sha256": sha256(value)}
-        if info["partition_dim"] is not None:
-            shard.update(offset=0, length=info["shape"][info["partition_dim"]])
-        tensors[name] = {**info, "shards": [shard]}
-    with staged(output) as staging:
-        save_file(full, staging / CONSOLIDATED_FILE, {"format": "pt"})
-        manifest = {k: v for k, v in checkpoint.manifest.items() if k not in ("files", "tensors", "aliases")}
-        manifest.update(
-            tp_size=1,
-            files={CONSOLIDATED_FILE: {"bytes": (staging / CONSOLIDATED_FILE).stat().st_size, "tp_rank": 0}},
-            tensors=tensors,
-            aliases=checkpoint.aliases,
-            consolidated_from=str(checkpoint.directory),
+    layout.require_empty_output(output)
+    entries = [
+        shards.Entry(
+            n, shards.dtype_from_name(i["dtype"]), shards.Placement.whole(i), lambda n=n: checkpoint.read_full(n)
         )
-        write_json(staging / CONFIG_FILE, {k: manifest.get(k) for k in (*RECORD_KEYS, "tokenizer", "config", "step")})
-        write_json(staging / MANIFEST_NAME, manifest)
+        for n, i in checkpoint.tensors.items()
+    ]
+    fields = {k: v for k, v in checkpoint.manifest.items() if k not in shards.WRITER_KEYS}
+    fields["consolidated_from"] = str(checkpoint.directory)
+    with layout.staged(output) as staging:
+        part = shards.write_rank_file(staging, shards.rank_shards(entries, 0), CONSOLIDATED_FILE, 0, 1)
+        manifest = shards.assemble_manifest(entries, [part], 1, fields, checkpoint.aliases)
+        layout.write_json(staging / CONFIG_FILE, {k: manifest.get(k) for k in CONFIG_KEYS})
+        layout.write_json(staging / layout.MANIFEST_NAME, manifest)
     return output

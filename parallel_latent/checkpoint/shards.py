@@ -22,11 +22,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from parallel_latent.parallel.utils import group_rank, group_size
+
 from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
 from .zero_access import gathered, is_zero3, local_shape
 
 FORMAT = "parallel-latent-portable"
 FORMAT_VERSION = 1
+# What the writer fills in; the rest of a manifest are the caller's fields.
+WRITER_KEYS = ("format", "format_version", "tp_size", "files", "tensors", "aliases")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -40,9 +44,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def tp_group_of(model: nn.Module, tp_group=None):
-    """The tensor-parallel group given, else the model's own, else none."""
-    return tp_group if tp_group is not None else getattr(model, "tp_group", None)
+def tp_size_and_rank(model: nn.Module, tp_group=None) -> tuple[int, int]:
+    """In the tensor-parallel group given, else in the model's own, else alone."""
+    group = tp_group if tp_group is not None else getattr(model, "tp_group", None)
+    return group_size(group), group_rank(group)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class Placement:
     @classmethod
     def from_spec(cls, spec: dict) -> Placement:
         return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
+
+    @classmethod
+    def whole(cls, info: dict) -> Placement:
+        """A tensor of a manifest (``info``) held whole, as at TP=1."""
+        return cls(info["partition_dim"], tuple(info["shape"]), tuple(info["shape"]))
 
     def spec(self) -> dict:
         return {"partition_dim": self.partition_dim, "local_shape": self.local_shape, "full_shape": self.full_shape}
@@ -148,51 +158,43 @@ def rank_shards(entries: list[Entry], tp_rank: int) -> dict[str, tuple[torch.Ten
     return shards
 
 
+def rank_file_name(prefix: str, tp_rank: int, tp_size: int) -> str:
+    return f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
+
+
 def write_rank_file(
-    directory: Path, shards: dict[str, tuple[torch.Tensor, dict]], prefix: str, tp_rank: int, tp_size: int
+    directory: Path, shards: dict[str, tuple[torch.Tensor, dict]], file_name: str, tp_rank: int, tp_size: int
 ):
     """Write one rank's shards into one safetensors file. Returns (shard records by tensor name,
     the file's record by file name)."""
     directory.mkdir(exist_ok=True)
-    file_name = f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
     tensors = {name: tensor for name, (tensor, _) in shards.items()}
-    save_file(tensors, directory / file_name, {"format": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)})
+    # "format" is the framework in safetensors' convention (transformers checks it); ours is "writer".
+    metadata = {"format": "pt", "writer": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)}
+    save_file(tensors, directory / file_name, metadata)
     records = {name: {"file": file_name, "sha256": sha256(tensor), **cut} for name, (tensor, cut) in shards.items()}
     return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
 
 
 def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_size: int, fields: dict, aliases: dict):
     """The manifest from every TP rank's (shard records, file record)."""
-    files: dict[str, dict] = {}
-    shards: dict[str, list[dict]] = {e.name: [] for e in entries}
-    for records, file_records in parts:
-        files.update(file_records)
-        for name, record in records.items():
-            shards[name].append(record)
-    tensors = {
-        e.name: {
-            "shape": list(e.placement.full_shape),
-            "dtype": dtype_name(e.dtype),
-            "partition_dim": e.placement.partition_dim,
-            "shards": sorted(shards[e.name], key=lambda r: r.get("offset", 0)),
-        }
-        for e in entries
-    }
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "tp_size": tp_size,
-        **fields,
-        "files": dict(sorted(files.items())),
-        "tensors": tensors,
-        "aliases": aliases,
-    }
+    tensors = {}
+    for e in entries:
+        records = sorted((r[e.name] for r, _ in parts if e.name in r), key=lambda r: r.get("offset", 0))
+        shape, dim = list(e.placement.full_shape), e.placement.partition_dim
+        tensors[e.name] = {"shape": shape, "dtype": dtype_name(e.dtype), "partition_dim": dim, "shards": records}
+    files = dict(sorted(item for _, file_records in parts for item in file_records.items()))
+    head = {"format": FORMAT, "format_version": FORMAT_VERSION, "tp_size": tp_size}
+    return {**head, **fields, "files": files, "tensors": tensors, "aliases": aliases}
 
 
 def write_all_ranks(directory: Path, entries_by_rank: list[list[Entry]], prefix: str, fields: dict, aliases: dict):
     """One process writing the files of every TP rank and the manifest (offline conversions)."""
     tp_size = len(entries_by_rank)
-    parts = [write_rank_file(directory, rank_shards(e, r), prefix, r, tp_size) for r, e in enumerate(entries_by_rank)]
+    parts = [
+        write_rank_file(directory, rank_shards(entries, r), rank_file_name(prefix, r, tp_size), r, tp_size)
+        for r, entries in enumerate(entries_by_rank)
+    ]
     write_json(directory / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
 
 
@@ -217,15 +219,11 @@ class PortableCheckpoint:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, tuple[Any, set[str]]] = {}  # open file, its tensor names
-        for file_name, info in self.manifest["files"].items():
-            path = self.directory / file_name
-            if not path.is_file():
+        for name, info in self.manifest["files"].items():
+            if not (path := self.directory / name).is_file():
                 raise CheckpointError(f"{path}: shard file missing")
-            size = path.stat().st_size
-            if size != info["bytes"]:
-                raise CheckpointError(
-                    f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or replaced file)"
-                )
+            if (size := path.stat().st_size) != info["bytes"]:
+                raise CheckpointError(f"{path}: {size} bytes, the manifest says {info['bytes']} (a truncated file?)")
 
     def open_files(self) -> None:
         """Open every shard file now (reads may then come from several threads)."""
@@ -244,24 +242,21 @@ class PortableCheckpoint:
     def _read_shard(self, name: str, shard: dict, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """A shard, or the part ``index`` of it. With checksums on, the whole shard is read and
         checked (a checksum covers the whole shard); otherwise only the part is read."""
-        handle, names = self._file(shard["file"])
+        (handle, names), where = self._file(shard["file"]), self.directory / shard["file"]
         if name not in names:
-            raise CheckpointError(f"{self.directory / shard['file']}: tensor {name!r} missing from shard")
+            raise CheckpointError(f"{where}: tensor {name!r} missing from shard")
         if not self.verify_checksums:
             return handle.get_slice(name)[index] if index else handle.get_tensor(name)
         value = handle.get_tensor(name)
         if sha256(value) != shard["sha256"]:
-            raise CheckpointError(
-                f"{self.directory / shard['file']}: checksum mismatch for tensor {name!r} (the file is corrupted)"
-            )
+            raise CheckpointError(f"{where}: checksum mismatch for tensor {name!r} (the file is corrupted)")
         return value[index] if index else value
 
     def read_full(self, name: str) -> torch.Tensor:
         """The whole (unpadded) tensor, assembled from its shards."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.directory}: no tensor {name!r}")
-        shape = tuple(self.tensors[name]["shape"])
-        return self.read_block(name, Placement(self.tensors[name]["partition_dim"], shape, shape), 0)
+        return self.read_block(name, Placement.whole(self.tensors[name]), 0)
 
     def read_block(
         self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None

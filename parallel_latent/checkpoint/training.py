@@ -10,8 +10,6 @@ collectives, agree that it failed, rank 0 removes the staging directory, and eve
 :class:`CheckpointSaveError` naming the step, the reason and the last complete checkpoint.
 """
 
-from __future__ import annotations
-
 import os
 import random
 import time
@@ -25,27 +23,9 @@ import torch.distributed as dist
 
 from parallel_latent.coordination import is_main
 
-from .layout import (
-    CLIENT_STATE_FILE,
-    INFO_FILE,
-    PORTABLE_DIR,
-    RNG_DIR,
-    STAGING_PREFIX,
-    CheckpointError,
-    CheckpointSaveError,
-    attempt,
-    checkpoint_tag,
-    find_latest_checkpoint,
-    prune_checkpoints,
-    publish_checkpoint,
-    read_info,
-    read_json,
-    resolve_checkpoint,
-    save_collectively,
-    write_json,
-)
+from . import layout
+from .layout import CheckpointError, CheckpointSaveError
 from .portable import check_model_record, plain, write_portable
-from .shards import tp_group_of
 from .universal import ensure_universal_state, load_universal_state, tensor_table
 from .zero_access import base_optimizer, import_deepspeed, recording_write_errors, weights_only_loading
 
@@ -76,18 +56,17 @@ def _rank() -> int:
 
 
 def capture_rng_state(model=None) -> dict[str, Any]:
+    """Every generator a step draws from, as JSON (loading it runs no pickle)."""
     version, mt_state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    state = {
+    dropout_rng = getattr(model, "dropout_rng", None)
+    return {
         "python": [version, list(mt_state), gauss],
         "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_cached)],
         "torch": torch.get_rng_state().tolist(),
         "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None,
+        "dropout": dropout_rng.state_dict() if dropout_rng is not None else None,
     }
-    dropout_rng = getattr(model, "dropout_rng", None)
-    if dropout_rng is not None:
-        state["dropout"] = dropout_rng.state_dict()
-    return state
 
 
 def restore_rng_state(state: dict[str, Any], model=None) -> None:
@@ -99,12 +78,12 @@ def restore_rng_state(state: dict[str, Any], model=None) -> None:
     if state.get("cuda") and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
     dropout_rng = getattr(model, "dropout_rng", None)
-    if dropout_rng is not None and "dropout" in state:
+    if dropout_rng is not None and state.get("dropout"):
         dropout_rng.load_state_dict(state["dropout"])
 
 
 def _rng_file(step_dir: Path, rank: int) -> Path:
-    return step_dir / RNG_DIR / f"rank_{rank:05d}.json"
+    return step_dir / layout.RNG_DIR / f"rank_{rank:05d}.json"
 
 
 def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
@@ -150,9 +129,9 @@ def save_training_checkpoint(
     LR scheduler and every rank's RNG states; ``export_portable`` also writes ``model/``."""
     checkpoint_dir = Path(checkpoint_dir)
     model = model if model is not None else engine.module
-    tag, layout = checkpoint_tag(step), engine_layout(engine)
-    staging = checkpoint_dir / f"{STAGING_PREFIX}{tag}"
-    facts = _tensor_facts(engine, model, layout["tensor_parallel"])
+    tag, own_layout = layout.checkpoint_tag(step), engine_layout(engine)
+    staging = checkpoint_dir / f"{layout.STAGING_PREFIX}{tag}"
+    facts = _tensor_facts(engine, model, own_layout["tensor_parallel"])
 
     def write(failures: list[str]) -> None:
         with recording_write_errors(engine, failures):
@@ -160,10 +139,10 @@ def save_training_checkpoint(
                 str(checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False
             )
         rng_file = _rng_file(staging, _rank())
-        attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
-        attempt(failures, lambda: write_json(rng_file, capture_rng_state(model), indent=None))
+        layout.attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
+        layout.attempt(failures, lambda: layout.write_json(rng_file, capture_rng_state(model), indent=None))
         if export_portable:  # collective: every rank takes part, whatever happened to its own files
-            failures += write_portable(model, staging / PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
+            failures += write_portable(model, staging / layout.PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
         if is_main():
             scheduler = getattr(engine, "lr_scheduler", None)
             counters = {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")}
@@ -175,36 +154,37 @@ def save_training_checkpoint(
                 "tokenizer": plain(tokenizer_facts),
                 "config": plain(cfg) if cfg is not None else None,
             }
-            attempt(failures, lambda: write_json(staging / CLIENT_STATE_FILE, state))
+            layout.attempt(failures, lambda: layout.write_json(staging / layout.CLIENT_STATE_FILE, state))
 
     def finish() -> None:
         info = {
             "tag": tag,
             "step": step,
-            "layout": layout,
+            "layout": own_layout,
             "portable": export_portable,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "deepspeed_version": import_deepspeed().__version__,
             **facts,
         }
-        write_json(staging / INFO_FILE, info)  # written last: marks the directory complete
+        layout.write_json(staging / layout.INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
-        publish_checkpoint(checkpoint_dir, staging, tag)
+        layout.publish_checkpoint(checkpoint_dir, staging, tag)
 
-    failure = save_collectively(staging, write, finish)
+    failure = layout.save_collectively(staging, write, finish)
     if failure is not None:
-        latest = find_latest_checkpoint(checkpoint_dir)
-        last = f"step {read_info(latest)['step']}" if latest is not None else "none"
+        latest = layout.find_latest_checkpoint(checkpoint_dir)
+        last = f"step {layout.read_info(latest)['step']}" if latest is not None else "none"
         where = f"({checkpoint_dir}); the last complete checkpoint is {last}"
         raise CheckpointSaveError(f"checkpoint at step {step} not written: {failure} {where}")
     if is_main():
-        prune_checkpoints(checkpoint_dir, keep_last)
+        layout.prune_checkpoints(checkpoint_dir, keep_last)
     return checkpoint_dir / tag
 
 
 def saved_client_state(path: str | Path) -> dict:
     """What the trainer passed to :func:`save_training_checkpoint` (read without an engine)."""
-    return read_json(resolve_checkpoint(path) / CLIENT_STATE_FILE, "client state").get("client", {})
+    state = layout.read_json(layout.resolve_checkpoint(path) / layout.CLIENT_STATE_FILE, "client state")
+    return state.get("client", {})
 
 
 @dataclass
@@ -219,15 +199,15 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
     """Restore ``engine`` (weights, optimizer, LR scheduler, counters) and this rank's RNG states
     from ``path`` (see :func:`.layout.resolve_checkpoint`). Collective. At the saved TP, DP, ZeRO
     stage and precision DeepSpeed loads its own files; at any other, the universal state is loaded."""
-    step_dir = resolve_checkpoint(path)
-    info = read_info(step_dir)
+    step_dir = layout.resolve_checkpoint(path)
+    info = layout.read_info(step_dir)
     model = model if model is not None else engine.module
     current = engine_layout(engine)
     saved = info["layout"]
     same_layout = all(
         saved.get(k) == current[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision")
     )
-    client = read_json(step_dir / CLIENT_STATE_FILE, "client state")
+    client = layout.read_json(step_dir / layout.CLIENT_STATE_FILE, "client state")
     # Another model (e.g. another vocabulary head) would fail deep in DeepSpeed's state-dict load.
     check_model_record({"model_config": (client.get("config") or {}).get("model")}, model, step_dir)
 
@@ -237,25 +217,24 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
         if load_path is None:
             raise CheckpointError(f"{step_dir}: DeepSpeed found no checkpoint files for this rank")
     else:
-        load_universal_state(engine, ensure_universal_state(step_dir), tp_group=tp_group_of(model, tp_group))
-        counters = client.get("engine", {})
-        engine.global_steps = counters.get("global_steps", info["step"])
-        engine.global_samples = counters.get("global_samples", 0)
-        engine.skipped_steps = counters.get("skipped_steps", 0)
+        load_universal_state(engine, ensure_universal_state(step_dir), tp_group=tp_group)
+        counters = {"global_steps": info["step"], "global_samples": 0, "skipped_steps": 0, **client.get("engine", {})}
+        for counter, value in counters.items():
+            setattr(engine, counter, value)
         scheduler = getattr(engine, "lr_scheduler", None)
         if scheduler is not None and client.get("lr_scheduler"):
             scheduler.load_state_dict(client["lr_scheduler"])
 
     rng_file = _rng_file(step_dir, _rank())
     if saved.get("world_size") == current["world_size"] and rng_file.is_file():
-        restore_rng_state(read_json(rng_file, "RNG state"), model)
+        restore_rng_state(layout.read_json(rng_file, "RNG state"), model)
     else:
         # Another world size: per-rank generator streams do not map onto the new ranks. Dropout is
         # keyed on (seed, step) and needs only those two, taken from rank 0's record.
         reference = _rng_file(step_dir, 0)
         dropout_rng = getattr(model, "dropout_rng", None)
         if dropout_rng is not None and reference.is_file():
-            recorded = read_json(reference, "RNG state").get("dropout")
+            recorded = layout.read_json(reference, "RNG state").get("dropout")
             if recorded:
                 dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
     return LoadedCheckpoint(step_dir, int(info["step"]), client.get("client", {}), resharded=not same_layout)

@@ -8,8 +8,6 @@ hyperparameters in the manifest. It is converted from DeepSpeed's files of any Z
 process: by rank 0 when a resume finds another layout, or by ``parallel-latent reshard``.
 """
 
-from __future__ import annotations
-
 import math
 import shutil
 import tempfile
@@ -20,44 +18,10 @@ import torch
 from torch import nn
 
 from parallel_latent.coordination import broadcast_value, is_main
-from parallel_latent.parallel.utils import group_rank, group_size
 
-from .layout import (
-    CLIENT_STATE_FILE,
-    INFO_FILE,
-    MANIFEST_NAME,
-    PORTABLE_DIR,
-    UNIVERSAL_DIR,
-    CheckpointError,
-    CheckpointSaveError,
-    read_info,
-    read_json,
-    resolve_checkpoint,
-    resolve_portable_dir,
-    staged,
-)
+from . import layout, shards, zero_access
+from .layout import CheckpointError, CheckpointSaveError
 from .portable import MODEL_PREFIX, check_model_record
-from .shards import (
-    Entry,
-    Placement,
-    PortableCheckpoint,
-    dtype_from_name,
-    dtype_name,
-    module_tensors,
-    placement_of,
-    tp_group_of,
-    write_all_ranks,
-)
-from .zero_access import (
-    adam_step,
-    base_optimizer,
-    ensure_optimizer_state,
-    moments_of,
-    safe_torch_load,
-    set_master,
-    set_moment,
-    write_param,
-)
 
 UNIVERSAL_PREFIX = "optim"
 MASTER = "fp32"
@@ -72,39 +36,31 @@ def trainable(tensor: torch.Tensor) -> bool:
 
 def tensor_table(model: nn.Module, tp_size: int) -> tuple[dict[str, Any], dict[str, str]]:
     """How each tensor of ``model`` is laid out (recorded in checkpoint.json for the converter)."""
-    tensors, aliases = module_tensors(model)
-    table = {
-        name: {**placement_of(t, tp_size, name).spec(), "dtype": dtype_name(t.dtype), "trainable": trainable(t)}
-        for name, t in tensors.items()
-    }
+    tensors, aliases = shards.module_tensors(model)
+    table = {name: shards.placement_of(t, tp_size, name).spec() for name, t in tensors.items()}
+    for name, t in tensors.items():
+        table[name].update(dtype=shards.dtype_name(t.dtype), trainable=trainable(t))
     return table, aliases
 
 
 def _json_group(group: dict) -> dict:
     """A param group's hyperparameters (GROUP_KEYS) as JSON values."""
-    out = {}
-    for key in GROUP_KEYS:
-        value = group[key].item() if torch.is_tensor(group.get(key)) else group.get(key)
-        if isinstance(value, (int, float, list, tuple)):
-            out[key] = list(value) if isinstance(value, tuple) else value
-    return out
+    values = {k: v.item() if torch.is_tensor(v) else v for k, v in group.items() if k in GROUP_KEYS}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None}
 
 
 def _with_state(master: torch.Tensor, state: dict, moments: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """A master and the optimizer's state of it, zeros where there is none (before the first step;
     SGD without momentum)."""
-    flat = {MASTER: master}
-    for key in moments:
-        flat[key] = torch.zeros_like(master) if state.get(key) is None else state[key]
-    return flat
+    return {MASTER: master, **{k: torch.zeros_like(master) if state.get(k) is None else state[k] for k in moments}}
 
 
-def _optimizer_files(step_dir: Path, mp_rank: int, layout: dict):
+def _optimizer_files(step_dir: Path, mp_rank: int, saved: dict):
     """Every DP rank's ZeRO optimizer state, in order."""
-    prefix = "bf16_" if layout["precision"] == "bf16" else ""
-    for dp_rank in range(layout["data_parallel"]):
+    prefix = "bf16_" if saved["precision"] == "bf16" else ""
+    for dp_rank in range(saved["data_parallel"]):
         path = step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
-        yield safe_torch_load(path, "cpu")["optimizer_state_dict"]
+        yield zero_access.safe_torch_load(path, "cpu")["optimizer_state_dict"]
 
 
 def _param_shapes(model_states: dict) -> dict[str, tuple[int, ...]]:
@@ -119,30 +75,28 @@ def _whole(step_dir: Path, shapes: dict, runs: list[tuple[dict, dict]], moments:
         for name, (start, length) in mapping.items():
             for key, tensor in flat.items():
                 pieces[name][key].append(tensor.narrow(0, start, length))
-    result = {}
     for name, shape in shapes.items():
-        result[name] = {}
         for key, parts in pieces[name].items():
             whole = torch.cat(parts) if parts else torch.empty(0)
             if whole.numel() != math.prod(shape):
                 raise CheckpointError(
                     f"{step_dir}: ZeRO fragments of {name!r} hold {whole.numel()} elements, expected {math.prod(shape)}"
                 )
-            result[name][key] = whole.view(shape).float()
-    return result
+            pieces[name][key] = whole.view(shape).float()
+    return pieces
 
 
 def _zero12_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
     """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
     ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
-    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+    model_states = zero_access.safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
     runs, step, groups = [], 0, []
     for sd in _optimizer_files(step_dir, mp_rank, info["layout"]):
         base = sd["base_optimizer_state"]
         groups = base.get("param_groups", groups)
         for index, mapping in enumerate(sd["param_slice_mappings"]):
             state = base["state"].get(index, {})
-            step = adam_step(state) or step
+            step = zero_access.adam_step(state) or step
             flat = _with_state(sd["single_partition_of_fp32_groups"][index], state, moments)
             runs.append((flat, {name: (address.start, address.numel) for name, address in mapping.items()}))
     return _whole(step_dir, _param_shapes(model_states), runs, moments), model_states["module"], step, groups
@@ -153,7 +107,7 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str,
     padded), and a rank's flat group is its pieces of all parameters in order."""
     dp_size = info["layout"]["data_parallel"]
     model_states = [
-        safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+        zero_access.safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
         for r in range(dp_size)
     ]
     shapes = _param_shapes(model_states[0])
@@ -161,7 +115,7 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str,
     for dp_rank, sd in enumerate(_optimizer_files(step_dir, mp_rank, info["layout"])):
         base = sd["optimizer_state_dict"]
         groups = base.get("param_groups", groups)
-        step = adam_step(base["state"].get(0, {})) or step
+        step = zero_access.adam_step(base["state"].get(0, {})) or step
         flats = [
             _with_state(g.reshape(-1), base["state"].get(i, {}), moments) for i, g in enumerate(sd["fp32_flat_groups"])
         ]
@@ -182,7 +136,7 @@ def _zero3_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str,
 def _zero0_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
     """ZeRO-0 (fp32): weights and the torch optimizer's state dict sit in the model states file;
     the state is keyed by position in the optimizer, mapped to names recorded at save time."""
-    model_states = safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
+    model_states = zero_access.safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
     module, names = model_states["module"], info.get("optimizer_param_names", [])
     optimizer_sd = model_states.get("optimizer") or {}
     order = [i for group in optimizer_sd.get("param_groups", []) for i in group["params"]]
@@ -192,7 +146,7 @@ def _zero0_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str,
     for index, name in zip(order, names, strict=True):
         state = optimizer_sd.get("state", {}).get(index, {})
         result[name] = _with_state(module[name].float(), state, moments)
-        step = adam_step(state) or step
+        step = zero_access.adam_step(state) or step
     return result, module, step, optimizer_sd.get("param_groups", [])
 
 
@@ -200,34 +154,35 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     """Build the universal state of a training checkpoint from DeepSpeed's files (one process, no
     process group), as ``universal/`` next to them unless ``output`` is given."""
     step_dir = Path(step_dir)
-    info = read_info(step_dir)
-    layout, table = info["layout"], info.get("tensors")
+    info = layout.read_info(step_dir)
+    saved, table = info["layout"], info.get("tensors")
     if not table:
         raise CheckpointError(
-            f"{step_dir / INFO_FILE}: no tensor table (saved by an older version); resume it at its own layout"
+            f"{step_dir / layout.INFO_FILE}: no tensor table (saved by an older version); resume it at its own layout"
         )
-    output = Path(output) if output is not None else step_dir / UNIVERSAL_DIR
+    output = Path(output) if output is not None else step_dir / layout.UNIVERSAL_DIR
     if output.exists():
         raise CheckpointError(f"{output}: already exists")
-    stage, precision = layout["zero_stage"], layout["precision"]
+    stage, precision = saved["zero_stage"], saved["precision"]
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
     optimizer_class = info.get("optimizer_class", "AdamW")
-    moments = moments_of(optimizer_class)
+    moments = zero_access.moments_of(optimizer_class)
     read = {0: _zero0_tensors, 1: _zero12_tensors, 2: _zero12_tensors, 3: _zero3_tensors}[stage]
-    per_rank = [read(step_dir, r, info, moments) for r in range(layout["tensor_parallel"])]
+    per_rank = [read(step_dir, r, info, moments) for r in range(saved["tensor_parallel"])]
 
-    entries_by_rank: list[list[Entry]] = [[] for _ in per_rank]
+    entries_by_rank: list[list[shards.Entry]] = [[] for _ in per_rank]
     for name, spec in table.items():
-        place, kinds = Placement.from_spec(spec), (MASTER, *moments) if spec["trainable"] else (FROZEN,)
+        place, kinds = shards.Placement.from_spec(spec), (MASTER, *moments) if spec["trainable"] else (FROZEN,)
         for entries, (weights, module, _, _) in zip(entries_by_rank, per_rank, strict=True):
             for kind in kinds:
                 value = weights.get(name, {}).get(kind) if spec["trainable"] else module.get(name)
                 if value is None:
                     raise CheckpointError(f"{step_dir}: {name!r} missing from DeepSpeed's files")
-                dtype = torch.float32 if spec["trainable"] else dtype_from_name(spec["dtype"])
-                entries.append(Entry(f"{kind}/{name}", dtype, place, lambda v=value: v))
-    client = read_json(step_dir / CLIENT_STATE_FILE, "client state") if (step_dir / CLIENT_STATE_FILE).is_file() else {}
+                dtype = torch.float32 if spec["trainable"] else shards.dtype_from_name(spec["dtype"])
+                entries.append(shards.Entry(f"{kind}/{name}", dtype, place, lambda v=value: v))
+    client_file = step_dir / layout.CLIENT_STATE_FILE
+    client = layout.read_json(client_file, "client state") if client_file.is_file() else {}
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
     fields = {
@@ -237,20 +192,20 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
         "feature_model_config": config.get("feature_model"),
         "tokenizer": client.get("tokenizer"),
         "config": config or None,
-        "source_layout": layout,
+        "source_layout": saved,
         "converted_from": "deepspeed",
         "optimizer": {"class": optimizer_class, "step": step, "param_groups": list(map(_json_group, groups))},
     }
     aliases = {f"{FROZEN}/{a}": f"{FROZEN}/{t}" for a, t in (info.get("aliases") or {}).items()}
-    with staged(output) as staging:
-        write_all_ranks(staging, entries_by_rank, UNIVERSAL_PREFIX, fields, aliases)
+    with layout.staged(output) as staging:
+        shards.write_all_ranks(staging, entries_by_rank, UNIVERSAL_PREFIX, fields, aliases)
     return output
 
 
 def ensure_universal_state(step_dir: Path) -> Path:
     """The checkpoint's universal state, converted from DeepSpeed's files first (by rank 0, the
     others wait over the control group) when the checkpoint has none yet. Collective."""
-    universal = step_dir / UNIVERSAL_DIR
+    universal = step_dir / layout.UNIVERSAL_DIR
     failure = None
     if is_main() and not universal.is_dir():
         try:
@@ -267,16 +222,15 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dic
     """Set ``engine``'s weights, fp32 masters, optimizer state (Adam's moments and step, SGD's
     momentum) from a universal state saved at any layout. No collective: each rank reads its own
     ranges. Returns the manifest."""
-    checkpoint = PortableCheckpoint(directory)
+    checkpoint = shards.PortableCheckpoint(directory)
     manifest = checkpoint.manifest
     if manifest.get("contents") != "optimizer":
         raise CheckpointError(f"{directory}: not a universal optimizer state (contents={manifest.get('contents')!r})")
     model = engine.module
-    tp_group = tp_group_of(model, tp_group)
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
     check_model_record(manifest, model, directory)
 
-    def saved(kind: str, name: str, place: Placement) -> str:
+    def saved(kind: str, name: str, place: shards.Placement) -> str:
         key = f"{kind}/{name}"
         if key not in checkpoint.tensors:
             if kind == FROZEN and f"{MASTER}/{name}" in checkpoint.tensors:
@@ -293,25 +247,23 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dic
         return key
 
     plan = []
-    for name, tensor in module_tensors(model)[0].items():
-        place = placement_of(tensor, tp_size, name)
+    for name, tensor in shards.module_tensors(model)[0].items():
+        place = shards.placement_of(tensor, tp_size, name)
         plan.append((name, tensor, place, saved(MASTER if trainable(tensor) else FROZEN, name, place)))
-    ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
+    zero_access.ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
     with torch.no_grad():
         for name, tensor, place, key in plan:
             if not trainable(tensor):
-                write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
+                zero_access.write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
-            set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in moments_of(manifest["optimizer"].get("class", "AdamW")):
+            zero_access.set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
+            for moment in zero_access.moments_of(manifest["optimizer"].get("class", "AdamW")):
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
-                set_moment(engine, tensor, moment, value)
-    groups, optimizer = manifest["optimizer"].get("param_groups", []), base_optimizer(engine)
+                zero_access.set_moment(engine, tensor, moment, value)
+    groups, optimizer = manifest["optimizer"].get("param_groups", []), zero_access.base_optimizer(engine)
     if len(groups) == len(optimizer.param_groups):
-        for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
-            group.update(
-                {k: tuple(v) if isinstance(group[k], tuple) else v for k, v in saved_group.items() if k in group}
-            )
+        for group, kept in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in kept.items() if k in group})
     return manifest
 
 
@@ -323,35 +275,35 @@ def export_portable(source: str | Path, output: str | Path) -> Path:
     source, output = Path(source), Path(output)
     if output.exists():
         raise CheckpointError(f"{output}: already exists; not overwriting")
-    step_dir = None if (source / MANIFEST_NAME).is_file() else resolve_checkpoint(source)
-    if step_dir is None or (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file():
-        portable = PortableCheckpoint(resolve_portable_dir(source))  # validated before copying
-        with staged(output) as staging:
+    step_dir = None if (source / layout.MANIFEST_NAME).is_file() else layout.resolve_checkpoint(source)
+    if step_dir is None or (step_dir / layout.PORTABLE_DIR / layout.MANIFEST_NAME).is_file():
+        portable = shards.PortableCheckpoint(layout.resolve_portable_dir(source))  # validated before copying
+        with layout.staged(output) as staging:
             shutil.copytree(portable.directory, staging, dirs_exist_ok=True)
         return output
-    info = read_info(step_dir)
+    info = layout.read_info(step_dir)
     if not info.get("tensors"):
-        raise CheckpointError(f"{step_dir / INFO_FILE}: no tensor table; cannot export offline")
-    if (step_dir / UNIVERSAL_DIR / MANIFEST_NAME).is_file():
-        return _model_from_universal(step_dir / UNIVERSAL_DIR, info, output)
+        raise CheckpointError(f"{step_dir / layout.INFO_FILE}: no tensor table; cannot export offline")
+    if (step_dir / layout.UNIVERSAL_DIR / layout.MANIFEST_NAME).is_file():
+        return _model_from_universal(step_dir / layout.UNIVERSAL_DIR, info, output)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.universal-") as scratch:
-        return _model_from_universal(convert_to_universal(step_dir, Path(scratch) / UNIVERSAL_DIR), info, output)
+        return _model_from_universal(convert_to_universal(step_dir, Path(scratch) / layout.UNIVERSAL_DIR), info, output)
 
 
 def _model_from_universal(universal_dir: Path, info: dict, output: Path) -> Path:
-    universal = PortableCheckpoint(universal_dir)
+    universal = shards.PortableCheckpoint(universal_dir)
 
-    def entry(name: str, spec: dict, tp_rank: int) -> Entry:
-        place, dtype = Placement.from_spec(spec), dtype_from_name(spec["dtype"])
+    def entry(name: str, spec: dict, tp_rank: int) -> shards.Entry:
+        place, dtype = shards.Placement.from_spec(spec), shards.dtype_from_name(spec["dtype"])
         key = f"{MASTER if spec['trainable'] else FROZEN}/{name}"
-        return Entry(name, dtype, place, lambda: universal.read_block(key, place, tp_rank, dtype))
+        return shards.Entry(name, dtype, place, lambda: universal.read_block(key, place, tp_rank, dtype))
 
     tensors = info["tensors"].items()
     entries_by_rank = [[entry(n, spec, r) for n, spec in tensors] for r in range(universal.manifest["tp_size"])]
-    dropped = ("format", "format_version", "tp_size", "files", "tensors", "aliases", "optimizer", "source_layout")
-    fields = {k: v for k, v in universal.manifest.items() if k not in (*dropped, "converted_from")}
+    dropped = (*shards.WRITER_KEYS, "optimizer", "source_layout", "converted_from")
+    fields = {k: v for k, v in universal.manifest.items() if k not in dropped}
     fields.update(contents="model", step=info["step"])
     aliases = {a.removeprefix(f"{FROZEN}/"): t.removeprefix(f"{FROZEN}/") for a, t in universal.aliases.items()}
-    with staged(output) as staging:
-        write_all_ranks(staging, entries_by_rank, MODEL_PREFIX, fields, aliases)
+    with layout.staged(output) as staging:
+        shards.write_all_ranks(staging, entries_by_rank, MODEL_PREFIX, fields, aliases)
     return output

@@ -1,20 +1,13 @@
-"""DeepSpeed's side of checkpoints: whole parameters and Adam state under any ZeRO stage, and
+"""DeepSpeed's side of checkpoints: whole parameters and optimizer state under any ZeRO stage, and
 DeepSpeed's own files read without running pickled code.
 
-Inside a DeepSpeed engine a parameter is not simply ``param.data``:
-
-* ZeRO-3 partitions every parameter over the data-parallel group (``param.ds_tensor`` holds this
-  rank's flat piece; ``param.data`` is empty);
-* ZeRO-1/2 (and the bf16 optimizer) keep fp32 master weights and Adam moments in flat partitions,
-  reachable per parameter through ``param._hp_mapping``;
-* ZeRO-0 in fp32 hands the parameters to the torch optimizer as they are.
-
-The functions here take or give the *whole* tensor of this tensor-parallel rank. They rely on
-DeepSpeed internals of the 0.19 series (as does :mod:`.universal`): :func:`import_deepspeed` refuses
-any other.
+Inside a DeepSpeed engine a parameter is not simply ``param.data``: ZeRO-3 partitions it over DP
+(``param.ds_tensor`` is this rank's flat piece), ZeRO-1/2 and the bf16 optimizer keep fp32 masters and
+moments in flat partitions (reached through ``param._hp_mapping``), and only ZeRO-0 in fp32 hands the
+parameters to the torch optimizer as they are. The functions here take or give the *whole* tensor of
+this TP rank. They rely on internals of DeepSpeed 0.19 (as :mod:`.universal` does), and
+:func:`import_deepspeed` refuses any other release.
 """
-
-from __future__ import annotations
 
 import contextlib
 import io
@@ -60,15 +53,10 @@ def local_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.ds_shape) if is_zero3(tensor) else tuple(tensor.shape)
 
 
-@contextlib.contextmanager
 def gathered(params: Iterable[torch.Tensor]):
     """Make ZeRO-3 parameters whole for reading inside the block (collective over their DP group)."""
     zero3 = [p for p in params if is_zero3(p)]
-    if not zero3:
-        yield
-        return
-    with import_deepspeed().zero.GatheredParameters(zero3, modifier_rank=None):
-        yield
+    return import_deepspeed().zero.GatheredParameters(zero3, modifier_rank=None) if zero3 else contextlib.nullcontext()
 
 
 def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -91,21 +79,16 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def base_optimizer(engine) -> torch.optim.Optimizer:
     """The torch optimizer that owns the state (DeepSpeed wraps it under ZeRO and bf16/fp16)."""
-    optimizer = engine.optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        return inner
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer
-    raise CheckpointError(f"cannot find the torch optimizer inside {type(optimizer).__name__}")
+    for optimizer in (getattr(engine.optimizer, "optimizer", None), engine.optimizer):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+    raise CheckpointError(f"cannot find the torch optimizer inside {type(engine.optimizer).__name__}")
 
 
 def adam_step(state: dict) -> int | None:
     """Adam's step count in one parameter's (or flat group's) state; None before the first step."""
     step = state.get("step")
-    if step is None:
-        return None
-    return int(step.item() if torch.is_tensor(step) else step)
+    return None if step is None else int(step.item() if torch.is_tensor(step) else step)
 
 
 def plain_param(engine, param: torch.Tensor) -> bool:
@@ -149,13 +132,10 @@ def ensure_optimizer_state(engine, step: int) -> None:
         if not state:
             for key in (*ADAM_MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else ADAM_MOMENTS:
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-        previous = state.get("step")
-        if torch.is_tensor(previous):
-            state["step"] = torch.tensor(float(step), dtype=previous.dtype, device=previous.device)
-        else:
-            # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
-            device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
-            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+        # torch keeps the step as a float32 tensor on the CPU unless capturable/fused.
+        device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
+        like = state["step"] if torch.is_tensor(state.get("step")) else torch.tensor(0.0, device=device)
+        state["step"] = torch.tensor(float(step), dtype=like.dtype, device=like.device)
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         engine.optimizer._hp_optimizer_states_linked = False
@@ -202,10 +182,8 @@ def safe_torch_load(path: str | Path, map_location=None):
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as error:
-        detail = next(
-            (line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
-            str(error).splitlines()[0] if str(error) else type(error).__name__,
-        )
+        lines = str(error).splitlines() or [type(error).__name__]
+        detail = next((line.strip() for line in lines if "global" in line.lower()), lines[0])
         raise CheckpointError(f"{path}: refused to load with weights_only=True ({detail[:300]})") from None
 
 
