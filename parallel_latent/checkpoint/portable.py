@@ -46,6 +46,12 @@ def plain(value: Any) -> Any:
     return value
 
 
+def model_record(model: nn.Module) -> dict:
+    """What ``model`` says about itself (``checkpoint_record``), if anything."""
+    describe = getattr(model, "checkpoint_record", None)
+    return plain(describe()) if describe is not None else {}
+
+
 def check_model_record(record: dict, model: nn.Module, where: Path | str) -> None:
     """One line naming what differs when ``record`` (a manifest, or a training checkpoint's state)
     was made for a model other than ``model``."""
@@ -68,11 +74,10 @@ def write_portable(
         shards.Entry(n, t.dtype, shards.placement_of(t, tp_size, n), lambda t=t: shards.whole_copy(t))
         for n, t in tensors.items()
     ]
-    describe = getattr(model, "checkpoint_record", None)  # what the model says about itself, if anything
     fields = {
         "contents": "model",
         "step": step,
-        **(plain(describe()) if describe is not None else {}),
+        **model_record(model),
         "tokenizer": plain(tokenizer_facts),
         "config": plain(cfg) if cfg is not None else None,
     }

@@ -25,7 +25,7 @@ from parallel_latent.coordination import is_main
 
 from . import layout
 from .layout import CheckpointError, CheckpointSaveError
-from .portable import check_model_record, plain, write_portable
+from .portable import check_model_record, model_record, plain, write_portable
 from .universal import ensure_universal_state, load_universal_state, tensor_table
 from .zero_access import base_optimizer, import_deepspeed, recording_write_errors, weights_only_loading
 
@@ -87,10 +87,11 @@ def _rng_file(step_dir: Path, rank: int) -> Path:
 
 
 def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
-    """What the conversion to the universal state needs beyond DeepSpeed's files: how each tensor is
-    split over TP, the optimizer's class and (ZeRO-0) which parameter each optimizer slot holds."""
+    """What the conversion to the universal state needs beyond DeepSpeed's files: the model's record,
+    how each tensor is split over TP, the optimizer's class and (ZeRO-0) which parameter each
+    optimizer slot holds."""
     table, aliases = tensor_table(model, tp_size)
-    facts: dict[str, Any] = {"tensors": table, "aliases": aliases}
+    facts: dict[str, Any] = {"model_record": model_record(model), "tensors": table, "aliases": aliases}
     try:
         optimizer = base_optimizer(engine)
     except CheckpointError:

@@ -185,11 +185,12 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     client = layout.read_json(client_file, "client state") if client_file.is_file() else {}
     config = client.get("config") or {}
     _, _, step, groups = per_rank[0]
+    # The model's own record; for a checkpoint saved before it was kept, the configs it was built from.
+    saved_configs = {"model_config": config.get("model"), "feature_model_config": config.get("feature_model")}
     fields = {
         "contents": "optimizer",
         "step": info["step"],
-        "model_config": config.get("model"),
-        "feature_model_config": config.get("feature_model"),
+        **(info.get("model_record") or saved_configs),
         "tokenizer": client.get("tokenizer"),
         "config": config or None,
         "source_layout": saved,

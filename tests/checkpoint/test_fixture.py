@@ -8,9 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from parallel_latent.api import load_autoencoder
-from parallel_latent.checkpoint import load_training_checkpoint
+from parallel_latent.checkpoint import PortableCheckpoint, load_training_checkpoint
+from parallel_latent.checkpoint.universal import export_portable
 from tests.checkpoint.make_fixture import FIXTURE, fixture_batch, fixture_config
 from tests.distributed import DistributedPool
 
@@ -83,6 +85,25 @@ def test_training_checkpoint_resumes_at_tp(pool2, tmp_path, tp):
         assert step == 60 and resharded == (tp != 2)
         assert client == {"step": 60, "skipped_steps": 0}
         assert decoded == EXPECTED_IDS
+
+
+def test_export_copies_model_or_rebuilds_it_from_deepspeeds_files(tmp_path):
+    """`parallel-latent export`: a checkpoint's model/ is copied; a checkpoint saved without one
+    gets its weights rebuilt from DeepSpeed's files through a scratch universal state, the
+    checkpoint itself left as it was."""
+    assert decode(load_autoencoder(export_portable(TRAINING_CHECKPOINT, tmp_path / "copied"))) == EXPECTED_IDS
+    bare = tmp_path / "checkpoints" / TRAINING_CHECKPOINT.name
+    shutil.copytree(TRAINING_CHECKPOINT, bare, ignore=shutil.ignore_patterns("model"))
+    files_before = sorted(p.relative_to(bare) for p in bare.rglob("*"))
+    rebuilt = export_portable(bare.parent, tmp_path / "rebuilt")
+    assert decode(load_autoencoder(rebuilt)) == EXPECTED_IDS
+    assert sorted(p.relative_to(bare) for p in bare.rglob("*")) == files_before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no scratch left
+    # Trained in fp32, the masters are the weights: the same tensors as the saved model/, bit for bit.
+    saved, made = PortableCheckpoint(TRAINING_CHECKPOINT / "model"), PortableCheckpoint(rebuilt)
+    assert made.manifest["tp_size"] == 2 and made.tensors.keys() == saved.tensors.keys()
+    for name in saved.tensors:
+        assert torch.equal(made.read_full(name), saved.read_full(name)), name
 
 
 def test_fixture_is_untouched():

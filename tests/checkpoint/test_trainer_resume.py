@@ -110,3 +110,11 @@ def test_resume_at_another_layout_keeps_adam_state(straight_run, tmp_path):
     assert abs(got[HALF + 1]["loss"] - loss) <= order_bound(n, terms_scale(loss, n))
     info = json.loads((resumed / "checkpoints" / f"step_{STEPS:08d}" / "checkpoint.json").read_text())
     assert info["layout"]["tensor_parallel"] == 4 and info["layout"]["zero_stage"] == 3
+    # The universal state the resume converted carries the model's own record, as model/ does (an
+    # export from it rebuilds the GPT-2 from its recorded shape, without the hub).
+    converted = resumed / "checkpoints" / f"step_{HALF:08d}"
+    universal, portable = (
+        json.loads((converted / sub / "manifest.json").read_text()) for sub in ("universal", "model")
+    )
+    for key in ("model_class", "model_config", "feature_model_config", "feature_model_architecture"):
+        assert universal[key] == portable[key], key
