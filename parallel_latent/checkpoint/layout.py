@@ -67,11 +67,9 @@ def error_reason(error: BaseException) -> str:
     library's ``(os error 28)``, else the message's first line."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror
-    os_error = re.search(r"\(os error (\d+)\)", str(error))
-    if os_error:
+    if os_error := re.search(r"\(os error (\d+)\)", str(error)):
         return os.strerror(int(os_error.group(1)))
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -95,10 +93,7 @@ def is_complete(step_dir: Path) -> bool:
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``checkpoint_dir``, oldest first."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        return []
-    found = [p for p in checkpoint_dir.iterdir() if p.is_dir() and is_complete(p)]
+    found = [p for p in Path(checkpoint_dir).glob("step_*") if p.is_dir() and is_complete(p)]
     return sorted(found, key=lambda p: int(TAG_PATTERN.match(p.name).group(1)))
 
 
@@ -173,10 +168,8 @@ def replace_file(path: Path, text: str) -> None:
     """Replace the small file ``path`` atomically: readers see the old or the new, never a mix."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        temporary.write_text(text, encoding="utf-8")
+        fsync(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -201,12 +194,10 @@ def publish(staging: Path, final: Path) -> None:
 def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:
     """Rank 0: publish the staging directory as ``tag``, then move ``latest``; on a failure, put
     back what was there."""
-    final = checkpoint_dir / tag
-    replaced = None
+    final, replaced = checkpoint_dir / tag, checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
     if final.exists():
         # The same step saved again (e.g. a run resumed at its last step): the old copy is moved
         # aside, not deleted, until the new one is in place.
-        replaced = checkpoint_dir / f"{REPLACED_PREFIX}{tag}-{os.getpid()}"
         os.rename(final, replaced)
     try:
         publish(staging, final)
@@ -214,11 +205,10 @@ def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:
     except BaseException:
         if final.exists() and not staging.exists():
             os.rename(final, staging)  # unpublished again; the caller removes it
-        if replaced is not None:
+        if replaced.exists():
             os.rename(replaced, final)
         raise
-    if replaced is not None:
-        discard(replaced)
+    discard(replaced)
 
 
 def require_empty_output(output: Path) -> None:
@@ -293,9 +283,7 @@ def save_collectively(staging: Path, write: Callable[[list[str]], None], finish:
 def remove_unfinished_saves(checkpoint_dir: Path) -> list[Path]:
     """Delete what dead saves left in ``checkpoint_dir``: saves are collective and serial, so any
     staging directory or replaced copy is a dead one."""
-    if not checkpoint_dir.is_dir():
-        return []
-    dead = [p for p in checkpoint_dir.iterdir() if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))]
+    dead = [p for p in checkpoint_dir.glob(".*") if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))]
     for path in dead:
         discard(path)
     return dead

@@ -125,27 +125,18 @@ def load_portable(directory: str | Path, model: nn.Module, tp_group=None, *, ver
     tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
     check_model_record(checkpoint.manifest, model, checkpoint.directory)
     tensors, aliases = shards.module_tensors(model)
-    saved_names = set(checkpoint.tensors) | set(checkpoint.aliases)
-    missing = [n for n in list(tensors) + list(aliases) if n not in saved_names]
-    if missing:
+    names, saved = [*tensors, *aliases], set(checkpoint.tensors) | set(checkpoint.aliases)
+    if missing := [n for n in names if n not in saved]:
         raise CheckpointError(
-            f"{checkpoint.directory}: checkpoint lacks {len(missing)} tensor(s) of the model, "
-            f"e.g. {missing[0]!r} (a different model?)"
+            f"{checkpoint.directory}: checkpoint lacks {len(missing)} tensor(s) of the model, e.g. {missing[0]!r}"
         )
-    unexpected = sorted(saved_names - set(tensors) - set(aliases))
-    if unexpected:
+    if extra := sorted(saved - set(names)):
         raise CheckpointError(
-            f"{checkpoint.directory}: checkpoint has {len(unexpected)} tensor(s) the model "
-            f"lacks, e.g. {unexpected[0]!r} (a different model?)"
+            f"{checkpoint.directory}: checkpoint has {len(extra)} tensor(s) the model lacks, e.g. {extra[0]!r}"
         )
     placements = {name: shards.placement_of(t, tp_size, name) for name, t in tensors.items()}
     for name, placement in placements.items():
-        saved_shape = checkpoint.tensors[checkpoint.aliases.get(name, name)]["shape"]
-        if list(placement.full_shape) != saved_shape:
-            raise CheckpointError(
-                f"{checkpoint.directory}: tensor {name!r} is {saved_shape} in the checkpoint but "
-                f"{list(placement.full_shape)} in the model (a different model size?)"
-            )
+        checkpoint.check_shape(checkpoint.aliases.get(name, name), placement)
 
     def read(name: str) -> torch.Tensor:
         return checkpoint.read_block(checkpoint.aliases.get(name, name), placements[name], tp_rank, tensors[name].dtype)

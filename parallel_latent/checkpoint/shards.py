@@ -87,28 +87,23 @@ def placement_of(tensor: torch.Tensor, tp_size: int, name: str = "") -> Placemen
     if stride != 1:
         raise CheckpointError(f"{name}: partition_stride={stride} (interleaved shards) is not supported")
     dim = tensor.partition_dim % len(shape)
-    full = list(shape)
-    full[dim] = shape[dim] * tp_size
-    valid = getattr(tensor, "partition_valid_size", None)
-    if valid is not None:
-        if valid > full[dim]:
-            raise CheckpointError(f"{name}: partition_valid_size={valid} exceeds the padded size {full[dim]}")
-        full[dim] = valid
-    return Placement(dim, shape, tuple(full))
+    padded = shape[dim] * tp_size
+    valid = getattr(tensor, "partition_valid_size", None) or padded  # the vocabulary head: its unpadded rows
+    if valid > padded:
+        raise CheckpointError(f"{name}: partition_valid_size={valid} exceeds the padded size {padded}")
+    return Placement(dim, shape, (*shape[:dim], valid, *shape[dim + 1 :]))
 
 
 def module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The module's state (parameters with their flags, persistent buffers) by name, and the names
     that alias another entry (tied weights are stored once)."""
     tensors, aliases, seen = {}, {}, {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if tensor is None:
-            continue
+    for name, tensor in module.state_dict(keep_vars=True).items():  # never None: state_dict skips those
         if id(tensor) in seen:
             aliases[name] = seen[id(tensor)]
-            continue
-        seen[id(tensor)] = name
-        tensors[name] = tensor
+        else:
+            seen[id(tensor)] = name
+            tensors[name] = tensor
     return tensors, aliases
 
 
@@ -251,6 +246,15 @@ class PortableCheckpoint:
         if sha256(value) != shard["sha256"]:
             raise CheckpointError(f"{where}: checksum mismatch for tensor {name!r} (the file is corrupted)")
         return value[index] if index else value
+
+    def check_shape(self, name: str, placement: Placement) -> None:
+        """Refuse a model tensor that the checkpoint holds at another full shape."""
+        saved, wanted = self.tensors[name]["shape"], list(placement.full_shape)
+        if saved != wanted:
+            raise CheckpointError(
+                f"{self.directory}: tensor {name!r} is {saved} in the checkpoint but {wanted} in the model "
+                "(a different model size?)"
+            )
 
     def read_full(self, name: str) -> torch.Tensor:
         """The whole (unpadded) tensor, assembled from its shards."""

@@ -203,11 +203,8 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
     step_dir = layout.resolve_checkpoint(path)
     info = layout.read_info(step_dir)
     model = model if model is not None else engine.module
-    current = engine_layout(engine)
-    saved = info["layout"]
-    same_layout = all(
-        saved.get(k) == current[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision")
-    )
+    saved, now = info["layout"], engine_layout(engine)
+    same_layout = all(saved.get(k) == now[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision"))
     client = layout.read_json(step_dir / layout.CLIENT_STATE_FILE, "client state")
     # Another model (e.g. another vocabulary head) would fail deep in DeepSpeed's state-dict load.
     check_model_record({"model_config": (client.get("config") or {}).get("model")}, model, step_dir)
@@ -227,15 +224,13 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
             scheduler.load_state_dict(client["lr_scheduler"])
 
     rng_file = _rng_file(step_dir, _rank())
-    if saved.get("world_size") == current["world_size"] and rng_file.is_file():
+    if saved.get("world_size") == now["world_size"] and rng_file.is_file():
         restore_rng_state(layout.read_json(rng_file, "RNG state"), model)
     else:
         # Another world size: per-rank generator streams do not map onto the new ranks. Dropout is
         # keyed on (seed, step) and needs only those two, taken from rank 0's record.
-        reference = _rng_file(step_dir, 0)
-        dropout_rng = getattr(model, "dropout_rng", None)
-        if dropout_rng is not None and reference.is_file():
-            recorded = layout.read_json(reference, "RNG state").get("dropout")
-            if recorded:
-                dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
+        reference, dropout_rng = _rng_file(step_dir, 0), getattr(model, "dropout_rng", None)
+        recorded = layout.read_json(reference, "RNG state").get("dropout") if reference.is_file() else None
+        if dropout_rng is not None and recorded:
+            dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
     return LoadedCheckpoint(step_dir, int(info["step"]), client.get("client", {}), resharded=not same_layout)

@@ -240,11 +240,7 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dic
                 f"{directory}: no {key!r} in the universal state (a different model, or "
                 "a parameter that was frozen when it was saved?)"
             )
-        if checkpoint.tensors[key]["shape"] != list(place.full_shape):
-            raise CheckpointError(
-                f"{directory}: {key!r} is {checkpoint.tensors[key]['shape']} in the checkpoint "
-                f"but {list(place.full_shape)} in the model (a different model size?)"
-            )
+        checkpoint.check_shape(key, place)
         return key
 
     plan = []
@@ -282,9 +278,7 @@ def export_portable(source: str | Path, output: str | Path) -> Path:
         with layout.staged(output) as staging:
             shutil.copytree(portable.directory, staging, dirs_exist_ok=True)
         return output
-    info = layout.read_info(step_dir)
-    if not info.get("tensors"):
-        raise CheckpointError(f"{step_dir / layout.INFO_FILE}: no tensor table; cannot export offline")
+    info = layout.read_info(step_dir)  # its tensor table is there: convert_to_universal refuses one without
     if (step_dir / layout.UNIVERSAL_DIR / layout.MANIFEST_NAME).is_file():
         return _model_from_universal(step_dir / layout.UNIVERSAL_DIR, info, output)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.universal-") as scratch:

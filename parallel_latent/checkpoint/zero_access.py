@@ -64,10 +64,8 @@ def write_param(param: torch.Tensor, value: torch.Tensor) -> None:
     Under ZeRO-3 each rank writes its own partition of the ``value`` all DP ranks hold: no communication."""
     with torch.no_grad():
         if is_zero3(param):
-            partition = param.ds_tensor
-            world = dist.get_world_size(param.ds_process_group)
-            rank = dist.get_rank(param.ds_process_group)
-            size = partition.numel()
+            partition, group = param.ds_tensor, param.ds_process_group
+            world, rank, size = dist.get_world_size(group), dist.get_rank(group), partition.numel()
             if size * world < value.numel():
                 raise CheckpointError(f"ZeRO-3 partition of {size} x {world} cannot hold {value.numel()} elements")
             piece = value.reshape(-1).to(partition.device, partition.dtype)[rank * size : (rank + 1) * size]
@@ -151,9 +149,7 @@ def set_master(engine, param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master weight and the model copy of ``param`` (no communication)."""
     write_param(param, value)
     if not plain_param(engine, param):
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        safe_set_full_fp32_param(param, _fp32_local(param, value))
+        import_deepspeed().utils.safe_set_full_fp32_param(param, _fp32_local(param, value))
 
 
 def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
@@ -161,9 +157,7 @@ def set_moment(engine, param: torch.Tensor, key: str, value: torch.Tensor) -> No
     if plain_param(engine, param):
         base_optimizer(engine).state[param][key].copy_(value.view(param.shape))
     else:
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        safe_set_full_optimizer_state(param, _fp32_local(param, value), key)
+        import_deepspeed().utils.safe_set_full_optimizer_state(param, _fp32_local(param, value), key)
 
 
 def safe_torch_load(path: str | Path, map_location=None):
@@ -190,13 +184,11 @@ def safe_torch_load(path: str | Path, map_location=None):
 @contextlib.contextmanager
 def _replaced(target, **attributes):
     originals = {name: getattr(target, name) for name in attributes}
-    for name, value in attributes.items():
-        setattr(target, name, value)
+    vars(target).update(attributes)
     try:
         yield
     finally:
-        for name, value in originals.items():
-            setattr(target, name, value)
+        vars(target).update(originals)
 
 
 def weights_only_loading(engine):
