@@ -55,9 +55,7 @@ def model_record(model: nn.Module) -> dict:
 def check_model_record(record: dict, model: nn.Module, where: Path | str) -> None:
     """One line naming what differs when ``record`` (a manifest, or a training checkpoint's state)
     was made for a model other than ``model``."""
-    mismatch = getattr(model, "checkpoint_mismatch", None)
-    problem = mismatch(record) if mismatch is not None else None
-    if problem:
+    if problem := getattr(model, "checkpoint_mismatch", lambda record: None)(record):
         raise CheckpointError(f"{where}: config mismatch: {problem}")
 
 
@@ -90,9 +88,8 @@ def write_portable(
     reports = all_gather_value((failures, parts))
     failures = [failure for reported, _ in reports for failure in reported]
     if not failures and get_dp_rank() == 0 and tp_rank == 0:
-        manifest = shards.assemble_manifest(
-            entries, [part for _, written in reports for part in written], tp_size, fields, aliases
-        )
+        written = [part for _, rank_parts in reports for part in rank_parts]
+        manifest = shards.assemble_manifest(entries, written, tp_size, fields, aliases)
         layout.attempt(failures, lambda: layout.write_json(directory / layout.MANIFEST_NAME, manifest))
     return failures
 

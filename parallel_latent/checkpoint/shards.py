@@ -206,10 +206,9 @@ class PortableCheckpoint:
         self.manifest = read_json(manifest_path, "manifest")
         if self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
-        if self.manifest.get("format_version", 0) > FORMAT_VERSION:
+        if (version := self.manifest.get("format_version", 0)) > FORMAT_VERSION:
             raise CheckpointError(
-                f"{manifest_path}: format version {self.manifest['format_version']} is newer "
-                f"than this code reads ({FORMAT_VERSION})"
+                f"{manifest_path}: format v{version} is newer than this code reads (v{FORMAT_VERSION})"
             )
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.aliases: dict[str, str] = self.manifest.get("aliases", {})
