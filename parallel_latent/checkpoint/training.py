@@ -230,7 +230,8 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
         # Another world size: per-rank generator streams do not map onto the new ranks. Dropout is
         # keyed on (seed, step) and needs only those two, taken from rank 0's record.
         reference, dropout_rng = _rng_file(step_dir, 0), getattr(model, "dropout_rng", None)
-        recorded = layout.read_json(reference, "RNG state").get("dropout") if reference.is_file() else None
-        if dropout_rng is not None and recorded:
-            dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
+        if dropout_rng is not None and reference.is_file():
+            recorded = layout.read_json(reference, "RNG state").get("dropout")
+            if recorded:
+                dropout_rng.seed, dropout_rng.step = recorded["seed"], recorded["step"]
     return LoadedCheckpoint(step_dir, int(info["step"]), client.get("client", {}), resharded=not same_layout)
