@@ -28,6 +28,8 @@ from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
+from parallel_latent.errors import BadInput
+
 __all__ = [
     "CheckpointConfig",
     "Config",
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A configuration problem; the message is one line naming the source and key."""
 
 

@@ -59,6 +59,7 @@ from parallel_latent.coordination import broadcast_value, directory_is_shared, i
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from parallel_latent.errors import ExitStatus
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from parallel_latent.parallel import init_distributed, launcher_environment
 from parallel_latent.quality import output_totals, position_accuracy, reconstruction_metrics
@@ -68,6 +69,8 @@ __all__ = ["NonFiniteTrainingError", "TrainResult", "preflight", "train"]
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
+
+    exit_status = ExitStatus.NONFINITE
 
 
 @dataclass

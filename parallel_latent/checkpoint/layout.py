@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
+from parallel_latent.errors import BadInput, ExitStatus, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,15 @@ UNIVERSAL_DIR = "universal"
 MANIFEST_NAME = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, an I/O error, no permission): nothing was
     published; the message is one line."""
+
+    exit_status = ExitStatus.SAVE_FAILED
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -69,7 +72,7 @@ def error_reason(error: BaseException) -> str:
         return error.strerror
     if os_error := re.search(r"\(os error (\d+)\)", str(error)):
         return os.strerror(int(os_error.group(1)))
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first_line(error)
 
 
 def read_json(path: Path, what: str) -> Any:

@@ -48,6 +48,7 @@ from parallel_latent.data.sources import (
     resolve_source,
 )
 from parallel_latent.data.tokenize import RowEncoder, token_dtype, tokenizer_identity
+from parallel_latent.errors import first_line, os_reason
 
 __all__ = [
     "CACHE_ENV",
@@ -175,9 +176,9 @@ def _ensure_writable(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        reason = error.strerror or type(error).__name__
         raise DataError(
-            f"{directory}: cannot create the data cache directory ({reason}); set data.cache_dir or {CACHE_ENV}"
+            f"{directory}: cannot create the data cache directory ({os_reason(error)}); "
+            f"set data.cache_dir or {CACHE_ENV}"
         ) from None
     if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"{directory}: data cache directory is not writable; set data.cache_dir or {CACHE_ENV}")
@@ -192,8 +193,7 @@ def _locked(directory: Path, fingerprint: str) -> Iterator[bool]:
     try:
         fd = os.open(directory / f"{LOCK_PREFIX}{fingerprint}", os.O_RDWR | os.O_CREAT, 0o664)
     except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise DataError(f"{directory}: cannot write in the data cache directory ({reason})") from None
+        raise DataError(f"{directory}: cannot write in the data cache directory ({os_reason(error)})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -337,7 +337,7 @@ def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
         except ValueError as error:  # text that cannot be decoded reaches Python only here
             if spec.source.kind == "files":
                 raise diagnose(list(spec.source.files), spec.text_field, error) from None
-            raise DataError(f"{spec.source.location}: {str(error).splitlines()[0]}") from None
+            raise DataError(f"{spec.source.location}: {first_line(error)}") from None
         finally:
             if previous is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)

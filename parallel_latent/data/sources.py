@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parallel_latent.errors import BadInput, first_line, os_reason
+
 __all__ = [
     "HUB_PREFIX",
     "DataError",
@@ -46,7 +48,7 @@ SNIFF_BYTES = 8192
 PREPARED_MARKER = "parallel-latent-prepared"  # meta.json "format" of a prepared copy (prepared.py)
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     """A data problem; the message is one line naming the offending path."""
 
 
@@ -151,7 +153,7 @@ class Source:
             try:
                 stat = os.stat(path)
             except OSError as error:
-                raise DataError(f"{path}: cannot read file: {error.strerror or type(error).__name__}") from None
+                raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
             entries.append([path, fmt, stat.st_size, stat.st_mtime_ns])
         return {"kind": self.kind, "files": entries}
 
@@ -200,7 +202,7 @@ def _sniff(path: str, fmt: str) -> None:
                 handle.seek(-4, os.SEEK_END)
                 tail = handle.read(4)
     except OSError as error:
-        raise DataError(f"{path}: cannot read file: {error.strerror or type(error).__name__}") from None
+        raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
     if fmt == "parquet":
         if head[:4] != b"PAR1" or tail != b"PAR1":
             raise DataError(
@@ -249,8 +251,7 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as error:
         raise DataError(f"{path}: not UTF-8 text (bad byte at offset {error.start})") from None
     except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise DataError(f"{path}: cannot read file: {reason}") from None
+        raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
     nul = data.find("\0")
     if nul >= 0:
         raise DataError(f"{path}: binary data (NUL byte at offset {len(data[:nul].encode())}), not UTF-8 text")
@@ -375,8 +376,9 @@ def _quiet_datasets() -> Any:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    """The error's type and first line (a library's error: its type says whose)."""
+    line = first_line(error)
+    return line if line == type(error).__name__ else f"{type(error).__name__}: {line}"
 
 
 def _text_column(dataset: Any, text_field: str, where: str) -> Any:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel_latent.errors import BadInput
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -142,7 +144,7 @@ def check_processes_fit_devices(nproc: int, device_count: int) -> None:
         )
 
 
-class DeviceSharedError(ValueError):
+class DeviceSharedError(BadInput):
     """Two ranks of one job drive the same GPU."""
 
 
