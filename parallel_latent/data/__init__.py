@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from parallel_latent.data.errors import DataError
 from parallel_latent.data.permutation import KeyedPermutation
 from parallel_latent.data.prepare import (
     CACHE_ENV,
@@ -40,7 +41,6 @@ from parallel_latent.data.prepare import (
 from parallel_latent.data.prepared import DatasetView, PreparedDataset, get_batch
 from parallel_latent.data.sampler import HeldOutSplit, ShardedBatchSampler, held_out_size
 from parallel_latent.data.sources import (
-    DataError,
     Source,
     bundled_corpus_path,
     list_data_files,

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallel_latent.errors import BadInput, first_line, os_reason
+from parallel_latent.data.errors import DataError
+from parallel_latent.data.prepared import is_prepared_copy
+from parallel_latent.errors import first_line, os_reason
 
 __all__ = [
     "HUB_PREFIX",
@@ -45,11 +47,6 @@ FORMAT_SUFFIXES = {
     "csv": (".csv",),
 }
 SNIFF_BYTES = 8192
-PREPARED_MARKER = "parallel-latent-prepared"  # meta.json "format" of a prepared copy (prepared.py)
-
-
-class DataError(BadInput):
-    """A data problem; the message is one line naming the offending path."""
 
 
 def bundled_corpus_path() -> Path:
@@ -103,16 +100,6 @@ def is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
     )
-
-
-def is_prepared_copy(path: Path) -> bool:
-    meta = path / "meta.json"
-    if not meta.is_file():
-        return False
-    try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("format") == PREPARED_MARKER
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 @dataclass(frozen=True)

@@ -268,26 +268,6 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
-def get_tp_group():
-    return get_parallel_state().tp_group
-
-
-def get_tp_size() -> int:
-    return _STATE.tp_size if _STATE else 1
-
-
-def get_tp_rank() -> int:
-    return _STATE.tp_rank if _STATE else 0
-
-
-def get_dp_group():
-    return get_parallel_state().dp_group
-
-
-def get_dp_size() -> int:
-    return _STATE.dp_size if _STATE else 1
-
-
 def get_dp_rank() -> int:
     return _STATE.dp_rank if _STATE else 0
 

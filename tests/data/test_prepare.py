@@ -21,8 +21,8 @@ import pytest
 from parallel_latent import cli
 from parallel_latent.data import DataError, ShardedBatchSampler, build_datasets, get_batch, make_spec, prepare
 from parallel_latent.data.prepare import LOG_NAME
-from parallel_latent.data.prepared import PreparedDataset
-from parallel_latent.data.sources import PREPARED_MARKER, read_samples
+from parallel_latent.data.prepared import PREPARED_MARKER, PreparedDataset
+from parallel_latent.data.sources import read_samples
 from parallel_latent.data.tokenize import tokenizer_identity
 from parallel_latent.errors import ExitStatus
 from tests.data.helpers import assert_same_rows, data_config, reference_rows, tokenizer
