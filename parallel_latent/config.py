@@ -638,11 +638,11 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
 # --------------------------------------------------------------------------- #
 
 
-def dp_size(cfg: Config, world_size: int) -> int:
-    """Data-parallel degree: world = tensor_parallel x data_parallel."""
+def dp_size(cfg: Config, world_size: int, source: str = "<runtime>") -> int:
+    """Data-parallel degree: world = tensor_parallel x data_parallel (the one world-size check)."""
     tp = cfg.parallel.tensor_parallel
     if world_size < 1 or world_size % tp:
-        raise ConfigError(f"<runtime>: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+        raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
     return world_size // tp
 
 
@@ -658,8 +658,7 @@ def validate_world(
     """Raise ConfigError if ``cfg`` cannot run on ``world_size`` processes, ``processes_per_node``
     of them per node (None: unknown, not checked)."""
     tp = cfg.parallel.tensor_parallel
-    if world_size < 1 or world_size % tp:
-        raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+    data_parallel = dp_size(cfg, world_size, source)
     if processes_per_node and processes_per_node % tp and not cfg.parallel.allow_tp_across_nodes:
         raise ConfigError(
             f"{source}: parallel.tensor_parallel={tp} does not divide the {processes_per_node} processes per node: "
@@ -667,8 +666,7 @@ def validate_world(
             f"{processes_per_node}, or set parallel.allow_tp_across_nodes=true"
         )
     training = cfg.training
-    data_parallel = world_size // tp
-    actual = training.micro_batch_size * training.grad_accum_steps * data_parallel
+    actual = resolved_global_batch_size(cfg, world_size)
     if training.global_batch_size and training.global_batch_size != actual:
         raise ConfigError(
             f"{source}: training.global_batch_size={training.global_batch_size} != "

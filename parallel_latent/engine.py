@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size
+from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size, resolved_global_batch_size
 
 __all__ = [
     "EngineBundle",
@@ -106,7 +106,7 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
     stage = cfg.parallel.zero_stage
     data_parallel = dp_size(cfg, world_size)
     config: dict[str, Any] = {
-        "train_batch_size": training.micro_batch_size * training.grad_accum_steps * data_parallel,
+        "train_batch_size": resolved_global_batch_size(cfg, world_size),
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.grad_accum_steps,
         "gradient_clipping": 0.0 if uses_stage0_guard(cfg) else cfg.optimizer.grad_clip,

@@ -54,7 +54,14 @@ from parallel_latent.checkpoint import (
     save_training_checkpoint,
     saved_client_state,
 )
-from parallel_latent.config import Config, ConfigError, keep_global_batch, save_config, validate_world
+from parallel_latent.config import (
+    Config,
+    ConfigError,
+    keep_global_batch,
+    resolved_global_batch_size,
+    save_config,
+    validate_world,
+)
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
@@ -249,6 +256,7 @@ class Trainer:
         self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
         self.micro_batch = cfg.training.micro_batch_size
         self.grad_accum = cfg.training.grad_accum_steps
+        self.global_batch = resolved_global_batch_size(cfg, self.state.world_size)
         self.sampler = ShardedBatchSampler(
             len(self.train_set),
             self.micro_batch,
@@ -416,7 +424,7 @@ class Trainer:
             step_stats[:SAMPLES].add_(output_totals(out))
             step_stats[SAMPLES:].add_(input_ids.shape[0])
         applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
-        return StepOutcome(step_stats, applied, stop, step_tokens, self.micro_batch * self.grad_accum * state.dp_size)
+        return StepOutcome(step_stats, applied, stop, step_tokens, self.global_batch)
 
     def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics
@@ -758,7 +766,7 @@ class Trainer:
             f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
             f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {self.device_kind}; "
             f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
-            f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
+            f"global batch {self.global_batch}; "
             f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}",
             flush=True,
         )
