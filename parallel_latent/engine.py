@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size, resolved_global_batch_size
+from parallel_latent.parallel import ModelParallelUnit
 
 __all__ = [
     "EngineBundle",
@@ -319,8 +320,6 @@ def initialize_engine(
     DeepSpeed then adopts the default group instead of creating its own.
     """
     import deepspeed
-
-    from parallel_latent.parallel import ModelParallelUnit
 
     quiet_deepspeed_logs()
     skip_unused_cpu_comm_kernel()

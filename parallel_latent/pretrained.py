@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parallel_latent import __version__
 from parallel_latent.checkpoint import (
     CheckpointError,
     PortableCheckpoint,
@@ -45,6 +46,8 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.coordination import barrier, broadcast_value, is_main, main_first
 from parallel_latent.errors import first_line
+from parallel_latent.metrics import read_metrics
+from parallel_latent.model.tokenizer import tokenizer_facts
 
 __all__ = [
     "PRETRAINED_FORMAT",
@@ -99,8 +102,6 @@ class TrainingRecord:
 
 def _evaluation_from_metrics(run_dir: Path, step: int) -> dict | None:
     """The trainer's held-out evaluation at ``step`` (the last one, if a resumed run repeated it)."""
-    from parallel_latent.metrics import read_metrics
-
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == step]
     if not records:
         return None
@@ -323,8 +324,6 @@ def read_pretrained_config(directory: Path) -> dict | None:
 
 def _write_pretrained(shards: Path, staging: Path, autoencoder, record: TrainingRecord, name: str, repo_id) -> None:
     """One process: the TP shards in ``shards`` become the pretrained layout in ``staging``."""
-    from parallel_latent import __version__
-
     consolidate(shards, staging)
     consolidated = json.loads((staging / CONFIG_FILE).read_text(encoding="utf-8"))
     config = {
@@ -357,8 +356,6 @@ def save_pretrained(
     if is_main():
         discard(work)  # a save that died half-way
     barrier()
-    from parallel_latent.model.tokenizer import tokenizer_facts
-
     failure = None
     try:
         # Collective, and it agrees on a failure: every rank raises, none waits for rank 0.

@@ -68,8 +68,18 @@ from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from parallel_latent.errors import ExitStatus
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
+from parallel_latent.model import build_model, eval_mode
+from parallel_latent.model.features import random_features_notice, random_features_unannounced
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import init_distributed, launcher_environment
-from parallel_latent.quality import output_totals, position_accuracy, reconstruction_metrics
+from parallel_latent.quality import (
+    corpus_bleu,
+    output_totals,
+    position_accuracy,
+    reconstruction_metrics,
+    reconstruction_records,
+    truncation_note,
+)
 
 __all__ = ["NonFiniteTrainingError", "TrainResult", "preflight", "train"]
 
@@ -166,8 +176,6 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
 def load_tokenizer_once_per_node(cfg: Config):
     """The tokenizer, fetched by the first process of each node before the others look for it in
     the (node-local) hub cache: one download per node instead of one per rank."""
-    from parallel_latent.model.tokenizer import load_tokenizer
-
     with main_first(per_node=True):
         return load_tokenizer(cfg.tokenizer)
 
@@ -175,9 +183,6 @@ def load_tokenizer_once_per_node(cfg: Config):
 def build_model_once_per_node(cfg: Config, tp_group):
     """The model; a pretrained feature model is fetched from the hub by the first process of each
     node before the others read it from the cache. Random features are said once, in the banner."""
-    from parallel_latent.model import build_model
-    from parallel_latent.model.features import random_features_unannounced
-
     with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
         return build_model(cfg, tp_group)
 
@@ -239,8 +244,6 @@ class Trainer:
             for unfinished in remove_unfinished_saves(checkpoints_dir(cfg.logging.run_dir)):
                 print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
         require_shared_run_dir(Path(cfg.logging.run_dir), source)
-
-        from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
 
         self.tokenizer = load_tokenizer_once_per_node(cfg)
         self.tokenizer_facts = tokenizer_facts(self.tokenizer)
@@ -497,8 +500,6 @@ class Trainer:
     def _score_reconstructions(self, total: int, predicted: torch.Tensor) -> float:
         """Corpus BLEU of the first ``total`` held-out samples' reconstructions (collective); keeps
         the examples of this evaluation on rank 0."""
-        from parallel_latent.quality import corpus_bleu, reconstruction_records
-
         score = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.eval_examples, self.eval_examples_step = [], self.step
         if self.is_main:
@@ -514,9 +515,6 @@ class Trainer:
     def reconstructions(self, count: int) -> list[tuple[str, str]]:
         """A few held-out samples as the model saw them (a cut one marked) and their reconstructions:
         those of this step's evaluation if there was one, else computed now (collective: all ranks)."""
-        from parallel_latent.model import eval_mode
-        from parallel_latent.quality import reconstruction_records, truncation_note
-
         if getattr(self, "eval_examples_step", None) == self.step:
             records = self.eval_examples[:count]
         else:
@@ -778,8 +776,6 @@ class Trainer:
             flush=True,
         )
         if not cfg.feature_model.pretrained:
-            from parallel_latent.model.features import random_features_notice
-
             print(random_features_notice(cfg.feature_model), flush=True)
         if s.tp_size > 1:
             print(f"tensor parallelism: {self._tp_options_line()}", flush=True)

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from parallel_latent import files
+from parallel_latent import coordination, files
 from parallel_latent.data.errors import DataError
 from parallel_latent.data.prepared import FORMAT_VERSION, META, PREPARED_MARKER, PreparedDataset
 from parallel_latent.data.sources import (
@@ -463,8 +463,6 @@ def prepare(spec: PrepareSpec, progress: bool = False) -> tuple[PreparedDataset,
 
 def _raise_first(error: str | None) -> None:
     """Collective: every rank raises the first error any rank had (by rank), or none does."""
-    from parallel_latent import coordination
-
     errors = coordination.all_gather_value(error)
     first = next((message for message in errors if message), None)
     if first is not None:
@@ -485,8 +483,6 @@ def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> Prepar
     """The prepared copy of ``cfg.data`` on every rank, preparing it first where it is missing
     (collective when a process group is up; a plain call in one process). ``announce``: the
     preparer says on stdout what it prepares."""
-    from parallel_latent import coordination
-
     spec = _agreed(make_spec, cfg, tokenizer)
     data = _agreed(_open_if_present, spec)
     if not coordination.all_ranks_agree(data is not None):
