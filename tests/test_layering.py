@@ -134,3 +134,20 @@ def test_the_command_line_is_declared_without_its_libraries():
             else:
                 top = name.split(".")[0]
                 assert top in sys.stdlib_module_names, f"parallel_latent/cli/{path.name} imports {name} at module level"
+
+
+def test_no_module_imports_its_own_package_inside_a_function():
+    """A function-level import of the package's own modules hides a cycle. Allowed: the command
+    handlers of parallel_latent/cli/ (they import their libraries, so that the parser stays light) and
+    the package's lazy attribute (``from parallel_latent import TextAutoencoder`` without torch)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "cli" or relative == Path("__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    own = (isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith(
+                        "parallel_latent"))) or (isinstance(inner, ast.Import) and any(
+                        a.name.startswith("parallel_latent") for a in inner.names))  # fmt: skip
+                    assert not own, f"parallel_latent/{relative}: {node.name} imports the package's own modules"
