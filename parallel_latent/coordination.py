@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel_latent.parallel import state
+
 __all__ = [
     "all_gather_value",
     "all_ranks_agree",
@@ -37,8 +39,6 @@ def _active() -> bool:
 
 
 def control_group():
-    from parallel_latent.parallel import state
-
     return state.get_parallel_state().control_group if state.is_initialized() else None
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size
+from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size, resolved_global_batch_size
+from parallel_latent.parallel import ModelParallelUnit
 
 __all__ = [
     "EngineBundle",
@@ -106,7 +107,7 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
     stage = cfg.parallel.zero_stage
     data_parallel = dp_size(cfg, world_size)
     config: dict[str, Any] = {
-        "train_batch_size": training.micro_batch_size * training.grad_accum_steps * data_parallel,
+        "train_batch_size": resolved_global_batch_size(cfg, world_size),
         "train_micro_batch_size_per_gpu": training.micro_batch_size,
         "gradient_accumulation_steps": training.grad_accum_steps,
         "gradient_clipping": 0.0 if uses_stage0_guard(cfg) else cfg.optimizer.grad_clip,
@@ -319,8 +320,6 @@ def initialize_engine(
     DeepSpeed then adopts the default group instead of creating its own.
     """
     import deepspeed
-
-    from parallel_latent.parallel import ModelParallelUnit
 
     quiet_deepspeed_logs()
     skip_unused_cpu_comm_kernel()

@@ -1,28 +1,87 @@
-"""Command-line problems and the checks of path arguments every subcommand shares.
+"""The project's error vocabulary, and the checks of path arguments every subcommand shares.
+
+Torch-free, so that the command line can build its parser and report errors without loading torch.
+
+- :data:`PROG` and :class:`ExitStatus`: what the command is called and how it ends;
+- :class:`BadInput`: the base of every error that means "the input is wrong" (a config key, a
+  path, a corrupt checkpoint, an empty corpus): one line naming the problem, exit status 2, and
+  nothing written. An error class that ends a run otherwise names its status in ``exit_status``;
+- :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as.
 
 A path that names the wrong kind of thing (a file where a directory is expected, a directory where
-a file is expected, something missing or unreadable) is bad input: one line naming the path and the
-problem, exit status 2, and nothing written.
+a file is expected, something missing or unreadable) is bad input.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from pathlib import Path
+
+PROG = "parallel-latent"
+
+
+class ExitStatus(enum.IntEnum):
+    OK = 0  # done, or stopped cleanly by SIGTERM/SIGINT with a checkpoint
+    FAILURE = 1  # unexpected: the traceback is kept
+    BAD_INPUT = 2  # met by every rank alike, before anything is written
+    NONFINITE = 3  # stopped after too many consecutive non-finite steps
+    SAVE_FAILED = 4  # a checkpoint could not be written; the last complete one is intact
+    INTERRUPTED = 130  # Ctrl-C of a command that does not checkpoint (the shell's 128 + SIGINT)
+
+
+class BadInput(ValueError):
+    """Input that cannot work (one line, exit status 2). A ``ValueError``, so that code which
+    catches the standard exception for a bad value catches these too."""
+
+    exit_status = ExitStatus.BAD_INPUT
+
 
 # OSErrors that say something about the path a user gave, not about the machine.
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
-class UsageError(ValueError):
+class UsageError(BadInput):
     """A command-line problem found after parsing (one line)."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def os_reason(error: OSError) -> str:
+    """Why the operating system refused (``No space left on device``), or the error's type's name."""
+    return error.strerror or type(error).__name__
 
 
 def describe_path_error(error: OSError) -> str:
     """``<path>: <reason>`` for an OSError about a path (one line)."""
     where = error.filename if error.filename is not None else ""
-    reason = error.strerror or type(error).__name__
-    return f"{where}: {reason}" if where else reason
+    return f"{where}: {os_reason(error)}" if where else os_reason(error)
+
+
+def one_line(error: BaseException) -> str:
+    """The line an error is reported as: an OSError about a path names the path and the reason."""
+    if isinstance(error, OSError) and (error.filename is not None or error.strerror):
+        return describe_path_error(error)
+    return first_line(error)
+
+
+def error_line(message: str) -> str:
+    return f"{PROG}: error: {message}"
+
+
+def exit_status(error: BaseException) -> ExitStatus:
+    """How a command ends on ``error``: the status its class names (``exit_status``), bad input for
+    any other ``ValueError`` or an OSError about a path of the wrong kind, else a failure."""
+    named = getattr(type(error), "exit_status", None)
+    if isinstance(named, ExitStatus):
+        return named
+    if isinstance(error, (ValueError, *PATH_ERRORS)):
+        return ExitStatus.BAD_INPUT
+    return ExitStatus.FAILURE
 
 
 def require_file(path: str | Path, what: str = "file") -> Path:

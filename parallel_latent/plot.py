@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from parallel_latent.errors import BadInput
 from parallel_latent.metrics import read_metrics
 
 __all__ = ["PlotError", "plot_run"]
 
 
-class PlotError(ValueError):
+class PlotError(BadInput):
     """A problem with the run to plot (one line)."""
 
 

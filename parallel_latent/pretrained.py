@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parallel_latent import __version__
 from parallel_latent.checkpoint import (
     CheckpointError,
     PortableCheckpoint,
@@ -44,6 +45,9 @@ from parallel_latent.checkpoint import (
     save_portable,
 )
 from parallel_latent.coordination import barrier, broadcast_value, is_main, main_first
+from parallel_latent.errors import first_line
+from parallel_latent.metrics import read_metrics
+from parallel_latent.model.tokenizer import tokenizer_facts
 
 __all__ = [
     "PRETRAINED_FORMAT",
@@ -98,8 +102,6 @@ class TrainingRecord:
 
 def _evaluation_from_metrics(run_dir: Path, step: int) -> dict | None:
     """The trainer's held-out evaluation at ``step`` (the last one, if a resumed run repeated it)."""
-    from parallel_latent.metrics import read_metrics
-
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == step]
     if not records:
         return None
@@ -132,7 +134,7 @@ def training_record(directory: str | Path | None) -> TrainingRecord:
     if directory is None:
         return TrainingRecord()
     directory = Path(directory)
-    config = _read_pretrained_config(directory)
+    config = read_pretrained_config(directory)
     if config is not None:
         saved = config.get("training") or {}
         return TrainingRecord(config.get("config"), saved.get("steps"), saved.get("evaluation"))
@@ -301,7 +303,7 @@ It loads at any tensor-parallel degree: every rank of a TP group calls
 # --------------------------------------------------------------------------- #
 
 
-def _read_pretrained_config(directory: Path) -> dict | None:
+def read_pretrained_config(directory: Path) -> dict | None:
     """``config.json`` of a pretrained directory (None if ``directory`` is not one); refuses a format
     version newer than this code reads."""
     path = directory / CONFIG_FILE
@@ -322,8 +324,6 @@ def _read_pretrained_config(directory: Path) -> dict | None:
 
 def _write_pretrained(shards: Path, staging: Path, autoencoder, record: TrainingRecord, name: str, repo_id) -> None:
     """One process: the TP shards in ``shards`` become the pretrained layout in ``staging``."""
-    from parallel_latent import __version__
-
     consolidate(shards, staging)
     consolidated = json.loads((staging / CONFIG_FILE).read_text(encoding="utf-8"))
     config = {
@@ -356,8 +356,6 @@ def save_pretrained(
     if is_main():
         discard(work)  # a save that died half-way
     barrier()
-    from parallel_latent.model.tokenizer import tokenizer_facts
-
     failure = None
     try:
         # Collective, and it agrees on a failure: every rank raises, none waits for rank 0.
@@ -379,7 +377,7 @@ def save_pretrained(
     finally:
         if is_main():
             discard(work)
-    message = broadcast_value(None if failure is None else str(failure).splitlines()[0])
+    message = broadcast_value(None if failure is None else first_line(failure))
     if failure is not None:
         raise failure
     if message is not None:
@@ -431,8 +429,7 @@ def _download(repo_id: str, revision: str | None, cache_dir, token, local_files_
             f"{repo_id}: no such local directory, and not in the Hugging Face cache ({why})"
         ) from None
     except (HfHubHTTPError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise CheckpointError(f"{repo_id}: download from the Hugging Face hub failed: {reason}") from None
+        raise CheckpointError(f"{repo_id}: download from the Hugging Face hub failed: {first_line(error)}") from None
 
 
 def pretrained_directory(
@@ -446,11 +443,11 @@ def pretrained_directory(
     repo_id = hub_repo_id(path_or_repo_id)
     if repo_id is None:
         directory = Path(path_or_repo_id)
-        _read_pretrained_config(directory)  # a newer format stops here with one line
+        read_pretrained_config(directory)  # a newer format stops here with one line
         return directory
     with main_first(per_node=True) as first:
         directory = _download(repo_id, revision, cache_dir, token, local_files_only=not first)
-    if _read_pretrained_config(directory) is None:
+    if read_pretrained_config(directory) is None:
         raise CheckpointError(f"{repo_id}: not a parallel-latent model (no {PRETRAINED_FORMAT} {CONFIG_FILE})")
     return directory
 
@@ -468,7 +465,7 @@ def push_directory_to_hub(
     from huggingface_hub import HfApi
 
     directory = Path(directory)
-    if _read_pretrained_config(directory) is None:
+    if read_pretrained_config(directory) is None:
         raise CheckpointError(f"{directory}: not a pretrained directory (write one with save-pretrained)")
     api = HfApi(token=token)
     try:
@@ -512,75 +509,3 @@ def push_to_hub(autoencoder, repo_id: str, *, private: bool | None = None, token
     if message_line is not None:
         raise CheckpointError(message_line)
     return url
-
-
-# --------------------------------------------------------------------------- #
-# Command line: save-pretrained, push-to-hub.
-# --------------------------------------------------------------------------- #
-
-
-def _save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: str | None = None) -> Path:
-    """Load ``checkpoint`` (any path the inference commands take, or a hub id) and write it to
-    ``out``. With ``evaluate``, weights the run never evaluated are evaluated on its held-out split."""
-    from parallel_latent.api import TextAutoencoder
-    from parallel_latent.inference import evaluate_held_out
-
-    require_empty_output(out)  # before loading anything
-    autoencoder = TextAutoencoder.from_pretrained(checkpoint)
-    record = training_record(autoencoder.source)
-    if evaluate and record.evaluation is None and record.config:
-        print(f"no held-out evaluation recorded at step {record.steps}: evaluating on the held-out split", flush=True)
-        result = evaluate_held_out(autoencoder)
-        keys = ("samples", "loss", *(key for key, _, _ in METRICS))
-        record.evaluation = {"step": record.steps, **{key: result[key] for key in keys}}
-    return save_pretrained(autoencoder, out, record=record, repo_id=repo_id)
-
-
-def cmd_save_pretrained(args) -> int:
-    out = _save_from_checkpoint(args.checkpoint, Path(args.out), not args.no_evaluate)
-    print(f"pretrained model written to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
-    return 0
-
-
-def cmd_push_to_hub(args) -> int:
-    options = {"private": args.private or None, "revision": args.revision, "message": args.message}
-    source = Path(args.source)
-    if source.is_dir() and _read_pretrained_config(source) is not None:
-        url = push_directory_to_hub(source, args.repo_id, **options)
-    else:
-        with tempfile.TemporaryDirectory(prefix="parallel-latent-push-") as scratch:
-            folder = _save_from_checkpoint(args.source, Path(scratch) / "model", True, repo_id=args.repo_id)
-            url = push_directory_to_hub(folder, args.repo_id, **options)
-    print(f"pushed to {args.repo_id}: {url}")
-    return 0
-
-
-def add_subcommands(sub) -> None:
-    save = sub.add_parser(
-        "save-pretrained",
-        help="write a checkpoint as a Hugging Face model directory (weights, config, tokenizer, model card)",
-        description="Write OUT/config.json, OUT/model.safetensors (TP=1, from any TP), OUT/manifest.json, the "
-        "tokenizer's files and OUT/README.md, a model card with the held-out evaluation. Load it with "
-        "TextAutoencoder.from_pretrained(OUT) or upload it with push-to-hub.",
-    )
-    save.add_argument("checkpoint", help="a run directory, a checkpoint or portable directory, or a hub repository id")
-    save.add_argument("out", help="output directory (must not exist or be empty)")
-    save.add_argument(
-        "--no-evaluate",
-        action="store_true",
-        help="do not evaluate weights the run never evaluated (their card then has no numbers)",
-    )
-    save.set_defaults(handler=cmd_save_pretrained)
-
-    push = sub.add_parser(
-        "push-to-hub",
-        help="upload a model to a Hugging Face hub repository",
-        description="Upload a save-pretrained directory as it is, or any checkpoint (written as one first), "
-        "to REPO_ID (created if missing). Log in first (hf auth login, or HF_TOKEN).",
-    )
-    push.add_argument("source", help="a save-pretrained directory, or anything save-pretrained takes")
-    push.add_argument("repo_id", help="the hub repository, e.g. my-org/tiny-latent-autoencoder")
-    push.add_argument("--private", action="store_true", help="create the repository private")
-    push.add_argument("--revision", default=None, help="the branch to commit to (default: main)")
-    push.add_argument("--message", default=None, help="commit message")
-    push.set_defaults(handler=cmd_push_to_hub)

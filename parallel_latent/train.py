@@ -54,20 +54,40 @@ from parallel_latent.checkpoint import (
     save_training_checkpoint,
     saved_client_state,
 )
-from parallel_latent.config import Config, ConfigError, keep_global_batch, save_config, validate_world
+from parallel_latent.config import (
+    Config,
+    ConfigError,
+    keep_global_batch,
+    resolved_global_batch_size,
+    save_config,
+    validate_world,
+)
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import ShardedBatchSampler, build_datasets, check_source, get_batch
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from parallel_latent.errors import ExitStatus
 from parallel_latent.metrics import MetricsLogger, model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
+from parallel_latent.model import build_model, eval_mode
+from parallel_latent.model.features import random_features_notice, random_features_unannounced
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import init_distributed, launcher_environment
-from parallel_latent.quality import output_totals, position_accuracy, reconstruction_metrics
+from parallel_latent.quality import (
+    corpus_bleu,
+    output_totals,
+    position_accuracy,
+    reconstruction_metrics,
+    reconstruction_records,
+    truncation_note,
+)
 
 __all__ = ["NonFiniteTrainingError", "TrainResult", "preflight", "train"]
 
 
 class NonFiniteTrainingError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
+
+    exit_status = ExitStatus.NONFINITE
 
 
 @dataclass
@@ -156,8 +176,6 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
 def load_tokenizer_once_per_node(cfg: Config):
     """The tokenizer, fetched by the first process of each node before the others look for it in
     the (node-local) hub cache: one download per node instead of one per rank."""
-    from parallel_latent.model.tokenizer import load_tokenizer
-
     with main_first(per_node=True):
         return load_tokenizer(cfg.tokenizer)
 
@@ -165,9 +183,6 @@ def load_tokenizer_once_per_node(cfg: Config):
 def build_model_once_per_node(cfg: Config, tp_group):
     """The model; a pretrained feature model is fetched from the hub by the first process of each
     node before the others read it from the cache. Random features are said once, in the banner."""
-    from parallel_latent.model import build_model
-    from parallel_latent.model.features import random_features_unannounced
-
     with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
         return build_model(cfg, tp_group)
 
@@ -230,8 +245,6 @@ class Trainer:
                 print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
         require_shared_run_dir(Path(cfg.logging.run_dir), source)
 
-        from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
-
         self.tokenizer = load_tokenizer_once_per_node(cfg)
         self.tokenizer_facts = tokenizer_facts(self.tokenizer)
         cfg = apply_tokenizer_facts(cfg, self.tokenizer_facts)
@@ -246,6 +259,7 @@ class Trainer:
         self.train_set, self.eval_set = build_datasets(cfg, self.tokenizer)
         self.micro_batch = cfg.training.micro_batch_size
         self.grad_accum = cfg.training.grad_accum_steps
+        self.global_batch = resolved_global_batch_size(cfg, self.state.world_size)
         self.sampler = ShardedBatchSampler(
             len(self.train_set),
             self.micro_batch,
@@ -413,7 +427,7 @@ class Trainer:
             step_stats[:SAMPLES].add_(output_totals(out))
             step_stats[SAMPLES:].add_(input_ids.shape[0])
         applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
-        return StepOutcome(step_stats, applied, stop, step_tokens, self.micro_batch * self.grad_accum * state.dp_size)
+        return StepOutcome(step_stats, applied, stop, step_tokens, self.global_batch)
 
     def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics
@@ -486,8 +500,6 @@ class Trainer:
     def _score_reconstructions(self, total: int, predicted: torch.Tensor) -> float:
         """Corpus BLEU of the first ``total`` held-out samples' reconstructions (collective); keeps
         the examples of this evaluation on rank 0."""
-        from parallel_latent.quality import corpus_bleu, reconstruction_records
-
         score = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.eval_examples, self.eval_examples_step = [], self.step
         if self.is_main:
@@ -503,9 +515,6 @@ class Trainer:
     def reconstructions(self, count: int) -> list[tuple[str, str]]:
         """A few held-out samples as the model saw them (a cut one marked) and their reconstructions:
         those of this step's evaluation if there was one, else computed now (collective: all ranks)."""
-        from parallel_latent.model import eval_mode
-        from parallel_latent.quality import reconstruction_records, truncation_note
-
         if getattr(self, "eval_examples_step", None) == self.step:
             records = self.eval_examples[:count]
         else:
@@ -755,7 +764,7 @@ class Trainer:
             f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
             f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {self.device_kind}; "
             f"{len(self.train_set)} train / {len(self.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
-            f"global batch {self.micro_batch * self.grad_accum * s.dp_size}; "
+            f"global batch {self.global_batch}; "
             f"{trainable:,} trainable parameters on rank 0; run dir {self.run_dir}",
             flush=True,
         )
@@ -767,8 +776,6 @@ class Trainer:
             flush=True,
         )
         if not cfg.feature_model.pretrained:
-            from parallel_latent.model.features import random_features_notice
-
             print(random_features_notice(cfg.feature_model), flush=True)
         if s.tp_size > 1:
             print(f"tensor parallelism: {self._tp_options_line()}", flush=True)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from parallel_latent import cli
+from parallel_latent.errors import ExitStatus
 from tests.trainer_runs import REPO, TINY, TINY_CONFIG, rank_env
 
 
@@ -68,7 +69,7 @@ def test_bad_train_input_is_one_line_and_writes_nothing(tmp_path, capsys, nproc,
         if torch.cuda.is_available():
             pytest.skip("fp16 is valid with CUDA")
     run_dir = tmp_path / "run"
-    assert cli.main(train_argv(run_dir, *overrides, nproc=nproc)) == cli.EXIT_BAD_INPUT
+    assert cli.main(train_argv(run_dir, *overrides, nproc=nproc)) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, expected)
     assert not run_dir.exists()
 
@@ -112,20 +113,20 @@ def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
 def test_resume_never_refuses_to_overwrite_existing_checkpoints(tmp_path, capsys):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step_00000010").mkdir(parents=True)
-    assert cli.main(train_argv(run_dir, "checkpoint.resume=never", nproc=2)) == cli.EXIT_BAD_INPUT
+    assert cli.main(train_argv(run_dir, "checkpoint.resume=never", nproc=2)) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "checkpoint.resume=never but")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010"]
 
 
 def test_missing_resume_checkpoint(tmp_path, capsys):
     argv = train_argv(tmp_path / "run", f"checkpoint.resume={tmp_path / 'nope'}", nproc=2)
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "no such checkpoint")
 
 
 def test_deepspeed_overrides_must_be_a_json_object(tmp_path, capsys):
     argv = train_argv(tmp_path / "run", nproc=2) + ["--deepspeed-overrides", "{not json"]
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "--deepspeed-overrides: invalid JSON")
 
 
@@ -137,14 +138,14 @@ def test_more_processes_than_gpus_is_refused_before_any_worker_starts(tmp_path, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    monkeypatch.setattr(cli, "_launch_local", lambda *a: pytest.fail("workers were started"))
+    monkeypatch.setattr(cli.train, "_launch_local", lambda *a: pytest.fail("workers were started"))
     assert cli.main(train_argv(tmp_path / "run", nproc=2)) == 2
     assert_one_line_error(capsys, "--nproc 2 needs 2 GPUs but 1 is visible (CUDA_VISIBLE_DEVICES=3)")
     assert not (tmp_path / "run").exists()
 
 
 def test_nproc_must_be_positive(tmp_path, capsys):
-    assert cli.main(train_argv(tmp_path / "run", nproc=0) + ["--nproc=0"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(train_argv(tmp_path / "run", nproc=0) + ["--nproc=0"]) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "--nproc=0 must be >= 1")
 
 
@@ -152,8 +153,8 @@ def test_ranks_run_the_command_without_nproc():
     args = cli.build_parser().parse_args(
         ["train", "--config", "c.yaml", "--nproc", "4", "a.b=1", "--deepspeed-overrides", "{}"]
     )
-    assert cli._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
-    command = cli._torchrun_command(4, cli._rank_argv(args))
+    assert cli.train._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
+    command = cli.train._torchrun_command(4, cli.train._rank_argv(args))
     assert command[1:6] == ["-m", "parallel_latent.console", "--standalone", "--nproc_per_node=4", "-m"]
 
 
@@ -165,20 +166,20 @@ def test_deepspeed_launchers_local_rank_argument_is_accepted():
 def test_deepspeed_overrides_from_a_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
-    assert cli._parse_overrides_json(str(path)) == {"zero_optimization": {"reduce_bucket_size": 1000}}
-    assert cli._parse_overrides_json('{"a": 1}') == {"a": 1}
+    assert cli.train._parse_overrides_json(str(path)) == {"zero_optimization": {"reduce_bucket_size": 1000}}
+    assert cli.train._parse_overrides_json('{"a": 1}') == {"a": 1}
 
 
 def test_plot_of_a_missing_run_is_one_line(tmp_path, capsys):
-    assert cli.main(["plot", str(tmp_path / "nothing")]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["plot", str(tmp_path / "nothing")]) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "run directory does not exist")
     (tmp_path / "empty").mkdir()
-    assert cli.main(["plot", str(tmp_path / "empty")]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["plot", str(tmp_path / "empty")]) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "no metrics.jsonl")
 
 
 def test_reconstruct_without_a_checkpoint_is_one_line(tmp_path, capsys):
-    assert cli.main(["reconstruct", "--checkpoint", str(tmp_path / "nothing"), "hello"]) == cli.EXIT_BAD_INPUT
+    assert cli.main(["reconstruct", "--checkpoint", str(tmp_path / "nothing"), "hello"]) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, "no such checkpoint or run directory")
 
 
@@ -194,6 +195,30 @@ def test_help_is_instant_and_lists_the_commands():
     assert result.returncode == 0
     for command in ("train", "reconstruct", "plot"):
         assert command in result.stdout
+
+
+# What building the parser may not load: the libraries the commands' handlers import.
+HEAVY_MODULES = ("torch", "deepspeed", "transformers", "datasets", "numpy", "safetensors")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["evaluate", "--help"]])
+def test_the_parser_and_help_import_no_heavy_library(argv):
+    """`--help` of every level runs in a fresh interpreter; afterwards none of the heavy libraries is
+    loaded (a count of modules, not a time: the parser is declared apart from the commands' libraries)."""
+    probe = (
+        "import sys\n"
+        "from parallel_latent.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as stop:\n"
+        "    assert stop.code == 0, stop.code\n"
+        f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 # --------------------------------------------------------------------------- #
@@ -279,7 +304,7 @@ def test_a_path_of_the_wrong_kind_is_one_line_and_changes_nothing(paths, capsys,
     if argv[0] == "train":  # one process, a run directory that stays unwritten; the case's keys win
         argv[3:3] = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={paths / 'run'}"]
     before = sorted(str(p.relative_to(paths)) for p in paths.rglob("*"))
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, expected.format(**fill))
     assert sorted(str(p.relative_to(paths)) for p in paths.rglob("*")) == before  # nothing written
     assert (paths / "a_file").read_text() == "some text\n"

@@ -444,3 +444,58 @@ def test_resume_refuses_what_cannot_be_kept_in_one_line():
     with pytest.raises(ConfigError, match=r"global_batch_size=8 but ck was trained with a global batch of 16"):
         keep_global_batch(explicit, 2, 16, "ck")
     assert keep_global_batch(explicit, 2, 8, "ck") == (explicit, None)
+
+
+# --------------------------------------------------------------------------- #
+# The schema documents itself: each key's meaning and bound sit next to the key.
+# --------------------------------------------------------------------------- #
+
+
+def every_key() -> list[str]:
+    return [f"{section}.{key}" for section, values in config_to_dict(Config()).items() for key in values]
+
+
+def test_every_key_is_in_the_schema_listing_with_a_meaning():
+    from parallel_latent.config import schema_keys
+
+    keys = schema_keys()
+    assert [key for key, *_ in keys] == every_key()
+    assert [key for key, _, doc, _ in keys if not doc] == []
+
+
+def test_config_list_prints_every_key_with_its_default_and_meaning(capsys):
+    from parallel_latent.cli import main
+
+    assert main(["config", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == every_key()
+    dropout = next(line for line in lines if line.startswith("model.dropout "))
+    assert " 0.1 " in dropout and "must be in [0, 1)" in dropout
+
+
+def just_outside(bound_words: str, default):
+    """A value that breaks a bound, from the bound's own words."""
+    if bound_words.startswith("must be >= "):
+        return type(default)(float(bound_words.removeprefix("must be >= ")) - 1)
+    if bound_words == "must be > 0":
+        return type(default)(0)
+    if bound_words.startswith("must be in [0, 1"):
+        return 1.5
+    if bound_words == "must be 0, 1, 2 or 3":
+        return 4
+    if bound_words.startswith("must have 2 items"):
+        return [0.9, 1.0]
+    return ""  # must not be empty / must be auto, never or a path
+
+
+def test_every_bound_is_enforced_with_its_line():
+    """For each bounded key, a value just outside its bound is refused in one line naming the key."""
+    from parallel_latent.config import schema_keys
+
+    bounded = [(key, default, bound) for key, default, _, bound in schema_keys() if bound is not None]
+    assert len(bounded) >= 40
+    for key, default, bound in bounded:
+        section, name = key.split(".")
+        with pytest.raises(ConfigError) as caught:
+            config_from_dict({section: {name: just_outside(bound.must, default)}}, "x.yaml")
+        assert str(caught.value).startswith(f"x.yaml: {key}") and "must" in str(caught.value), key

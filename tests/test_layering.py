@@ -6,6 +6,7 @@ checkpoint package every module imports only those below it."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,15 @@ def imported_modules(directory: Path) -> dict[str, set[str]]:
         ),
         (
             "checkpoint",
-            ("parallel_latent.model", "parallel_latent.config", "parallel_latent.train", "parallel_latent.api"),
+            (
+                "parallel_latent.model",
+                "parallel_latent.config",
+                "parallel_latent.train",
+                "parallel_latent.api",
+                "parallel_latent.cli",
+            ),
         ),
+        ("data", ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train")),
     ],
 )
 def test_subpackage_does_not_import(subpackage, forbidden):
@@ -57,7 +65,7 @@ def test_subpackage_does_not_import(subpackage, forbidden):
 
 
 # The checkpoint package's modules, lowest first: each may import only modules before it.
-CHECKPOINT_ORDER = ["layout", "zero_access", "shards", "portable", "universal", "training", "describe", "cli"]
+CHECKPOINT_ORDER = ["layout", "zero_access", "shards", "portable", "universal", "training", "describe"]
 
 
 def test_checkpoint_imports_point_one_way():
@@ -80,3 +88,66 @@ def test_no_import_inside_a_function_of_the_checkpoint_package():
                         assert all(n.split(".")[0] == "deepspeed" for n in names), (
                             f"{path.name}: {node.name} imports {names}"
                         )
+
+
+# Library modules that the commands and the API use, and so may not import them back.
+LIBRARY_DOES_NOT_IMPORT = {
+    "pretrained.py": ("parallel_latent.api", "parallel_latent.cli", "parallel_latent.inference"),
+    "inference.py": ("parallel_latent.api", "parallel_latent.cli"),
+    "api.py": ("parallel_latent.cli", "parallel_latent.inference"),
+    "train.py": ("parallel_latent.cli", "parallel_latent.api"),
+}
+
+
+@pytest.mark.parametrize(("module", "forbidden"), sorted(LIBRARY_DOES_NOT_IMPORT.items()))
+def test_library_does_not_import_its_users(module, forbidden):
+    names = imported_modules(PACKAGE)[module]
+    bad = sorted(name for name in names if name.startswith(forbidden))
+    assert not bad, f"parallel_latent/{module} imports {bad}"
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (not inside its functions)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            names.add(module)
+    return names
+
+
+def test_the_command_line_is_declared_without_its_libraries():
+    """Building the parser imports the command modules of parallel_latent/cli/ and, at their module
+    level, only the standard library, the torch-free error vocabulary and each other: the commands'
+    libraries are imported by their handlers."""
+    allowed = ("parallel_latent.errors", "parallel_latent.cli", "__future__")
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for name in module_level_imports(path):
+            if name.startswith("parallel_latent") or name == "parallel_latent":
+                assert name.startswith(allowed), f"parallel_latent/cli/{path.name} imports {name} at module level"
+            else:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names, f"parallel_latent/cli/{path.name} imports {name} at module level"
+
+
+def test_no_module_imports_its_own_package_inside_a_function():
+    """A function-level import of the package's own modules hides a cycle. Allowed: the command
+    handlers of parallel_latent/cli/ (they import their libraries, so that the parser stays light) and
+    the package's lazy attribute (``from parallel_latent import TextAutoencoder`` without torch)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "cli" or relative == Path("__init__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    own = (isinstance(inner, ast.ImportFrom) and (inner.level or (inner.module or "").startswith(
+                        "parallel_latent"))) or (isinstance(inner, ast.Import) and any(
+                        a.name.startswith("parallel_latent") for a in inner.names))  # fmt: skip
+                    assert not own, f"parallel_latent/{relative}: {node.name} imports the package's own modules"

@@ -1,8 +1,9 @@
 """Checkpoints: exact-resume training checkpoints, portable safetensors shards that load at any TP
 degree, consolidation, inspection, and resharded resume with the optimizer's state.
 
-The modules import one way (layout, zero_access, shards, portable, universal, training, describe,
-cli). No model is known here: a model describes itself (``checkpoint_record``/``checkpoint_mismatch``).
+The modules import one way (layout, zero_access, shards, portable, universal, training, describe);
+their commands are in :mod:`parallel_latent.cli.checkpoint`. No model is known here: a model describes
+itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
 
 from .describe import inspect_checkpoint as inspect

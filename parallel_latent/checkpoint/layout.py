@@ -18,7 +18,6 @@ killed at any point leaves the earlier checkpoints and ``latest`` as they were.
 """
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
+from parallel_latent.errors import BadInput, ExitStatus, first_line
+from parallel_latent.files import publish, replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,15 @@ UNIVERSAL_DIR = "universal"
 MANIFEST_NAME = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, an I/O error, no permission): nothing was
     published; the message is one line."""
+
+    exit_status = ExitStatus.SAVE_FAILED
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -69,7 +72,7 @@ def error_reason(error: BaseException) -> str:
         return error.strerror
     if os_error := re.search(r"\(os error (\d+)\)", str(error)):
         return os.strerror(int(os_error.group(1)))
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first_line(error)
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -146,49 +149,9 @@ def resolve_portable_dir(path: str | Path) -> Path:
     return step_dir / PORTABLE_DIR
 
 
-def fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk. A file system that cannot fsync a
-    directory says EINVAL: nothing to flush there."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno not in (errno.EINVAL, errno.ENOTSUP) or not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
-
-
 def write_json(path: Path, data: Any, indent: int | None = 1) -> None:
     """A JSON file inside a staging directory (made durable when the directory is published)."""
     path.write_text(json.dumps(data, indent=indent) + "\n", encoding="utf-8")
-
-
-def replace_file(path: Path, text: str) -> None:
-    """Replace the small file ``path`` atomically: readers see the old or the new, never a mix."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        fsync(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync(path.parent)
-
-
-def publish(staging: Path, final: Path) -> None:
-    """Make every file under ``staging`` durable (here and nowhere else), then rename it to the new
-    ``final`` in one atomic step."""
-    # safetensors creates its files 0600; checkpoints and exports are read by other users of a
-    # shared file system, so every file gets the mode the umask gives this directory's files.
-    mode = staging.stat().st_mode & 0o666
-    for root, _, files in os.walk(staging):
-        for name in files:
-            os.chmod(Path(root, name), mode)
-            fsync(Path(root, name))
-        fsync(Path(root))
-    os.rename(staging, final)
-    fsync(final.parent)
 
 
 def publish_checkpoint(checkpoint_dir: Path, staging: Path, tag: str) -> None:

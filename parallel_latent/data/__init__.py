@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from parallel_latent.data.errors import DataError
 from parallel_latent.data.permutation import KeyedPermutation
 from parallel_latent.data.prepare import (
     CACHE_ENV,
@@ -37,10 +38,9 @@ from parallel_latent.data.prepare import (
     open_for_training,
     prepare,
 )
-from parallel_latent.data.prepared import DatasetView, PreparedDataset, get_batch
+from parallel_latent.data.prepared import DatasetView, PreparedDataset, get_batch, read_meta
 from parallel_latent.data.sampler import HeldOutSplit, ShardedBatchSampler, held_out_size
 from parallel_latent.data.sources import (
-    DataError,
     Source,
     bundled_corpus_path,
     list_data_files,
@@ -81,8 +81,6 @@ def check_source(data: Any) -> Source:
     data files, a saved dataset, a prepared copy or a hub dataset. DataError otherwise."""
     source = resolve_source(data.path, data.format)
     if source.kind == "prepared":
-        from parallel_latent.data.prepared import read_meta
-
         read_meta(Path(source.location))
     return source
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from parallel_latent.data.prepared import FORMAT_VERSION, META, PreparedDataset
+from parallel_latent import coordination, files
+from parallel_latent.data.errors import DataError
+from parallel_latent.data.prepared import FORMAT_VERSION, META, PREPARED_MARKER, PreparedDataset
 from parallel_latent.data.sources import (
-    PREPARED_MARKER,
-    DataError,
     Source,
     batch_samples,
     diagnose,
@@ -48,6 +48,7 @@ from parallel_latent.data.sources import (
     resolve_source,
 )
 from parallel_latent.data.tokenize import RowEncoder, token_dtype, tokenizer_identity
+from parallel_latent.errors import first_line, os_reason
 
 __all__ = [
     "CACHE_ENV",
@@ -175,9 +176,9 @@ def _ensure_writable(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        reason = error.strerror or type(error).__name__
         raise DataError(
-            f"{directory}: cannot create the data cache directory ({reason}); set data.cache_dir or {CACHE_ENV}"
+            f"{directory}: cannot create the data cache directory ({os_reason(error)}); "
+            f"set data.cache_dir or {CACHE_ENV}"
         ) from None
     if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
         raise DataError(f"{directory}: data cache directory is not writable; set data.cache_dir or {CACHE_ENV}")
@@ -192,8 +193,7 @@ def _locked(directory: Path, fingerprint: str) -> Iterator[bool]:
     try:
         fd = os.open(directory / f"{LOCK_PREFIX}{fingerprint}", os.O_RDWR | os.O_CREAT, 0o664)
     except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise DataError(f"{directory}: cannot write in the data cache directory ({reason})") from None
+        raise DataError(f"{directory}: cannot write in the data cache directory ({os_reason(error)})") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -234,14 +234,6 @@ def _remove_stale_temporaries(directory: Path, fingerprint: str, locked: bool) -
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _tokenize_batch(batch: dict[str, list], encoder: RowEncoder, unit: str) -> dict[str, np.ndarray]:
     texts = batch_samples(batch["text"], unit)
     ids, lengths, truncated = encoder(texts)
@@ -277,22 +269,53 @@ class _ArrayWriter:
         self.digest.update(data)
         self.handle.write(data)
 
-    def close(self) -> None:
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
+    def close(self) -> None:  # (made durable when the copy is published)
         self.handle.close()
 
 
 def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
-    """Tokenise the source into ``tmp`` (the arrays, then meta.json); return the meta."""
-    import datasets
-
+    """Tokenise the source into ``tmp`` (the arrays, then meta.json); return the meta. Three stages,
+    each timed: load the source, tokenise it (``datasets.map``), write the arrays."""
     started = time.perf_counter()
     work = tmp / "work"
     work.mkdir()
+    dtype = token_dtype(len(spec.tokenizer))
+    pieces = load_source_datasets(spec.source, spec.text_field, spec.sample_unit, spec.split, work)
+    loaded = time.perf_counter()
+    tokenized = _tokenize(spec, pieces, dtype, work, progress)
+    tokenized_at = time.perf_counter()
+    counts = _write_arrays(spec, tokenized, dtype, tmp)
+    del tokenized, pieces
+    shutil.rmtree(work, ignore_errors=True)
+    meta = {
+        "format": PREPARED_MARKER,
+        "version": FORMAT_VERSION,
+        "fingerprint": spec.fingerprint,
+        "record": spec.record,
+        "source": spec.source.location,
+        "max_length": spec.max_length,
+        "dtype": dtype.name,
+        "vocab_size": len(spec.tokenizer),
+        "pad_token_id": spec.tokenizer.pad_token_id,
+        **counts,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "seconds": round(time.perf_counter() - started, 3),
+        "phases": {
+            "load": round(loaded - started, 3),
+            "tokenize": round(tokenized_at - loaded, 3),
+            "write": round(time.perf_counter() - tokenized_at, 3),
+        },
+    }
+    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return meta
+
+
+def _tokenize(spec: PrepareSpec, pieces: list, dtype: np.dtype, work: Path, progress: bool) -> list:
+    """Each loaded piece tokenised into fixed-length rows (an Arrow file under ``work``)."""
+    import datasets
+
     tokenizer = spec.tokenizer
-    vocab_size = len(tokenizer)
-    dtype = token_dtype(vocab_size)
     encoder = RowEncoder(tokenizer, spec.max_length, tokenizer.pad_token_id, dtype)
     features = datasets.Features(
         {
@@ -304,8 +327,6 @@ def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
             "truncated": datasets.Value("bool"),
         }
     )
-    pieces = load_source_datasets(spec.source, spec.text_field, spec.sample_unit, spec.split, work)
-    loaded = time.perf_counter()
     if progress:  # the tokenising bars; loading stays quiet
         datasets.enable_progress_bars()
     tokenized = []
@@ -337,17 +358,21 @@ def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
         except ValueError as error:  # text that cannot be decoded reaches Python only here
             if spec.source.kind == "files":
                 raise diagnose(list(spec.source.files), spec.text_field, error) from None
-            raise DataError(f"{spec.source.location}: {str(error).splitlines()[0]}") from None
+            raise DataError(f"{spec.source.location}: {first_line(error)}") from None
         finally:
             if previous is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = previous
-    tokenized_at = time.perf_counter()
+    return tokenized
+
+
+def _write_arrays(spec: PrepareSpec, tokenized: list, dtype: np.dtype, tmp: Path) -> dict[str, Any]:
+    """The token rows, lengths and truncation flags as .npy files in ``tmp``; the counts, the
+    content digest and the file sizes for meta.json."""
     num_samples = sum(len(piece) for piece in tokenized)
     if num_samples == 0:
         raise DataError(f"{spec.source.location}: corpus is empty (no non-empty samples)")
-
     digest = hashlib.sha256()
     length_dtype = token_dtype(spec.max_length + 1)
     writers = {
@@ -368,50 +393,25 @@ def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
             num_truncated += int(truncated.sum())
     for writer in writers.values():
         writer.close()
-    del tokenized, pieces
-    shutil.rmtree(work, ignore_errors=True)
-
-    meta = {
-        "format": PREPARED_MARKER,
-        "version": FORMAT_VERSION,
-        "fingerprint": spec.fingerprint,
-        "record": spec.record,
-        "source": spec.source.location,
+    return {
         "num_samples": num_samples,
-        "max_length": spec.max_length,
-        "dtype": dtype.name,
         "length_dtype": length_dtype.name,
-        "vocab_size": vocab_size,
-        "pad_token_id": tokenizer.pad_token_id,
         "num_tokens": num_tokens,
         "num_truncated": num_truncated,
         "content_sha256": digest.hexdigest(),
         "files": {f"{name}.npy": (tmp / f"{name}.npy").stat().st_size for name in writers},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "seconds": round(time.perf_counter() - started, 3),
-        "phases": {
-            "load": round(loaded - started, 3),
-            "tokenize": round(tokenized_at - loaded, 3),
-            "write": round(time.perf_counter() - tokenized_at, 3),
-        },
     }
-    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    _fsync(tmp / META)
-    return meta
 
 
 def _publish(tmp: Path, target: Path) -> None:
+    """Every file of ``tmp`` made durable, then renamed to ``target`` (by :func:`files.publish`)."""
     try:
-        os.rename(tmp, target)
+        files.publish(tmp, target)
     except OSError as error:
         if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise DataError(f"{target}: cannot publish the prepared copy ({error.strerror})") from None
+            raise DataError(f"{target}: cannot publish the prepared copy ({os_reason(error)})") from None
         # Published meanwhile by a preparer that held no lock (no flock on this file system).
         shutil.rmtree(tmp, ignore_errors=True)
-        return
-    with contextlib.suppress(OSError):
-        _fsync(target.parent)
 
 
 def _log(spec: PrepareSpec, meta: dict[str, Any]) -> None:
@@ -463,8 +463,6 @@ def prepare(spec: PrepareSpec, progress: bool = False) -> tuple[PreparedDataset,
 
 def _raise_first(error: str | None) -> None:
     """Collective: every rank raises the first error any rank had (by rank), or none does."""
-    from parallel_latent import coordination
-
     errors = coordination.all_gather_value(error)
     first = next((message for message in errors if message), None)
     if first is not None:
@@ -485,8 +483,6 @@ def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> Prepar
     """The prepared copy of ``cfg.data`` on every rank, preparing it first where it is missing
     (collective when a process group is up; a plain call in one process). ``announce``: the
     preparer says on stdout what it prepares."""
-    from parallel_latent import coordination
-
     spec = _agreed(make_spec, cfg, tokenizer)
     data = _agreed(_open_if_present, spec)
     if not coordination.all_ranks_agree(data is not None):

@@ -23,13 +23,34 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel_latent.data.sources import PREPARED_MARKER, DataError
+from parallel_latent.data.errors import DataError
 
-__all__ = ["ARRAYS", "FORMAT_VERSION", "DatasetView", "LazyTexts", "PreparedDataset", "get_batch"]
+__all__ = [
+    "ARRAYS",
+    "FORMAT_VERSION",
+    "PREPARED_MARKER",
+    "DatasetView",
+    "LazyTexts",
+    "PreparedDataset",
+    "get_batch",
+    "is_prepared_copy",
+]
 
 FORMAT_VERSION = 1
 META = "meta.json"
+PREPARED_MARKER = "parallel-latent-prepared"  # meta.json's "format": what makes a directory a prepared copy
 ARRAYS = ("input_ids", "lengths", "truncated")
+
+
+def is_prepared_copy(path: Path) -> bool:
+    """Whether ``path`` is a directory this module reads (its meta.json carries the marker)."""
+    meta = path / META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("format") == PREPARED_MARKER
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _open_array(path: Path, expected_dtype: np.dtype, expected_shape: tuple[int, ...], where: Path) -> np.memmap:

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parallel_latent.data.errors import DataError
+from parallel_latent.data.prepared import is_prepared_copy
+from parallel_latent.errors import first_line, os_reason
+
 __all__ = [
     "HUB_PREFIX",
     "DataError",
@@ -43,11 +47,6 @@ FORMAT_SUFFIXES = {
     "csv": (".csv",),
 }
 SNIFF_BYTES = 8192
-PREPARED_MARKER = "parallel-latent-prepared"  # meta.json "format" of a prepared copy (prepared.py)
-
-
-class DataError(ValueError):
-    """A data problem; the message is one line naming the offending path."""
 
 
 def bundled_corpus_path() -> Path:
@@ -103,16 +102,6 @@ def is_saved_dataset(path: Path) -> bool:
     )
 
 
-def is_prepared_copy(path: Path) -> bool:
-    meta = path / "meta.json"
-    if not meta.is_file():
-        return False
-    try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("format") == PREPARED_MARKER
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 @dataclass(frozen=True)
 class Source:
     """A resolved ``data.path``.
@@ -151,7 +140,7 @@ class Source:
             try:
                 stat = os.stat(path)
             except OSError as error:
-                raise DataError(f"{path}: cannot read file: {error.strerror or type(error).__name__}") from None
+                raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
             entries.append([path, fmt, stat.st_size, stat.st_mtime_ns])
         return {"kind": self.kind, "files": entries}
 
@@ -200,7 +189,7 @@ def _sniff(path: str, fmt: str) -> None:
                 handle.seek(-4, os.SEEK_END)
                 tail = handle.read(4)
     except OSError as error:
-        raise DataError(f"{path}: cannot read file: {error.strerror or type(error).__name__}") from None
+        raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
     if fmt == "parquet":
         if head[:4] != b"PAR1" or tail != b"PAR1":
             raise DataError(
@@ -249,8 +238,7 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as error:
         raise DataError(f"{path}: not UTF-8 text (bad byte at offset {error.start})") from None
     except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise DataError(f"{path}: cannot read file: {reason}") from None
+        raise DataError(f"{path}: cannot read file: {os_reason(error)}") from None
     nul = data.find("\0")
     if nul >= 0:
         raise DataError(f"{path}: binary data (NUL byte at offset {len(data[:nul].encode())}), not UTF-8 text")
@@ -375,8 +363,9 @@ def _quiet_datasets() -> Any:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    """The error's type and first line (a library's error: its type says whose)."""
+    line = first_line(error)
+    return line if line == type(error).__name__ else f"{type(error).__name__}: {line}"
 
 
 def _text_column(dataset: Any, text_field: str, where: str) -> Any:

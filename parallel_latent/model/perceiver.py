@@ -239,10 +239,15 @@ def _copy_of(table: torch.Tensor, factor: float) -> InitMethod:
     return init
 
 
-def build_head(cfg: ModelConfig, token_embedding: nn.Module | None, tp_group=None) -> nn.Module:
-    """The projection to the vocabulary that ``cfg.head`` names (see ModelConfig.head)."""
+def build_head(
+    cfg: ModelConfig, token_embedding: nn.Module | None, tp_group=None, options: TensorParallelOptions = SINGLE_PROCESS
+) -> nn.Module:
+    """The projection to the vocabulary that ``cfg.head`` names (see ModelConfig.head). Under
+    sequence parallelism (``options``) its entry all-gathers the positions (and its backward
+    reduce-scatters), like every column-parallel entry."""
+    split = {"tp_group": tp_group, "options": options}
     if cfg.head == "normal":
-        return VocabParallelHead(cfg.d_model, cfg.vocab_size, tp_group=tp_group, init_method=normal_init(cfg.init_std))
+        return VocabParallelHead(cfg.d_model, cfg.vocab_size, **split, init_method=normal_init(cfg.init_std))
     if token_embedding is None:
         raise ValueError(f"model.head={cfg.head} needs the feature model's token embedding")
     table = token_embedding.weight
@@ -253,10 +258,10 @@ def build_head(cfg: ModelConfig, token_embedding: nn.Module | None, tp_group=Non
         )
     factor = token_table_scale(table)
     if cfg.head == "tied":
-        return TiedVocabParallelHead(token_embedding, cfg.vocab_size, tp_group=tp_group, scale=factor)
+        return TiedVocabParallelHead(token_embedding, cfg.vocab_size, **split, scale=factor)
     # token_table_init: every rank takes the full rescaled table and keeps its rows, as a TP=1
     # model would (the master-weight split), so gathered weights equal TP=1's bit for bit.
-    return VocabParallelHead(cfg.d_model, cfg.vocab_size, tp_group=tp_group, init_method=_copy_of(table, factor))
+    return VocabParallelHead(cfg.d_model, cfg.vocab_size, **split, init_method=_copy_of(table, factor))
 
 
 class LatentDecoder(nn.Module):
@@ -308,10 +313,7 @@ class LatentDecoder(nn.Module):
         for block in self.stack.blocks:
             _start_as_position_lookup(block, cfg)
         self.ln_f = nn.LayerNorm(d)
-        self.head = build_head(cfg, token_embedding, tp_group)
-        # Under sequence parallelism the head's entry all-gathers the positions (and its backward
-        # reduce-scatters), like every column-parallel entry.
-        self.head.options = options
+        self.head = build_head(cfg, token_embedding, tp_group, options)
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
             if isinstance(self.head, TiedVocabParallelHead):

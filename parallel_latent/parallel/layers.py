@@ -185,6 +185,7 @@ class VocabParallelHead(ColumnParallelLinear):
         *,
         bias: bool = False,
         tp_group=None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
         init_method: InitMethod | None = None,
         dtype=None,
         device=None,
@@ -196,6 +197,7 @@ class VocabParallelHead(ColumnParallelLinear):
             self.padded_vocab_size,
             bias=bias,
             tp_group=tp_group,
+            options=options,
             init_method=init_method,
             dtype=dtype,
             device=device,
@@ -285,8 +287,18 @@ class TiedVocabParallelHead(nn.Module):
     an optimizer step changes it by a fraction of itself whatever its size.
     """
 
-    def __init__(self, embedding: nn.Module, vocab_size: int, *, tp_group=None, scale: float = 1.0):
+    def __init__(
+        self,
+        embedding: nn.Module,
+        vocab_size: int,
+        *,
+        tp_group=None,
+        options: TensorParallelOptions = SINGLE_PROCESS,
+        scale: float = 1.0,
+    ):
         super().__init__()
+        # Under sequence parallelism x holds this rank's positions: the entry gathers them.
+        self.options = options
         rows, self.hidden_size = embedding.weight.shape
         if rows != vocab_size:
             raise ValueError(f"the tied table has {rows} rows but the vocabulary has {vocab_size} tokens")
@@ -315,9 +327,6 @@ class TiedVocabParallelHead(nn.Module):
         none, where the slice reaches into the padding)."""
         start = min(self.vocab_start, self.vocab_size)
         return start, min(start + self.out_per_rank, self.vocab_size)
-
-    # Under sequence parallelism x holds this rank's positions: the entry gathers them.
-    options = SINGLE_PROCESS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         entry = gather_from_sequence_parallel_region if self.options.sequence_parallel else copy_to_tp_region

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel_latent.errors import BadInput
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -142,7 +144,7 @@ def check_processes_fit_devices(nproc: int, device_count: int) -> None:
         )
 
 
-class DeviceSharedError(ValueError):
+class DeviceSharedError(BadInput):
     """Two ranks of one job drive the same GPU."""
 
 
@@ -264,26 +266,6 @@ def get_parallel_state() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("process groups are not initialized: call init_distributed() first")
     return _STATE
-
-
-def get_tp_group():
-    return get_parallel_state().tp_group
-
-
-def get_tp_size() -> int:
-    return _STATE.tp_size if _STATE else 1
-
-
-def get_tp_rank() -> int:
-    return _STATE.tp_rank if _STATE else 0
-
-
-def get_dp_group():
-    return get_parallel_state().dp_group
-
-
-def get_dp_size() -> int:
-    return _STATE.dp_size if _STATE else 1
 
 
 def get_dp_rank() -> int:

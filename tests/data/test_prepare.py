@@ -21,9 +21,10 @@ import pytest
 from parallel_latent import cli
 from parallel_latent.data import DataError, ShardedBatchSampler, build_datasets, get_batch, make_spec, prepare
 from parallel_latent.data.prepare import LOG_NAME
-from parallel_latent.data.prepared import PreparedDataset
-from parallel_latent.data.sources import PREPARED_MARKER, read_samples
+from parallel_latent.data.prepared import PREPARED_MARKER, PreparedDataset
+from parallel_latent.data.sources import read_samples
 from parallel_latent.data.tokenize import tokenizer_identity
+from parallel_latent.errors import ExitStatus
 from tests.data.helpers import assert_same_rows, data_config, reference_rows, tokenizer
 from tests.trainer_runs import REPO, TINY_CONFIG, rank_env
 
@@ -292,7 +293,7 @@ def test_training_on_a_damaged_copy_is_one_line_and_writes_nothing(published, tm
     run_dir = tmp_path / "run"
     argv = ["train", "--config", str(TINY_CONFIG), "parallel.tensor_parallel=1", f"data.path={corpus}"]
     argv += ["model.max_length=8", f"data.cache_dir={path.parent}", f"logging.run_dir={run_dir}"]
-    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    assert cli.main(argv) == ExitStatus.BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"parallel-latent: error: {path}: prepared copy is damaged: lengths.npy")
     assert not run_dir.exists()

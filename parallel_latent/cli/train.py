@@ -1,22 +1,7 @@
-"""``parallel-latent``: the command line.
+"""``parallel-latent train``: one rank of a training job, or the launcher of ``--nproc`` local ranks.
 
-    parallel-latent train --config configs/tiny.yaml --nproc 2 [section.key=value ...]
-    parallel-latent reconstruct --checkpoint runs/tiny "Some text to reconstruct."
-    parallel-latent plot runs/tiny
-
-``train --nproc N`` (N > 1) started from a plain shell re-executes itself under
-``torch.distributed.run --standalone --nproc_per_node N``; under a launcher (torchrun, the
-deepspeed launcher, accelerate launch, srun) it is one rank of the launcher's job.
-
-Bad input (an unknown config key, an impossible parallel layout, a missing corpus, ...) prints
-one line on stderr and exits with status 2 before anything is written.  Exit statuses:
-0 done (or stopped cleanly by SIGTERM/SIGINT with a checkpoint), 1 unexpected failure,
-2 bad input, 3 stopped after too many consecutive non-finite steps, 4 a checkpoint could not be
-written (a full disk, an I/O error: the last complete checkpoint is intact, and a rerun resumes
-from it).
-
-Heavy imports (torch, DeepSpeed, transformers) happen inside the commands, so ``--help`` and
-argument errors are instant.
+A failure inside training is met by every rank of the job: :func:`report_rank_failure` hands it to
+the per-rank writer (:func:`parallel_latent.console.report_failure`), which says it once.
 """
 
 from __future__ import annotations
@@ -30,28 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel_latent import inference, pretrained
-from parallel_latent.checkpoint import CheckpointSaveError
-from parallel_latent.checkpoint import cli as checkpoint_cli
-from parallel_latent.data import cli as data_cli
-from parallel_latent.errors import (
-    PATH_ERRORS,
-    UsageError,
-    describe_path_error,
-    require_dir,
-    require_file,
-    require_output_dir,
-)
+from parallel_latent.errors import ExitStatus, UsageError, require_file
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 1, 2, 3, 4
-PROG = "parallel-latent"
+# Set on the parsed arguments once training has started on this rank: from then on a failure is
+# reported per rank, and the process groups are torn down at the end.
+PER_RANK = "reports_per_rank"
 
 
-def _error(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-
-
-def _under_launcher() -> bool:
+def under_launcher() -> bool:
     """Started by torchrun / the deepspeed launcher / accelerate launch / mpirun (they set RANK
     or OMPI_*).  A bare SLURM allocation does not count: its batch step is a plain shell."""
     return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
@@ -175,7 +146,7 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    close_worker_logs(log_dir, run_dir_existed, status, EXIT_BAD_INPUT)
+    close_worker_logs(log_dir, run_dir_existed, status, ExitStatus.BAD_INPUT)
     return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
 
 
@@ -193,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
     cfg = _load_train_config(args)
-    if not _under_launcher():
+    if not under_launcher():
         if args.nproc and args.nproc > 1:
             # Validate here, in one process, so bad input costs one line and no launch.
             from parallel_latent.train import preflight
@@ -209,27 +180,28 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
 
     _prefer_cpu_accelerator()
-    from parallel_latent.console import quiet_repeated_notices, report_failure
-    from parallel_latent.train import NonFiniteTrainingError, train
+    from parallel_latent.console import quiet_repeated_notices
+    from parallel_latent.train import train
 
     quiet_repeated_notices()
-    try:
-        train(cfg, deepspeed_overrides, source=args.config)
-    except NonFiniteTrainingError as error:
-        return report_failure(error, EXIT_NONFINITE)
-    except CheckpointSaveError as error:  # raised on every rank alike: one line
-        return report_failure(error, EXIT_SAVE_FAILED)
-    except (ValueError, *PATH_ERRORS) as error:
-        # Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
-        # kind) hit every rank alike.
-        return report_failure(error, EXIT_BAD_INPUT)
-    except Exception as error:
-        if not _under_launcher():
-            raise  # one process: Python's own traceback
-        return report_failure(error, EXIT_FAILURE)
-    finally:
-        _shutdown_process_groups()
-    return EXIT_OK
+    setattr(args, PER_RANK, True)
+    train(cfg, deepspeed_overrides, source=args.config)
+    return ExitStatus.OK
+
+
+def reports_per_rank(args: argparse.Namespace) -> bool:
+    return getattr(args, PER_RANK, False)
+
+
+def report_rank_failure(error: Exception, status: ExitStatus) -> int:
+    """Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
+    kind), non-finite steps and a failed save hit every rank alike: one line. An unexpected failure
+    in one process keeps Python's own traceback; under a launcher the rank names itself."""
+    from parallel_latent.console import report_failure
+
+    if status is ExitStatus.FAILURE and not under_launcher():
+        raise error
+    return report_failure(error, status)
 
 
 def _check_local_devices(cfg, nproc: int) -> None:
@@ -254,7 +226,9 @@ def _prefer_cpu_accelerator() -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def _shutdown_process_groups() -> None:
+def shutdown_process_groups(args: argparse.Namespace) -> None:
+    if not reports_per_rank(args):
+        return
     from parallel_latent.parallel import destroy_distributed
 
     # A broken group (a peer died) must not mask the real error.
@@ -262,37 +236,7 @@ def _shutdown_process_groups() -> None:
         destroy_distributed()
 
 
-# --------------------------------------------------------------------------- #
-# plot
-# --------------------------------------------------------------------------- #
-
-
-def cmd_plot(args: argparse.Namespace) -> int:
-    from parallel_latent.plot import plot_run
-
-    run_dir = require_dir(args.run_dir, "run directory")
-    out = require_output_dir(args.out) if args.out else None
-    for path in plot_run(run_dir, out):
-        print(path)
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------- #
-# Parser and entry point.
-# --------------------------------------------------------------------------- #
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Perceiver text autoencoder over a frozen GPT-2, "
-        "trained with tensor parallelism and DeepSpeed ZeRO.",
-    )
-    # The deepspeed launcher inserts --local_rank=N before the command; the rank comes from the
-    # environment (LOCAL_RANK) anyway.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def add_subcommands(sub) -> None:
     train = sub.add_parser(
         "train",
         help="train a model from a YAML config",
@@ -316,37 +260,3 @@ def build_parser() -> argparse.ArgumentParser:
         '(e.g. \'{"zero_optimization": {"reduce_bucket_size": 5e7}}\')',
     )
     train.set_defaults(handler=cmd_train)
-
-    plot = sub.add_parser("plot", help="write PNG curves of a run's metrics (needs matplotlib)")
-    plot.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
-    plot.add_argument("--out", default=None, help="output directory (default RUN_DIR/plots)")
-    plot.set_defaults(handler=cmd_plot)
-
-    checkpoint_cli.add_subcommands(sub)
-    inference.add_subcommands(sub)
-    pretrained.add_subcommands(sub)
-    data_cli.add_subcommands(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except PATH_ERRORS as error:  # a path of the wrong kind that a check above did not foresee
-        _error(describe_path_error(error))
-        return EXIT_BAD_INPUT
-    except CheckpointSaveError as error:  # export, consolidate, reshard on a full disk: one line
-        _error(str(error))
-        return EXIT_SAVE_FAILED
-    except ValueError as error:  # ConfigError, DataError, CheckpointError, UsageError: one line each
-        _error(str(error).splitlines()[0] if str(error) else type(error).__name__)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        _error("interrupted")
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,35 +1,38 @@
 """Checkpoint subcommands of ``parallel-latent``: export, consolidate, inspect, reshard.
 
 All run in one process without a process group or DeepSpeed engine. A damaged or unsuitable
-checkpoint raises :class:`CheckpointError` (a ``ValueError``), which the main CLI prints as one
-line with exit status 2; an output that cannot be written, :class:`CheckpointSaveError` (status 4).
+checkpoint raises :class:`CheckpointError` (bad input: one line, exit status 2); an output that
+cannot be written, :class:`CheckpointSaveError` (status 4).
 """
 
 import argparse
 
-from .describe import inspect_checkpoint
-from .layout import resolve_checkpoint
-from .portable import consolidate
-from .universal import convert_to_universal, export_portable
-
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from parallel_latent.checkpoint.universal import export_portable
+
     print(f"portable checkpoint written to {export_portable(args.checkpoint, args.out)}")
     return 0
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
+    from parallel_latent.checkpoint import consolidate
+
     out = consolidate(args.checkpoint, args.out)
     print(f"consolidated checkpoint written to {out} (model.safetensors, config.json, manifest.json)")
     return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from parallel_latent.checkpoint.describe import inspect_checkpoint
+
     print(inspect_checkpoint(args.checkpoint, max_rows=None if args.all else 40))
     return 0
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    from parallel_latent.checkpoint import convert_to_universal, resolve_checkpoint
+
     out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.out)
     print(f"universal optimizer state written to {out}")
     if args.out is None:
@@ -38,7 +41,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(subparsers) -> None:
-    """Called by ``parallel_latent.cli.build_parser`` with its subparsers."""
+    """Called by :func:`parallel_latent.cli.build_parser` with its subparsers."""
 
     def command(name: str, handler, help: str, description: str, checkpoint: str):
         parser = subparsers.add_parser(name, help=help, description=description)

@@ -1,0 +1,71 @@
+"""``parallel-latent``: the command line.
+
+    parallel-latent train --config configs/tiny.yaml --nproc 2 [section.key=value ...]
+    parallel-latent reconstruct --checkpoint runs/tiny "Some text to reconstruct."
+    parallel-latent plot runs/tiny
+
+``train --nproc N`` (N > 1) started from a plain shell re-executes itself under
+``torch.distributed.run --standalone --nproc_per_node N``; under a launcher (torchrun, the
+deepspeed launcher, accelerate launch, srun) it is one rank of the launcher's job.
+
+Bad input (an unknown config key, an impossible parallel layout, a missing corpus, ...) prints
+one line on stderr and exits with status 2 before anything is written. Exit statuses
+(:class:`parallel_latent.errors.ExitStatus`): 0 done (or stopped cleanly by SIGTERM/SIGINT with a
+checkpoint), 1 unexpected failure, 2 bad input, 3 stopped after too many consecutive non-finite
+steps, 4 a checkpoint could not be written (a full disk, an I/O error: the last complete checkpoint
+is intact, and a rerun resumes from it).
+
+Each subcommand lives in a module of this package that declares its parser and imports its library
+(torch, DeepSpeed, transformers) only inside its handler, so building the parser imports none of
+them: ``--help`` and argument errors are instant. :func:`main` is the one place where an error
+becomes an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from parallel_latent.errors import PROG, ExitStatus, error_line, exit_status, one_line
+
+from . import checkpoint, config, data, inference, plot, pretrained, train
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Perceiver text autoencoder over a frozen GPT-2, "
+        "trained with tensor parallelism and DeepSpeed ZeRO.",
+    )
+    # The deepspeed launcher inserts --local_rank=N before the command; the rank comes from the
+    # environment (LOCAL_RANK) anyway.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for commands in (train, plot, checkpoint, inference, pretrained, data, config):
+        commands.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print(error_line("interrupted"), file=sys.stderr, flush=True)
+        return ExitStatus.INTERRUPTED
+    except Exception as error:
+        status = exit_status(error)
+        if train.reports_per_rank(args):  # every rank of a training job meets it: console says it
+            return train.report_rank_failure(error, status)
+        if status is ExitStatus.FAILURE:
+            raise  # unexpected: Python's own traceback
+        print(error_line(one_line(error)), file=sys.stderr, flush=True)
+        return status
+    finally:
+        train.shutdown_process_groups(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
