@@ -14,6 +14,7 @@ DP) tensor. Consequences that the rules of DESIGN.md section 3 ask for fall out 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -90,12 +91,14 @@ class DropoutRNG:
     Nothing of a step reaches the device as new data, and nothing a compiled graph reads changes
     as a Python value: the key of ``(seed, step)`` and the sample offset live in one int64 device
     tensor made once and updated in place (a ``fill_`` when ``step``, ``seed`` or
-    ``sample_offset`` is assigned a new value), which the kernel reads, deriving each layer's key
-    from it on the device. The host keeps the integers too (``state_dict``, reading ``step``: no
-    device read). The index tensors (built on the device with ``arange``) are cached per shape and
-    offsets. ``compile_devices`` name the device types where the mask and its application are
-    compiled into one kernel (CUDA: eager, that is ~70 kernels over the activation per site; on CPU
-    compiling costs minutes and runs no faster).
+    ``sample_offset`` is assigned a new value), which a compiled kernel reads, deriving each layer's
+    key from it on the device. The host keeps the integers too: ``state_dict``, reading ``step``
+    (no device read), and the eager path, which hands them to the hash as scalar arguments (nothing
+    to recompile there, no device work for the key). The index tensors (built on the device with
+    ``arange``) are cached per shape and TP offsets, counted from the micro-batch's first sample.
+    ``compile_devices`` name the device types where the mask and its application are compiled into
+    one kernel (CUDA: eager, that is ~70 kernels over the activation per site; on CPU compiling
+    costs minutes and runs no faster).
     """
 
     def __init__(self, seed: int = 0, step: int = 0, sample_offset: int = 0, compile_devices=("cuda",)):
@@ -146,11 +149,15 @@ class DropoutRNG:
             self._device_keys = self._device_keys.to(device)
         return self._device_keys
 
-    def kernel(self, device: torch.device):
-        """:func:`dropout_core`, compiled where ``compile_devices`` say (once per model, falling
-        back to eager with one warning if compiling fails), else eager."""
-        if device.type not in self.compile_devices or torch.compiler.is_compiling():
-            return dropout_core  # (inside a compiled region the region's compilation fuses it)
+    def kernel(self, device: torch.device) -> Callable | None:
+        """:func:`dropout_core` where it is compiled: inside a compiled region (whose compilation
+        fuses it) or on the ``compile_devices`` (compiled once per model, falling back to eager
+        with one warning if compiling fails). None elsewhere: the eager path, where the keys stay
+        host integers (scalar arguments, no device work to derive them)."""
+        if torch.compiler.is_compiling():
+            return dropout_core
+        if device.type not in self.compile_devices:
+            return None
         if self._kernel is None:
             self._kernel = CompiledWithFallback(dropout_core, "the dropout mask kernel")
         return self._kernel
@@ -285,6 +292,10 @@ def dropout_core(
     once to x's dtype (a bf16 scale of 1/0.9 would be 1.109375: 0.16% low at every site)."""
     row_index = row_index + keys[1] * batch_stride
     keep = keep_mask_core(row_index, columns, *device_layer_key(keys[0], layer_id), threshold)
+    return apply_mask(x, keep, scale)
+
+
+def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.where(keep, x * scale, 0.0)
 
 
@@ -318,10 +329,14 @@ class ParallelDropout(nn.Module):
         if not self.training or self.p == 0.0:
             return x
         row_index, columns, batch_stride = self._coordinates(x)
-        keys = self.rng.device_keys(x.device)
-        return self.rng.kernel(x.device)(
-            x, row_index, columns, keys, self.layer_index, batch_stride, self.threshold, self.scale
-        )
+        kernel, rng = self.rng.kernel(x.device), self.rng
+        if kernel is None:  # eager: the same hash, from the host's integers
+            if rng.sample_offset:  # (one small add on the rows, where a micro-batch is not the first)
+                row_index = row_index + rng.sample_offset * batch_stride
+            keep = keep_mask_core(row_index, columns, *layer_key((rng.seed, rng.step, self.layer_id)), self.threshold)
+            return apply_mask(x, keep, self.scale)
+        keys = rng.device_keys(x.device)
+        return kernel(x, row_index, columns, keys, self.layer_index, batch_stride, self.threshold, self.scale)
 
     def _coordinates(self, x: torch.Tensor) -> tuple:
         """The index tensors of this site's mask for ``x``, counted from the micro-batch's first

@@ -285,3 +285,24 @@ def test_failure_at_the_second_compile_falls_back_with_one_warning(monkeypatch, 
         "torch.compile of the dropout mask kernel failed (RuntimeError: PTXAS error: internal compiler "
         "failure); running it eagerly"
     ]
+
+
+def test_compiled_dropout_kernel_compiles_once_for_every_step_offset_and_layer():
+    """The compiled kernel reads the step's key and the sample offset from the model's key tensor
+    and the layer from its site's buffer: new steps, micro-batches and sites reuse its one graph,
+    with the eager path's masks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_rng, compiled_rng = DropoutRNG(seed=8), DropoutRNG(seed=8, compile_devices=("cpu",))
+    sites = [(ParallelDropout(0.1, eager_rng), ParallelDropout(0.1, compiled_rng)) for _ in range(2)]
+    x = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(0))
+    with torch._inductor.config.patch(compile_threads=1):
+        for step in (0, 1, 2):
+            for micro_step in (0, 1):
+                for rng in (eager_rng, compiled_rng):
+                    rng.step, rng.sample_offset = step, 2 * micro_step
+                for eager, compiled in sites:
+                    assert torch.equal(compiled(x), eager(x))
+    assert counters["stats"]["unique_graphs"] == 1 and compiled_rng._kernel.failure is None
