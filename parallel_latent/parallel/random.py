@@ -87,6 +87,8 @@ class DropoutRNG:
     sample in the step's global batch (``(micro_step * dp_size + dp_rank) * micro_batch``), so DP
     ranks and accumulated micro-batches draw different masks, and a run equals one with the same
     global batch cut differently (DP=2, or two accumulated micro-batches, = one doubled batch).
+    Assign them between a backward and the next forward only: a compiled graph may read the keys
+    again in its backward (recomputing a mask instead of saving it).
 
     Nothing of a step reaches the device as new data, and nothing a compiled graph reads changes
     as a Python value: the key of ``(seed, step)`` and the sample offset live in one int64 device

@@ -144,6 +144,8 @@ class CompiledWithFallback:
     counts as the compiler's. After it, only an error raised inside the compiler backend or of the
     compiler's own types (:func:`raised_by_compiler`) does: an error raised by an already-compiled
     graph's execution (out of memory, a bad input) is the computation's and is raised, not retried.
+    (An input that dynamo's tracing rejects is the one case in between: it falls back, and the
+    eager call then raises the computation's own error.)
 
     ``compile_if`` (no arguments), where given, chooses per call: false runs ``fn`` eagerly without
     compiling a variant for it (evaluation, which would add graphs that training never uses)."""
@@ -177,9 +179,10 @@ class CompiledWithFallback:
                     self.compiled = torch.compile(self.fn, backend=self.backend, **self.compile_options)
                 result = self.compiled(*args, **kwargs)
             except Exception as error:
-                if self.succeeded and not (self.backend.raised is not None or raised_by_compiler(error)):
+                compiler_error = self.backend.raised
+                if self.succeeded and compiler_error is None and not raised_by_compiler(error):
                     raise
-                self._fall_back(self.backend.raised or error)
+                self._fall_back(error if compiler_error is None else compiler_error)
             else:
                 self.succeeded = True
                 return result
