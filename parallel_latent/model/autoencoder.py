@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -232,12 +233,21 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
 def compile_regions(model: LatentAutoencoder) -> LatentAutoencoder:
     """``training.compile``: torch.compile each Perceiver block and the loss's per-chunk work
     (regional compilation: every block of one shape reuses one compiled graph, so compiling costs
-    one block, not the model). TP collectives and the dropout keys' host arithmetic stay outside
-    the graphs; a failure to compile falls back to eager with one warning. Parameters are not
-    touched: checkpoints are the same with or without it."""
+    one block, not the model). TP collectives stay outside the graphs; the dropout keys are device
+    tensors read inside them, so a training step neither breaks a graph nor recompiles after step
+    0. Evaluation (eval mode or no gradient) runs the blocks eagerly: its variants (no dropout, no
+    backward, a partial last batch) would otherwise add graphs up to dynamo's recompile limit. A
+    failure to compile falls back to eager with one warning, for every block at once. Parameters
+    are not touched: checkpoints are the same with or without it."""
     outcome = CompileOutcome()  # one warning for the model, not one per block
     for stack in (model.encoder.stack, model.decoder.stack):
         for block in stack.blocks:
-            block.forward = CompiledWithFallback(block.forward, "the Perceiver blocks", outcome, fullgraph=False)
+            block.forward = CompiledWithFallback(
+                block.forward, "the Perceiver blocks", outcome, compile_if=_training(block), fullgraph=False
+            )
     model.loss_kernels = LossKernels.compiled()
     return model
+
+
+def _training(block: nn.Module) -> Callable[[], bool]:
+    return lambda: block.training and torch.is_grad_enabled()

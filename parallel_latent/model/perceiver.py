@@ -142,9 +142,12 @@ class PerceiverStack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(PerceiverBlock(cfg, num_layers, rng, tp_group, options) for _ in range(num_layers))
         self.activation_checkpointing = cfg.activation_checkpointing
+        self.rng = rng
 
     def forward(self, x, context, context_mask=None):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        if self.training and self.rng is not None:  # keys on the blocks' device before a compiled block reads them
+            self.rng.device_keys(x.device)
         for block in self.blocks:
             if recompute:
                 x = checkpoint(block, x, context, context_mask, use_reentrant=False)

@@ -1,5 +1,7 @@
 """Coordinate-keyed dropout: the mask is a pure function of (seed, step, layer, global index)."""
 
+import random
+
 import torch
 import torch.distributed as dist
 
@@ -200,3 +202,107 @@ def test_failed_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog
         "torch.compile of the dropout mask kernel failed (RuntimeError: Cannot find a working triton "
         "installation); running it eagerly"
     ]
+
+
+def test_device_layer_key_equals_the_host_reference():
+    """The per-layer key derived on the device in wrapping int64 arithmetic is the host's uint64
+    splitmix64 chain bit for bit, for keys of every width (the masks of v1 checkpoints, TP=N ==
+    TP=1 and resume depend on it)."""
+    from parallel_latent.parallel.random import _as_int64, device_layer_key, layer_key, step_key
+
+    draw = random.Random(0)
+    widths = (8, 31, 32, 33, 62, 63, 64)  # random values with their top bit w - 1 set: >= 2**31, 2**63
+    values = [draw.getrandbits(w) | 1 << (w - 1) for w in widths] + [2**31, 2**32 - 1, 2**63 - 1, 2**63, 2**64 - 1, 0]
+    for seed, step, layer in zip(values, reversed(values), values[3:] + values[:3], strict=True):
+        rng = DropoutRNG(seed=seed)
+        rng.step = step  # as train.py assigns it: the device key follows
+        keys = rng.device_keys(torch.device("cpu"))
+        assert keys[0].item() == _as_int64(step_key(seed, step))
+        got = device_layer_key(keys[0], torch.tensor(_as_int64(layer)))
+        assert tuple(int(k) for k in got) == layer_key((seed, step, layer)), (seed, step, layer)
+        assert got[2].dtype == torch.int32
+
+
+def test_index_tensors_are_cached_once_for_every_sample_offset():
+    """The sample offset is added in the kernel: one cached index pair serves every micro-batch of
+    a step (more than 32 accumulation steps included), with each micro-batch's own mask."""
+    rng = DropoutRNG(seed=2)
+    drop = ParallelDropout(0.5, rng)
+    x = torch.ones(2, 3, 8)
+    for micro_step in range(40):
+        rng.sample_offset = 2 * micro_step
+        keep = keep_mask((2, 3, 8), 0.5, (2, 0, drop.layer_id), (2 * micro_step, 0, 0), (2 * micro_step + 2, 3, 8))
+        assert torch.equal(drop(x) != 0, keep)
+    assert len(rng._indices) == 1
+    assert rng.state_dict() == {"seed": 2, "step": 0, "sample_offset": 78}
+
+
+def test_a_step_of_dropout_builds_no_tensor_from_python_data():
+    """New keys and sample offsets each step are in-place fills of tensors made once: after the
+    first step, dropout asks for no tensor built from Python data (a host-to-device copy on a GPU)
+    and for no new index tensors."""
+    from tests.op_counter import OpCounter
+
+    rng = DropoutRNG(seed=4)
+    drop = ParallelDropout(0.1, rng)
+    x = torch.ones(2, 4, 16)
+    drop(x)
+    counter = OpCounter()
+    with counter:
+        for step in (1, 2, 3):
+            rng.step, rng.sample_offset = step, 2 * step
+            drop(x)
+    assert counter.from_python_data == [] and counter.ops["aten.arange.start_step"] == 0, counter.ops
+    assert counter.ops["aten.fill_.Scalar"] == 6  # a step key and an offset per step
+
+
+def test_failure_at_the_second_compile_falls_back_with_one_warning(monkeypatch, caplog):
+    """The dropout kernel compiles again for a second shape; a compiler failure there (here:
+    inductor raising, as a Triton or C++ compile would) runs it eagerly with one warning naming the
+    cause, the same masks as eager, and no further attempt to compile."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    real_compile_fx = compile_fx_module.compile_fx
+    compiles = []
+
+    def fails_the_second_time(*args, **kwargs):
+        compiles.append(1)
+        if len(compiles) == 2:
+            raise RuntimeError("PTXAS error: internal compiler failure\nmore detail")
+        return real_compile_fx(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fails_the_second_time)
+    torch._dynamo.reset()
+    eager, compiled = _dropout_pair(("cpu",))
+    gen = torch.Generator().manual_seed(0)
+    with caplog.at_level("WARNING"), torch._inductor.config.patch(compile_threads=1):
+        for shape in ((2, 8, 48), (3, 4, 32), (3, 4, 32), (2, 8, 48)):
+            x = torch.randn(shape, generator=gen)
+            assert torch.equal(compiled(x), eager(x))
+    assert len(compiles) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "dropout" in r.getMessage()]
+    assert warnings == [
+        "torch.compile of the dropout mask kernel failed (RuntimeError: PTXAS error: internal compiler "
+        "failure); running it eagerly"
+    ]
+
+
+def test_compiled_dropout_kernel_compiles_once_for_every_step_offset_and_layer():
+    """The compiled kernel reads the step's key and the sample offset from the model's key tensor
+    and the layer from its site's buffer: new steps, micro-batches and sites reuse its one graph,
+    with the eager path's masks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_rng, compiled_rng = DropoutRNG(seed=8), DropoutRNG(seed=8, compile_devices=("cpu",))
+    sites = [(ParallelDropout(0.1, eager_rng), ParallelDropout(0.1, compiled_rng)) for _ in range(2)]
+    x = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(0))
+    with torch._inductor.config.patch(compile_threads=1):
+        for step in (0, 1, 2):
+            for micro_step in (0, 1):
+                for rng in (eager_rng, compiled_rng):
+                    rng.step, rng.sample_offset = step, 2 * micro_step
+                for eager, compiled in sites:
+                    assert torch.equal(compiled(x), eager(x))
+    assert counters["stats"]["unique_graphs"] == 1 and compiled_rng._kernel.failure is None
