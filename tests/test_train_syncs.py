@@ -1,0 +1,154 @@
+"""A bf16 training step, DeepSpeed's ZeRO-1/2 optimizer step included, neither makes the host wait
+for the device nor builds a tensor from Python data, at DP=1 (this process) and at DP=2 (two real
+gloo ranks); the sync-free step (engine.sync_free_zero_step) gives DeepSpeed's weights bit for bit.
+
+Counted by tests.op_counter.HostSyncCounter over the real ``Trainer.train_step``. On a CPU every
+tensor is a host tensor, so the counter takes every tensor to live on the training device except,
+by design on the host on CUDA too: the step counters of torch's non-fused AdamW (on CUDA the
+optimizer runs fused, with its counters on the device; on a CPU foreach reads them with
+``item()``). The stop vote (gloo control group, host tensors) runs only every
+``training.vote_every`` steps and the counted steps are not vote steps; the statistics are read
+only on log lines, outside ``train_step``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.op_counter import HostSyncCounter
+from tests.trainer_runs import TINY, TINY_CONFIG
+
+# Not vote steps (vote_every=10 and max_steps=10: the vote comes at step 10).
+OVERRIDES = [
+    *TINY,
+    "parallel.tensor_parallel=1",
+    "training.precision=bf16",
+    "training.max_steps=10",
+    "training.grad_accum_steps=2",
+    "model.dropout=0.1",
+]
+
+
+def build_trainer(run_dir: str, *extra: str):
+    from parallel_latent.config import load_config
+    from parallel_latent.train import Trainer
+
+    return Trainer(load_config(TINY_CONFIG, [*OVERRIDES, f"logging.run_dir={run_dir}", *extra]))
+
+
+def host_step_counters(trainer) -> list[torch.Tensor]:
+    """The step counters of the torch optimizer inside DeepSpeed's wrapper (host tensors unless fused)."""
+    inner = trainer.bundle.optimizer.optimizer
+    return [state["step"] for state in inner.state.values() if "step" in state and not state["step"].is_cuda]
+
+
+def use_deepspeeds_own_step(trainer) -> None:
+    """Back to DeepSpeed's own helpers: drop the methods bound to this optimizer instance."""
+    optimizer = trainer.bundle.optimizer
+    del optimizer.get_grad_norm_direct, optimizer.unscale_and_clip_grads
+
+
+def counted_steps(trainer, steps: int = 2) -> HostSyncCounter:
+    trainer.train_step()  # the first step creates the optimizer's state
+    with HostSyncCounter(host_tensors=host_step_counters(trainer)) as counter:
+        for _ in range(steps):
+            trainer.train_step()
+    return counter
+
+
+def close(trainer) -> None:
+    trainer.close()
+    trainer.logger.close()
+
+
+@pytest.fixture
+def cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from parallel_latent.parallel import destroy_distributed
+
+    yield
+    destroy_distributed()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_bf16_step_at_dp1_waits_for_nothing_and_builds_nothing_from_python_data(cpu_accelerator, tmp_path, stage):
+    trainer = build_trainer(str(tmp_path / "run"), f"parallel.zero_stage={stage}")
+    try:
+        counter = counted_steps(trainer)
+        assert counter.ops["aten._foreach_norm.Scalar"] == 2 * 2  # the step ran, with our norm (2 groups)
+        assert dict(counter.syncs) == {}
+        assert dict(counter.from_python_callers) == {}
+        # The counter sees what DeepSpeed's own helpers do: per step and parameter group, one
+        # bool() of the norm (is_invalid_grad_norm) and one torch.tensor(-1.0) (the norm's mask).
+        use_deepspeeds_own_step(trainer)
+        before = counted_steps(trainer, steps=1)
+        assert sum(before.syncs.values()) == 2 and all("deepspeed/runtime/utils.py" in s for s in before.syncs)
+        assert sum(before.from_python_callers.values()) == 2
+        assert all(c.startswith("deepspeed/runtime/utils.py") for c in before.from_python_callers)
+    finally:
+        close(trainer)
+
+
+def final_weights(trainer, steps: int) -> dict[str, torch.Tensor]:
+    norms = []
+    for _ in range(steps):
+        trainer.train_step()
+        norms.append(float(trainer.engine.get_global_grad_norm()))
+    masters = trainer.bundle.optimizer.single_partition_of_fp32_groups
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    return {**weights, **{f"fp32 master {i}": m.detach().clone() for i, m in enumerate(masters)}}, norms
+
+
+def test_the_sync_free_step_gives_deepspeeds_weights_bit_for_bit(cpu_accelerator, tmp_path):
+    """Same run, DeepSpeed's step path and ours, 3 steps that all clip (grad_clip below every
+    norm, so the clip coefficient, computed from the norm, reaches every weight)."""
+    clip = ["optimizer.grad_clip=0.01", "parallel.zero_stage=2"]
+    theirs = build_trainer(str(tmp_path / "theirs"), *clip)
+    use_deepspeeds_own_step(theirs)
+    try:
+        want, want_norms = final_weights(theirs, 3)
+    finally:
+        close(theirs)
+    from parallel_latent.parallel import destroy_distributed
+
+    destroy_distributed()
+    ours = build_trainer(str(tmp_path / "ours"), *clip)
+    try:
+        got, got_norms = final_weights(ours, 3)
+    finally:
+        close(ours)
+    assert min(want_norms) > 0.01  # every step clipped
+    assert got_norms == want_norms
+    assert want.keys() == got.keys()
+    unequal = [name for name in want if not torch.equal(want[name], got[name])]
+    assert unequal == []
+
+
+def dp2_sync_task(run_dir: str, stage: int):
+    import os
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    trainer = build_trainer(run_dir, f"parallel.zero_stage={stage}")
+    try:
+        counter = counted_steps(trainer)
+        return dict(counter.syncs), dict(counter.from_python_callers), counter.ops["aten._foreach_norm.Scalar"]
+    finally:
+        close(trainer)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    from tests.distributed import DistributedPool
+
+    pool = DistributedPool(2, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
+    yield pool
+    pool.close()
+
+
+def test_a_bf16_step_at_dp2_waits_for_nothing_and_builds_nothing_from_python_data(pool2, tmp_path):
+    """ZeRO-2 over two gloo ranks: the gradient reduction in backward and the step's all-reduces
+    and all-gather add no host wait and no tensor from Python data."""
+    for syncs, from_python, norms in pool2.run(dp2_sync_task, str(tmp_path / "run"), 2):
+        assert norms == 2 * 2
+        assert syncs == {}
+        assert from_python == {}
