@@ -152,3 +152,52 @@ def test_a_bf16_step_at_dp2_waits_for_nothing_and_builds_nothing_from_python_dat
         assert norms == 2 * 2
         assert syncs == {}
         assert from_python == {}
+
+
+RESUME_RECIPE = [
+    "training.precision=bf16",
+    "parallel.tensor_parallel=1",
+    "parallel.zero_stage=2",
+    "model.dropout=0.1",
+    "training.max_steps=4",
+    "checkpoint.save_every=2",
+    "checkpoint.keep_last=2",
+    "checkpoint.export_portable=true",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("straight_dp,resumed_dp", [(2, 1), (1, 2)], ids=["dp2-to-dp1", "dp1-to-dp2"])
+def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path, straight_dp, resumed_dp):
+    """The sync-free step's optimizer state is DeepSpeed ZeRO's, in its one checkpoint format: a
+    bf16 run saved at step 2 and resumed at another data-parallel size trains steps 3-4 exactly as
+    the uninterrupted run. Exactly, because the global batch of 8 is kept as micro-batches of 4
+    (2 accumulated at DP=1, one per rank at DP=2): each micro-batch is the same samples in the same
+    shapes, so forward and backward are the same operations; the two micro-batch gradients are
+    summed in fp32 either way (a + b = b + a), and the factor 1/2 (DeepSpeed's mean over
+    accumulation or over ranks) is exact in binary floating point."""
+    from parallel_latent.checkpoint import PortableCheckpoint
+    from tests.checkpoint.test_trainer_resume import by_step, copy_checkpoint
+    from tests.trainer_runs import describe, run, torchrun_command
+
+    def final_weights(run_dir):
+        checkpoint = PortableCheckpoint(run_dir / "checkpoints" / "step_00000004" / "model")
+        return {name: checkpoint.read_full(name) for name in checkpoint.tensors}
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    accumulate = f"training.grad_accum_steps={2 // straight_dp}"  # a global batch of 8 either way
+    result = run(torchrun_command(straight, *RESUME_RECIPE, accumulate, nproc=straight_dp), timeout=400)
+    assert result.returncode == 0, describe(result)
+    copy_checkpoint(straight, 2, resumed)
+    result = run(torchrun_command(resumed, *RESUME_RECIPE, nproc=resumed_dp), timeout=400)
+    assert result.returncode == 0, describe(result)
+    assert "at step 2 (resharded from another layout)" in result.stdout
+    assert f"TP 1 x DP {resumed_dp}" in result.stdout and "global batch 8;" in result.stdout
+    want, got = by_step(straight), by_step(resumed)
+    assert sorted(got) == [3, 4]
+    for step in got:
+        for key in ("loss", "grad_norm", "lr", "tokens", "samples"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+    want_weights, got_weights = final_weights(straight), final_weights(resumed)
+    assert want_weights.keys() == got_weights.keys()
+    assert [name for name in want_weights if not torch.equal(want_weights[name], got_weights[name])] == []
