@@ -1,6 +1,7 @@
 """A bf16 training step, DeepSpeed's ZeRO-1/2 optimizer step included, neither makes the host wait
-for the device nor builds a tensor from Python data, at DP=1 (this process) and at DP=2 (two real
-gloo ranks); the sync-free step (engine.sync_free_zero_step) gives DeepSpeed's weights bit for bit.
+for the device nor builds a tensor from Python data, at DP=1 (this process), DP=2 and TP=2 (two
+real gloo ranks); the sync-free step (engine.sync_free_zero_step) gives DeepSpeed's weights bit for bit,
+and its checkpoints resume at another DP size exactly.
 
 Counted by tests.op_counter.HostSyncCounter over the real ``Trainer.train_step``. On a CPU every
 tensor is a host tensor, so the counter takes every tensor to live on the training device except,
@@ -124,11 +125,11 @@ def test_the_sync_free_step_gives_deepspeeds_weights_bit_for_bit(cpu_accelerator
     assert unequal == []
 
 
-def dp2_sync_task(run_dir: str, stage: int):
+def two_rank_sync_task(run_dir: str, tensor_parallel: int):
     import os
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    trainer = build_trainer(run_dir, f"parallel.zero_stage={stage}")
+    trainer = build_trainer(run_dir, f"parallel.tensor_parallel={tensor_parallel}", "parallel.zero_stage=2")
     try:
         counter = counted_steps(trainer)
         return dict(counter.syncs), dict(counter.from_python_callers), counter.ops["aten._foreach_norm.Scalar"]
@@ -145,10 +146,14 @@ def pool2():
     pool.close()
 
 
-def test_a_bf16_step_at_dp2_waits_for_nothing_and_builds_nothing_from_python_data(pool2, tmp_path):
-    """ZeRO-2 over two gloo ranks: the gradient reduction in backward and the step's all-reduces
-    and all-gather add no host wait and no tensor from Python data."""
-    for syncs, from_python, norms in pool2.run(dp2_sync_task, str(tmp_path / "run"), 2):
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["dp2", "tp2"])
+def test_a_bf16_step_on_two_ranks_waits_for_nothing_and_builds_nothing_from_python_data(
+    pool2, tmp_path, tensor_parallel
+):
+    """ZeRO-2 over two gloo ranks, as DP=2 (the gradient reduction in backward, the step's
+    all-reduces and all-gather) or TP=2 (the norm's model-parallel all-reduce, split and
+    replicated parameters): no host wait and no tensor from Python data."""
+    for syncs, from_python, norms in pool2.run(two_rank_sync_task, str(tmp_path / "run"), tensor_parallel):
         assert norms == 2 * 2
         assert syncs == {}
         assert from_python == {}
