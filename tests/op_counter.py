@@ -34,6 +34,9 @@ SYNCING_OPS = (
     "aten._unique2",
     "aten.repeat_interleave.Tensor",
 )
+# Indexing with a boolean mask (``x[mask]``, ``x[mask] = v``): dispatched as itself, but on CUDA
+# its kernel first turns the mask into indices with a nonzero, which waits for the device.
+MASK_INDEXING_OPS = ("aten.index.Tensor", "aten.index_put", "aten._index_put_impl_")
 # Tensor methods that copy a device tensor to the host (not dispatched for a CPU tensor, which
 # they return as it is, so seen one level up, as torch functions). ``.to(device)`` is not among
 # them: on a CPU a copy to the host cannot be told from one to the training device.
@@ -98,6 +101,11 @@ class _HostCopyWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _has_mask_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
 class HostSyncCounter(OpCounter):
     """An :class:`OpCounter` that also records, with their callers, the host synchronisations the
     code would cost on CUDA (:data:`SYNCING_OPS` and copies to the host of a device tensor) and every
@@ -128,7 +136,10 @@ class HostSyncCounter(OpCounter):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
-        if name.startswith(SYNCING_OPS) and any(isinstance(a, torch.Tensor) and self.on_device(a) for a in args):
+        reads_device = name.startswith(SYNCING_OPS) and any(
+            isinstance(a, torch.Tensor) and self.on_device(a) for a in args
+        )
+        if reads_device or (name.startswith(MASK_INDEXING_OPS) and _has_mask_index(args)):
             self.record(name)
         if name.startswith(FROM_PYTHON_DATA):
             self.from_python_callers[any_caller()] += 1

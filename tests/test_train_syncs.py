@@ -71,6 +71,24 @@ def cpu_accelerator(monkeypatch):
     destroy_distributed()
 
 
+def test_the_counter_flags_device_reads_and_tensors_from_python_data_but_not_host_tensors():
+    device_value, host_counter = torch.ones(3), torch.zeros(())
+    with HostSyncCounter(host_tensors=[host_counter]) as counter:
+        float(device_value.sum())  # a device read
+        device_value.cpu()  # a copy to the host
+        device_value[device_value > 0]  # a boolean mask: a data-dependent shape
+        torch.tensor(-1.0)  # a tensor from Python data
+        host_counter.item()  # a host tensor: no wait
+        device_value.mul_(2.0)  # a kernel with a Python scalar: nothing to copy
+    assert sum(counter.syncs.values()) == 3, counter.syncs
+    assert [s.split(" at ")[0] for s in counter.syncs] == [
+        "aten._local_scalar_dense.default",
+        "Tensor.cpu",
+        "aten.index.Tensor",
+    ]
+    assert sum(counter.from_python_callers.values()) == 1
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_bf16_step_at_dp1_waits_for_nothing_and_builds_nothing_from_python_data(cpu_accelerator, tmp_path, stage):
     trainer = build_trainer(str(tmp_path / "run"), f"parallel.zero_stage={stage}")
