@@ -89,6 +89,27 @@ def test_the_counter_flags_device_reads_and_tensors_from_python_data_but_not_hos
     assert sum(counter.from_python_callers.values()) == 1
 
 
+def test_the_one_exclusion_is_the_foreach_adamw_step_counter_the_fused_one_has_none():
+    """The counted steps declare the AdamW step counters host tensors: on a CPU torch's AdamW runs
+    foreach and reads each counter with item(); on CUDA build_optimizer asks for the fused kernel,
+    whose counters stay on the device and are never read. Both run here, on the CPU."""
+
+    def counted_second_step(**kind):
+        params = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(3, 3))]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, **kind)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()  # creates the state
+        with HostSyncCounter() as counter:
+            optimizer.step()
+        return counter
+
+    foreach, fused = counted_second_step(foreach=True), counted_second_step(fused=True)
+    assert sum(foreach.syncs.values()) == 2 * 2  # item() of each counter, for both bias corrections
+    assert dict(fused.syncs) == {} and dict(fused.from_python_callers) == {}
+    assert fused.ops["aten._fused_adamw_.default"] == 1
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_bf16_step_at_dp1_waits_for_nothing_and_builds_nothing_from_python_data(cpu_accelerator, tmp_path, stage):
     trainer = build_trainer(str(tmp_path / "run"), f"parallel.zero_stage={stage}")
