@@ -403,7 +403,8 @@ class Trainer:
         """One optimizer step. Nothing here reads a device value or copies host data to the device
         blocking: the batches come pinned from the prefetcher with the step's token count, the
         statistics stay on the device (read once per log line), and a collective outside the engine
-        (the stop vote, over gloo) runs only every ``training.vote_every`` steps."""
+        (the stop vote, over gloo) runs only every ``training.vote_every`` steps. Under bf16 the same
+        holds for DeepSpeed's ZeRO-1/2 step (tests/test_train_syncs.py)."""
         state, engine, rng = self.state, self.engine, self.model.dropout_rng
         self.step_lr = self.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
         batches = self._step_batches()
@@ -426,7 +427,11 @@ class Trainer:
             # In place on the device: no indexed assignment (it would build a tensor from Python data).
             step_stats[:SAMPLES].add_(output_totals(out))
             step_stats[SAMPLES:].add_(input_ids.shape[0])
-        applied = bool(engine.was_step_applied())  # DeepSpeed's own overflow / non-finite check
+        # DeepSpeed's own skip decision, already a Python bool: fp16's loss scaler and the bf16
+        # ZeRO-3 / stage-0 optimizers read the norm's finiteness on the host inside engine.step();
+        # the bf16 ZeRO-1/2 step has no overflow scan and reads nothing from the device
+        # (engine.sync_free_zero_step), so there it is always True.
+        applied = bool(engine.was_step_applied())
         return StepOutcome(step_stats, applied, stop, step_tokens, self.global_batch)
 
     def _reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
