@@ -18,7 +18,8 @@ Pinned rules (issue 27), so that figures stay comparable from change to change:
 What runs is what the code does on CUDA: the dropout mask is one compiled region per site where
 ``training.compile_dropout`` is on (``DropoutRNG.kernel``), the loss's per-chunk work is compiled
 where the model's ``LossKernels`` say so for a CUDA device, ``training.compile`` compiles each
-Perceiver block (forward and backward: the autograd nodes a region created count as the region).
+Perceiver block (forward and backward: the autograd nodes a region created count as the region;
+a ``torch.compiler.disable`` function inside it runs eagerly and starts a new forward graph after it).
 Attention is the kernel CUDA picks for a masked bf16 SDPA (memory-efficient attention, its bias
 from the boolean mask): on meta, SDPA would otherwise decompose into its math path.
 
@@ -177,6 +178,23 @@ class StepTracer(TorchDispatchMode):
 
         return traced
 
+    def graph_break(self, fn):
+        """``fn`` as code torch.compile leaves out of its graph (``torch.compiler.disable``): its
+        operators run eagerly, and the region's forward resumes in a new graph after it."""
+        tracer = self
+
+        def eager(*args, **kwargs):
+            if tracer._region is None:
+                return fn(*args, **kwargs)
+            label, tracer._region = tracer._region[0], None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracer._calls += 1
+                tracer._region = (label, tracer._calls)
+
+        return eager
+
     def _tag_nodes(self, frontier: list, stop: set, region: tuple[str, int]) -> None:
         while frontier:
             node = frontier.pop()
@@ -230,6 +248,10 @@ def meta_model(cfg, tracer: StepTracer):
         for stack in (model.encoder.stack, model.decoder.stack):
             for block in stack.blocks:
                 block.forward = tracer.region(block.forward, "Perceiver block")
+        for module in model.modules():  # where the compiled blocks' graphs break
+            for name in dir(type(module)):
+                if getattr(getattr(type(module), name, None), "_torchdynamo_disable", False):
+                    setattr(module, name, tracer.graph_break(getattr(module, name)))
     if kernels.compiled_kernels:  # the plain functions (compiling on meta fails), traced as compiled regions
         compiled = {f.name: getattr(kernels, f.name) for f in dataclasses.fields(kernels)}
         traced = {name: tracer.region(k.fn, "loss chunk") for name, k in compiled.items() if hasattr(k, "fn")}

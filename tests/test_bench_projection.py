@@ -95,3 +95,18 @@ def test_project_row_gives_the_four_figures_bench_gpu_prints():
     assert set(row) == {"step_ms_overlapped", "step_ms_summed", "mfu_overlapped", "mfu_summed"}
     assert row["step_ms_overlapped"] <= row["step_ms_summed"] and row["mfu_summed"] <= row["mfu_overlapped"]
     assert projection.project_row({"model.dropout": "not a number"}, quick=True) is None
+
+
+def test_a_graph_break_inside_a_region_runs_eagerly_and_splits_the_fused_run():
+    """What torch.compile leaves out of a graph (a ``torch.compiler.disable`` function) is eager,
+    and the graph resumes after it: x*2 | +1 (eager) | relu is three kernels, not one."""
+    with torch.device("meta"):
+        x = torch.empty(1024, 1024, dtype=torch.bfloat16)
+    counts = []
+    for broken in (False, True):
+        tracer = projection.StepTracer()
+        plus_one = tracer.graph_break(lambda t: t + 1) if broken else (lambda t: t + 1)
+        with tracer:
+            tracer.region(lambda t, plus_one=plus_one: plus_one(t * 2).relu(), "block")(x).sum()
+        counts.append(len(projection.kernels_of(tracer.ops)) - 1)  # less the eager sum
+    assert counts == [1, 3]
