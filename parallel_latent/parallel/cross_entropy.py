@@ -81,8 +81,8 @@ class LossKernels:
     ``compile_devices`` attribute, read at each call: the model's dropout generator) names that
     device's type."""
 
-    max_sum_exp: Callable = chunk_max_sum_exp
-    grad_into: Callable = chunk_grad_into
+    sum_exp: Callable = chunk_max_sum_exp  # the forward chunk: local max, argmax and sum of exp
+    grad: Callable = chunk_grad_into  # the backward chunk, written into its rows of the gradient
     compiled_on: object | None = None
     _compiled: LossKernels | None = field(default=None, repr=False, compare=False)
 
@@ -95,7 +95,7 @@ class LossKernels:
 
     @property
     def compiled_kernels(self) -> bool:
-        return isinstance(self.max_sum_exp, CompiledWithFallback)
+        return isinstance(self.sum_exp, CompiledWithFallback)
 
     def on(self, device: torch.device) -> LossKernels:
         """The kernels for logits on ``device`` (compiled once per model, on first use)."""
@@ -160,7 +160,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
         for first in chunks:
             chunk = slice(first, first + step)
-            ctx.kernels.grad_into(
+            ctx.kernels.grad(
                 grad_rows[chunk], rows[chunk], row_max[chunk], row_sum[chunk], targets[chunk], hits[chunk],
                 scale[chunk], ctx.real, compute_dtype,
             )  # fmt: skip
@@ -182,7 +182,7 @@ def _local_max_and_sum(logits, real: int, chunk_rows, kernels, compute_dtype):
     chunks, step = _chunks(rows.shape[0], logits.shape[-1], chunk_rows)
     for first in chunks:
         chunk = slice(first, first + step)
-        kernels.max_sum_exp(max_rows[chunk], argmax_rows[chunk], sum_rows[chunk], rows[chunk], real, compute_dtype)
+        kernels.sum_exp(max_rows[chunk], argmax_rows[chunk], sum_rows[chunk], rows[chunk], real, compute_dtype)
     return local_max.to(compute_dtype), local_argmax, local_sum
 
 
