@@ -50,6 +50,12 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",
         ["benchmarks/bench_data.py"],
     ),
+    "bench_projection": (
+        "configs/gpt2.yaml's step on one H200, projected from a trace on the meta device (pinned roofline: "
+        "989 TFLOP/s MFU peak, matmuls at 700/593 TFLOP/s, 4.0 TB/s, 5 us per eager launch); goals on the "
+        "overlapped MFU at dropout 0.1",
+        ["benchmarks/bench_projection.py"],
+    ),
     "quality_tiny": (
         "Held-out reconstruction of configs/tiny.yaml (the README's first command) over six seeds",
         ["benchmarks/bench_quality.py", "--config", "configs/tiny.yaml", "--seeds", "1", "2", "3", "4", "5", "1234"],

@@ -75,7 +75,7 @@ class LatentAutoencoder(nn.Module):
         # Split only frozen work: a trained feature model would need its gradients back from every rank.
         self.split_feature_model = split_feature_model and feature_cfg.frozen and group_size(tp_group) > 1
         self.dropout_rng = DropoutRNG(seed=seed)
-        self.loss_kernels = LossKernels()  # compiled by compile_regions()
+        self.loss_kernels = LossKernels(compiled_on=self.dropout_rng)  # fused where the dropout mask is compiled
         # Built on the CPU in a fixed order under fixed seeds, identical at every TP degree (layers
         # draw full master weights, then slice). The Perceiver gets its own seed so its init does not
         # depend on how the GPT-2 was obtained. Only the CPU generator is seeded, and fork_rng puts it

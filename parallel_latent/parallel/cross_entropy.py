@@ -9,7 +9,7 @@ what ``argmax`` over the full vocabulary returns).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,79 +48,92 @@ def _chunks(rows: int, local_vocab: int, chunk_rows: int | None) -> range:
     return range(0, rows, step), step
 
 
-def _shifted_exp(logits, global_max, real: int, compute_dtype) -> torch.Tensor:
+def _shifted_exp(logits, row_max, real: int, compute_dtype) -> torch.Tensor:
     """exp(logits - max) of a chunk of rows, in ``compute_dtype``; padding columns get 0."""
-    exp_logits = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))
+    exp_logits = torch.sub(logits, row_max.unsqueeze(-1).to(compute_dtype))
     if real < logits.shape[-1]:
         exp_logits[..., real:].fill_(float("-inf"))  # (an assignment would build a tensor from Python data)
     return exp_logits.exp_()
 
 
-def chunk_sum_exp(logits, global_max, real: int, compute_dtype) -> torch.Tensor:
-    """Forward work of one chunk of rows: the sum of exp(logits - max) per row."""
-    return _shifted_exp(logits, global_max, real, compute_dtype).sum(dim=-1)
+def chunk_max_sum_exp(out_max, out_argmax, out_sum, logits, real: int, compute_dtype) -> None:
+    """Forward work of one chunk of rows, one pass over its logits, written into the ``out_*`` rows:
+    this rank's max (in the logits' dtype) and argmax over the real columns, and the sum of
+    exp(logits - that max) (rescaled to the global max by the caller)."""
+    torch.max(logits[..., :real], dim=-1, out=(out_max, out_argmax))
+    torch.sum(_shifted_exp(logits, out_max, real, compute_dtype), dim=-1, out=out_sum)
 
 
-def chunk_grad(logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype) -> torch.Tensor:
+def chunk_grad_into(out, logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype) -> None:
     """Backward work of one chunk of rows: (softmax - one-hot of the target) x the incoming gradient,
-    rounded once to the logits' dtype."""
+    rounded once to ``out``'s dtype (the logits') and written straight into ``out``."""
     softmax = _shifted_exp(logits, global_max, real, compute_dtype).div_(sum_exp[:, None])
     flat = torch.arange(softmax.shape[0], device=softmax.device)
     softmax[flat, targets] -= hits
-    return softmax.mul_(scale[:, None]).to(logits.dtype)
+    torch.mul(softmax, scale[:, None], out=out)
 
 
 @dataclass
 class LossKernels:
     """The loss's per-chunk work: plain functions, or compiled ones (``compiled()``: each chunk's
-    elementwise work fused into a kernel or two). Owned by a model, passed to the loss."""
+    elementwise work fused into a kernel or two). Owned by a model, passed to the loss, which runs
+    :meth:`on` its logits' device: compiled there when ``compiled_on`` (an object with a
+    ``compile_devices`` attribute, read at each call: the model's dropout generator) names that
+    device's type."""
 
-    sum_exp: Callable = chunk_sum_exp
-    grad: Callable = chunk_grad
+    sum_exp: Callable = chunk_max_sum_exp  # the forward chunk: local max, argmax and sum of exp
+    grad: Callable = chunk_grad_into  # the backward chunk, written into its rows of the gradient
+    compiled_on: object | None = None
+    _compiled: LossKernels | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def compiled(cls) -> LossKernels:
         return cls(
-            CompiledWithFallback(chunk_sum_exp, "the loss's forward chunk", dynamic=True),
-            CompiledWithFallback(chunk_grad, "the loss's backward chunk", dynamic=True),
+            CompiledWithFallback(chunk_max_sum_exp, "the loss's forward chunk", dynamic=True),
+            CompiledWithFallback(chunk_grad_into, "the loss's backward chunk", dynamic=True),
         )
+
+    @property
+    def compiled_kernels(self) -> bool:
+        return isinstance(self.sum_exp, CompiledWithFallback)
+
+    def on(self, device: torch.device) -> LossKernels:
+        """The kernels for logits on ``device`` (compiled once per model, on first use)."""
+        if self.compiled_on is None or device.type not in self.compiled_on.compile_devices:
+            return self
+        if self._compiled is None:
+            self._compiled = LossKernels.compiled()
+        return self._compiled
 
 
 PLAIN_KERNELS = LossKernels()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward and backward over chunks of rows: per chunk one temporary in at least fp32 (a bf16
-    softmax loses the target's probability; fp64 stays fp64), recomputed in backward from the saved
-    per-row max and sum instead of keeping the softmax. The gradient is written in the logits' dtype
-    chunk by chunk: no fp32 gradient of the whole logits for autograd to cast."""
+    """Forward and backward over chunks of rows, one pass over each chunk's logits each way: per
+    chunk one temporary in at least fp32 (a bf16 softmax loses the target's probability; fp64 stays
+    fp64), recomputed in backward from the saved per-row max and sum instead of keeping the softmax.
+    Forward finds each row's local max with its sum of exp (rescaled once to the global max: exact
+    at TP=1, where the two are the same); backward writes the gradient in the logits' dtype chunk
+    by chunk into one buffer: no fp32 gradient of the whole logits, no copy of a chunk's."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_size, ignore_index, group, chunk_rows, kernels):
+        kernels = kernels.on(logits.device)
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
         real = max(0, min(local_vocab, vocab_size - start))  # columns past it are padding
-        rows = logits.reshape(-1, local_vocab)
-
-        # The max and the target logit are read from the logits themselves (exact in any dtype).
-        local_max, local_argmax = _local_max(logits, real)
-        local_max = local_max.to(compute_dtype)
+        local_max, local_argmax, local_sum = _local_max_and_sum(logits, real, chunk_rows, kernels, compute_dtype)
         global_max = _reduce(local_max.clone(), dist.ReduceOp.MAX, group)
 
         ignored = target == ignore_index
         in_range = (target >= start) & (target < start + real) & ~ignored
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
+        # The target logit is read from the logits themselves (exact in any dtype).
         target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
         target_logit = torch.where(in_range, target_logit - global_max, torch.zeros_like(target_logit))
-
-        row_max = global_max.reshape(-1)
-        sum_exp = torch.empty_like(row_max)
-        chunks, step = _chunks(rows.shape[0], local_vocab, chunk_rows)
-        for first in chunks:
-            chunk = slice(first, first + step)
-            sum_exp[chunk] = kernels.sum_exp(rows[chunk], row_max[chunk], real, compute_dtype)
-        sums = torch.stack([sum_exp.view_as(target_logit), target_logit])
+        sums = torch.stack([local_sum * torch.exp(local_max - global_max), target_logit])
         sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
 
         loss = torch.log(sum_exp) - target_logit
@@ -142,19 +155,35 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).reshape(-1)
         row_max, row_sum = global_max.reshape(-1), sum_exp.reshape(-1)
         targets, hits = local_target.reshape(-1), in_range.reshape(-1).to(compute_dtype)
-        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
-        if len(chunks) == 1:  # one chunk: its result is the gradient, no copy into a second buffer
-            grad = ctx.kernels.grad(rows, row_max, row_sum, targets, hits, scale, ctx.real, compute_dtype)
-            return grad.view_as(logits), None, None, None, None, None, None
         grad = torch.empty_like(logits)  # in the logits' dtype
         grad_rows = grad.view(-1, local_vocab)
+        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
         for first in chunks:
             chunk = slice(first, first + step)
-            grad_rows[chunk] = ctx.kernels.grad(
-                rows[chunk], row_max[chunk], row_sum[chunk], targets[chunk], hits[chunk], scale[chunk], ctx.real,
-                compute_dtype,
+            ctx.kernels.grad(
+                grad_rows[chunk], rows[chunk], row_max[chunk], row_sum[chunk], targets[chunk], hits[chunk],
+                scale[chunk], ctx.real, compute_dtype,
             )  # fmt: skip
         return grad, None, None, None, None, None, None
+
+
+def _local_max_and_sum(logits, real: int, chunk_rows, kernels, compute_dtype):
+    """Per row of ``logits``: this rank's max (in ``compute_dtype``) and argmax over its real
+    columns, and the sum of exp(logits - that max); chunk by chunk of rows."""
+    shape = logits.shape[:-1]
+    if real == 0:  # a rank that holds only padding: no probability here
+        no_max = logits.new_full(shape, float("-inf"), dtype=compute_dtype)
+        return no_max, torch.zeros(shape, dtype=torch.long, device=logits.device), torch.zeros_like(no_max)
+    local_max = logits.new_empty(shape)
+    local_argmax = torch.empty(shape, dtype=torch.long, device=logits.device)
+    local_sum = torch.empty(shape, dtype=compute_dtype, device=logits.device)
+    rows = logits.reshape(-1, logits.shape[-1])
+    max_rows, argmax_rows, sum_rows = local_max.view(-1), local_argmax.view(-1), local_sum.view(-1)
+    chunks, step = _chunks(rows.shape[0], logits.shape[-1], chunk_rows)
+    for first in chunks:
+        chunk = slice(first, first + step)
+        kernels.sum_exp(max_rows[chunk], argmax_rows[chunk], sum_rows[chunk], rows[chunk], real, compute_dtype)
+    return local_max.to(compute_dtype), local_argmax, local_sum
 
 
 def vocab_parallel_cross_entropy(

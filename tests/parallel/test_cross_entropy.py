@@ -69,3 +69,103 @@ def test_chunked_rows_give_the_same_bits_and_no_full_fp32_temporary(dtype):
     for whole, chunked in zip(results[None], results[4], strict=True):
         assert torch.equal(whole, chunked)
     assert results[4][2].dtype == dtype and not results[4][2][0, 1].any()  # ignored: no gradient
+
+
+class LogitReads(TorchDispatchMode):
+    """The rows of the logits each operator reads (operators reading a view of them)."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.storage, self.row = logits.untyped_storage().data_ptr(), logits.shape[-1] * logits.element_size()
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and "empty" not in str(func):  # (an allocation reads nothing)
+            for arg in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() == self.storage:
+                    self.reads.append((str(func), arg.numel() * arg.element_size() // self.row))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_chunk_of_logits_is_read_once_each_way_and_the_gradient_is_written_in_place():
+    """Forward reads each chunk of rows in one pass (the local max with the sum of exp: no extra pass
+    over all the logits), backward writes each chunk's gradient straight into the one gradient buffer
+    (no copy of a chunk into it); only the target logits' gather sees every row."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(B, T, PADDED, generator=gen).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, VOCAB, (B, T), generator=gen)
+    with LogitReads(logits) as forward:
+        loss, _ = vocab_parallel_cross_entropy(logits, target, VOCAB, chunk_rows=4)
+    assert [name for name, rows in forward.reads if rows > 4] == ["aten.gather.default"], forward.reads
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default) and args[0].dim() == 2:
+                copies.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        loss.sum().backward()
+    assert copies == [], copies
+
+
+def test_ties_take_the_lowest_index_padding_never_wins_and_ignored_rows_get_nothing():
+    """Across chunks of rows: a row whose max is tied predicts the lowest tied id (argmax over the
+    full vocabulary); padding columns, however large, hold no probability; an ignored target has
+    loss 0 and no gradient."""
+    logits = torch.zeros(1, 6, PADDED)
+    logits[0, :, VOCAB:] = 100.0  # padding: would win if it counted
+    logits[0, 0, [7, 3, 9]] = 5.0  # a three-way tie: id 3
+    logits[0, 1, [200, 10]] = 4.0  # id 10
+    target = torch.tensor([[3, 200, 5, 6, -100, 249]])
+    leaf = logits.clone().requires_grad_()
+    loss, correct = vocab_parallel_cross_entropy(leaf, target, VOCAB, chunk_rows=2)
+    loss.sum().backward()
+    assert correct.tolist() == [[True, False, False, False, False, False]]
+    want = F.cross_entropy(logits[0, :, :VOCAB], target[0], reduction="none")
+    assert (loss[0] - want).abs().max().item() <= order_bound(VOCAB, want.abs().max().item())
+    assert loss[0, 4].item() == 0.0 and not leaf.grad[0, 4].any() and not leaf.grad[..., VOCAB:].any()
+
+
+@pytest.mark.slow
+def test_compiled_chunks_equal_the_plain_ones_on_cpu_inductor():
+    """LossKernels.compiled() (what a CUDA device runs when the dropout mask is compiled) against the
+    plain chunks, bf16 logits in chunks of 4 rows (the last one shorter): within another summation
+    order's bound, and no graph broken."""
+    from parallel_latent.parallel import LossKernels
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, PADDED, generator=gen).to(torch.bfloat16)
+    target = torch.randint(0, VOCAB, (B, T), generator=gen)
+    target[1, 2] = -100
+    results = []
+    with torch._inductor.config.patch(compile_threads=1):
+        for kernels in (LossKernels(), LossKernels.compiled()):
+            leaf = logits.clone().requires_grad_()
+            loss, correct = vocab_parallel_cross_entropy(leaf, target, VOCAB, chunk_rows=4, kernels=kernels)
+            loss.sum().backward()
+            results.append((loss.detach(), correct, leaf.grad.float()))
+        assert kernels.sum_exp.succeeded and kernels.grad.succeeded
+    (want_loss, want_correct, want_grad), (loss, correct, grad) = results
+    assert torch.equal(correct, want_correct)
+    assert (loss - want_loss).abs().max().item() <= order_bound(VOCAB, want_loss.abs().max().item())
+    # A gradient element is p - 1[target], rounded once to bf16: one bf16 step of the largest, plus
+    # the fp32 order bound of the softmax's sum.
+    bf16_step = torch.finfo(torch.bfloat16).eps * want_grad.abs().max().item()
+    assert (grad - want_grad).abs().max().item() <= bf16_step + order_bound(VOCAB, 1.0)
+
+
+def test_the_loss_is_fused_where_the_dropout_mask_is_compiled():
+    """A model's loss kernels are compiled on the devices where its dropout mask is (CUDA, unless
+    training.compile_dropout is false), built once, plain elsewhere."""
+    from parallel_latent.config import load_config
+    from parallel_latent.model import build_model
+    from tests.trainer_runs import TINY_CONFIG, TINY_MODEL
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # (a device name: no CUDA needed)
+    for compile_dropout in (True, False):
+        cfg = load_config(TINY_CONFIG, [*TINY_MODEL, f"training.compile_dropout={str(compile_dropout).lower()}"])
+        kernels = build_model(cfg).loss_kernels
+        assert kernels.on(cuda).compiled_kernels is compile_dropout
+        assert not kernels.on(cpu).compiled_kernels and kernels.on(cuda) is kernels.on(cuda)
