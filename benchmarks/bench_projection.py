@@ -25,7 +25,8 @@ from the boolean mask): on meta, SDPA would otherwise decompose into its math pa
 
 The optimizer step cannot run on meta: it is measured by running the real ``Trainer.train_step``
 (DeepSpeed's engine, ZeRO-2, bf16) on the CPU at gpt2.yaml's parameter count (micro-batch 1: the
-step's cost does not depend on the batch) under a dispatch mode around ``engine.step``; every
+step's cost does not depend on the batch) under a dispatch mode around ``engine.step``, with
+torch's fused AdamW (``optimizer.fused=on``: what CUDA runs, whose kernel the CPU has too); every
 operator it dispatches counts as one kernel (a CUDA fused or foreach op over ZeRO's flat partition
 is one or a few), its bytes those of its real tensors, and its host synchronisations
 (``aten._local_scalar_dense``) are reported.
@@ -325,6 +326,7 @@ def trace_optimizer_step(quick: bool) -> StepTracer:
             f"logging.run_dir={scratch}/run", "logging.tensorboard=false", "logging.progress_bar=false",
             "logging.print_samples=0", "checkpoint.save_every=0", "checkpoint.export_portable=false",
             "checkpoint.resume=never", "training.device=cpu",
+            "optimizer.fused=on",  # what CUDA runs (torch's fused AdamW, one pass per group): the CPU has it too
         ]  # fmt: skip
         trainer = Trainer(load_config(REPO / "configs" / "gpt2.yaml", overrides))
         try:

@@ -283,6 +283,11 @@ class OptimizerConfig:
     eps: float = setting(1e-8, "Adam's epsilon", POSITIVE)
     grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", at_least(0))
     momentum: float = setting(0.0, "sgd only", FRACTION)
+    fused: Literal["auto", "on", "off"] = setting(
+        "auto",
+        "torch's fused optimizer kernel (one pass over each flat parameter group); auto: on with CUDA, the "
+        "foreach implementation elsewhere; on: fused on the CPU too (torch's CPU kernel)",
+    )
 
 
 @dataclass
@@ -330,8 +335,8 @@ class TrainingConfig:
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when visible")
     compile_dropout: bool = setting(
         True,
-        "CUDA only: each dropout site's mask and its application compiled into one kernel (eager, with one "
-        "warning, if compiling fails); false keeps dropout eager",
+        "CUDA only: each dropout site's mask and its application compiled into one kernel, and the loss's "
+        "chunks fused (eager, with one warning, if compiling fails); false keeps both eager",
     )
     compile: bool = setting(
         False,
@@ -479,6 +484,8 @@ def _convert(value: Any, annotation: Any, key: str, source: str) -> Any:
         raise wrong_type()
     if origin is Literal:
         choices = typing.get_args(annotation)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            value = "on" if value else "off"  # YAML 1.1 (PyYAML) reads an unquoted on / off as a bool
         if value not in choices or isinstance(value, bool):
             raise ConfigError(
                 f"{source}: {key}: {_describe(value)} is not one of {', '.join(str(choice) for choice in choices)}"
@@ -759,6 +766,13 @@ def _schema_lookup(dotted_key: str) -> tuple[Any, list[str]]:
     return annotation, []
 
 
+def _holds_text(annotation: Any) -> bool:
+    """A string key, or one of a few words (``auto | on | off``): an override's text is meant as is."""
+    if annotation is str:
+        return True
+    return typing.get_origin(annotation) is Literal and all(isinstance(c, str) for c in typing.get_args(annotation))
+
+
 def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
     """Apply ``section.key=value`` overrides to a raw config dict (a copy is returned).
 
@@ -784,7 +798,7 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
             value = yaml.safe_load(raw_value) if raw_value.strip() else ""
         except yaml.YAMLError:
             value = raw_value
-        if annotation is str and not isinstance(value, str):
+        if _holds_text(annotation) and not isinstance(value, str):
             value = raw_value
         *parents, leaf = key.split(".")
         node = result

@@ -261,7 +261,7 @@ def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config, device: s
     else:
         kwargs = {"lr": opt.lr, "betas": tuple(opt.betas), "eps": opt.eps}
         plain, guarded = torch.optim.AdamW, NonFiniteGuardAdamW
-    if device == "cuda":
+    if opt.fused == "on" or (opt.fused == "auto" and device == "cuda"):
         kwargs["fused"] = True  # one kernel for all parameters
     groups = parameter_groups(parameters, opt.weight_decay)
     if uses_stage0_guard(cfg):

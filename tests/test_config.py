@@ -499,3 +499,15 @@ def test_every_bound_is_enforced_with_its_line():
         with pytest.raises(ConfigError) as caught:
             config_from_dict({section: {name: just_outside(bound.must, default)}}, "x.yaml")
         assert str(caught.value).startswith(f"x.yaml: {key}") and "must" in str(caught.value), key
+
+
+@pytest.mark.parametrize("written", ["parallel.zero_overlap_comm=on", "parallel.zero_overlap_comm=off"])
+def test_on_and_off_choices_survive_yaml_booleans_in_overrides_and_files(written, tmp_path):
+    """YAML 1.1 reads an unquoted on / off as a bool; a key whose choices are auto | on | off still
+    gets the word, from the command line and from a file alike."""
+    word = written.split("=")[1]
+    assert load_config(TINY, [written]).parallel.zero_overlap_comm == word
+    path = tmp_path / "c.yaml"
+    path.write_text(f"parallel:\n  zero_overlap_comm: {word}\noptimizer:\n  fused: {word}\n")
+    cfg = load_config(path)
+    assert (cfg.parallel.zero_overlap_comm, cfg.optimizer.fused) == (word, word)

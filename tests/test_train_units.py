@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from parallel_latent.config import ConfigError, config_from_dict, load_config
-from parallel_latent.engine import deepspeed_config, lr_factor, merge_overrides, parameter_groups, uses_stage0_guard
+from parallel_latent.engine import (
+    build_optimizer,
+    deepspeed_config,
+    lr_factor,
+    merge_overrides,
+    parameter_groups,
+    uses_stage0_guard,
+)
 from parallel_latent.metrics import (
     PEAK_FLOPS_ENV,
     MetricsLogger,
@@ -88,6 +95,21 @@ def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ran
 def test_bf16_gradient_reduction_needs_bf16_training():
     with pytest.raises(ConfigError, match=r"parallel\.grad_reduce_dtype=bf16 needs training\.precision=bf16"):
         cfg_with(parallel={"grad_reduce_dtype": "bf16"})
+
+
+@pytest.mark.parametrize(
+    ("fused", "device", "expected"),
+    [("auto", "cpu", False), ("auto", "cuda", True), ("on", "cpu", True), ("off", "cuda", False)],
+)
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_fused_optimizer_kernel_where_asked(fused, device, expected, name):
+    """optimizer.fused: auto = torch's fused kernel with CUDA only; on = on the CPU too (what the
+    step projection counts); off = never. The choice is made before any parameter moves, so the
+    CUDA rows only inspect the constructor's arguments (no GPU needed to build them on the CPU)."""
+    cfg = config_from_dict({"optimizer": {"name": name, "fused": fused, "momentum": 0.9}})
+    params = [torch.nn.Parameter(torch.zeros(2, 2))]
+    optimizer = build_optimizer(params, cfg, device, mpu=None)
+    assert bool(optimizer.defaults.get("fused")) is expected
 
 
 def test_deepspeed_overrides_merge_deeply():
