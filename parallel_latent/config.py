@@ -236,6 +236,9 @@ class CheckpointConfig:
     keep_last: int = 2  # 0 = keep all
     export_portable: bool = True
     resume: str = "auto"  # auto | never | <path to a checkpoint>
+    # A checkpoint when training reaches max_steps (false: none, e.g. for a benchmark; a stop by a
+    # signal checkpoints whatever this says).
+    save_final: bool = True
 
 
 @dataclass
