@@ -18,6 +18,9 @@
 # missing is named in one line, and nothing runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# DEADLINE_S counts from here: choosing the interpreter, a wheelhouse's install and the import check
+# are part of the minutes the machine is lent for.
+export GPU_SH_STARTED_AT=$(date +%s.%N)
 
 interpreter() {
     local candidate
