@@ -6,16 +6,24 @@ short run per setting, then one table. Built to be run blind on a machine lent f
   check that the compiled dropout kernel gives the eager bits on this device for two shapes (if it
   does not, or does not compile, the runs use eager dropout and the table says so);
 * NPROC is clamped to the visible GPUs; ZeRO-2 alone at DP=1 (stages 1 and 2 are the same there);
-* the matrix, most informative first: dropout 0.1 / 0.0 x micro-batch 256 / 32, and
-  ``training.compile=true`` at dropout 0.1, micro-batch 256;
+* the matrix, most informative first: dropout 0.1 / 0.0 x micro-batch 256 / 32, then
+  ``training.compile=true`` at dropout 0.1, micro-batch 256 (last: compiling may take minutes); with
+  more than one data-parallel rank (NPROC / TP > 1) each row runs with ``parallel.zero_overlap_comm``
+  on and off (launch/README.md says why both);
+* no run writes a checkpoint (``checkpoint.save_final=false``: a final save of gpt2.yaml is ~1.5 GB);
 * every run has a timeout, and the whole a deadline (DEADLINE_S, default 420 s, start-up
   included): when it is hit, the table of the runs finished so far, and which ran out;
 * a failed run shows the last 20 lines of its output;
-* per row: tokens/s, MFU, peak memory, the host-device synchronisations of one step after warm-up
-  (``logging.count_syncs_at_step``: torch.cuda.set_sync_debug_mode), and the first window's time
-  (start-up of the step: allocator, kernel selection, compilation).
+* per row: tokens/s (real tokens, padding excluded), MFU, peak memory, the host-device
+  synchronisations of one step after warm-up (``logging.count_syncs_at_step``:
+  torch.cuda.set_sync_debug_mode), the first window's time (start-up of the step: allocator, kernel
+  selection, compilation), positions/s (every position of the batch, padding included: what MFU
+  counts), and what fell back to eager because compiling failed (from the run's warnings);
+* beside the measured columns, the projected ones where ``benchmarks/bench_projection.py`` (its
+  ``project_row(setting)``) is importable.
 
-Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (420), RUN_TIMEOUT_S (180),
+Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (420, from gpu.sh's start: its
+GPU_SH_STARTED_AT), RUN_TIMEOUT_S (180),
 DROPOUTS ("0.1 0.0"), MICRO_BATCHES ("256 32"), COMPILE_ROW (1), PRETRAINED (false: a random GPT-2
 of gpt2's shape; the weights do not change the cost), ALLOW_CPU (1: run on the CPU, for tests).
 Arguments: --quick (a shrunk model, micro-batches 8 and 4, no compile row: the CPU test), --json
@@ -26,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -69,8 +79,16 @@ def print_facts() -> None:
     )
 
 
+# The dropout check: several sites of one model (layer ids) at several steps and sample offsets, as
+# training calls the kernel (constant keys would compile a variant training never uses).
+DROPOUT_CHECK_SITES = 3
+DROPOUT_CHECK_KEYS = ((7, 0), (8, 32), (9, 96))  # (step, sample_offset)
+DROPOUT_CHECK_SHAPES = ((32, 64, 768), (8, 64, 3072))
+
+
 def compiled_dropout_matches_eager() -> bool:
-    """The compiled dropout kernel against eager, on this GPU, for two shapes (bits)."""
+    """The compiled dropout kernel against eager, on this GPU (bits), over the sites, keys and
+    shapes above."""
     import torch
 
     from parallel_latent.parallel import DropoutRNG, ParallelDropout
@@ -79,19 +97,23 @@ def compiled_dropout_matches_eager() -> bool:
         print("compiled dropout check: skipped (no CUDA device; the CPU runs dropout eagerly)", flush=True)
         return True
     started = time.perf_counter()
-    eager = ParallelDropout(0.1, DropoutRNG(seed=3, step=7, compile_devices=())).train()
-    compiled = ParallelDropout(0.1, DropoutRNG(seed=3, step=7)).train()
+    eager_rng, compiled_rng = DropoutRNG(seed=3, compile_devices=()), DropoutRNG(seed=3)
+    eager = [ParallelDropout(0.1, eager_rng).train() for _ in range(DROPOUT_CHECK_SITES)]
+    compiled = [ParallelDropout(0.1, compiled_rng).train() for _ in range(DROPOUT_CHECK_SITES)]
     same = True
-    for shape in ((32, 64, 768), (8, 64, 3072)):
+    for (step, offset), shape in itertools.product(DROPOUT_CHECK_KEYS, DROPOUT_CHECK_SHAPES):
+        for rng in (eager_rng, compiled_rng):
+            rng.step, rng.sample_offset = step, offset
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        same &= torch.equal(compiled(x), eager(x))
-    failure = compiled.rng._kernel.failure
+        same &= all(torch.equal(c(x), e(x)) for c, e in zip(compiled, eager, strict=True))
+    failure = getattr(compiled_rng.kernel(torch.device("cuda")), "failure", None)
     seconds = time.perf_counter() - started
     if failure:
         print(f"compiled dropout check: compiling failed ({failure}): the runs use eager dropout", flush=True)
         return False
+    checked = f"{DROPOUT_CHECK_SITES} sites x {len(DROPOUT_CHECK_KEYS)} keys x {len(DROPOUT_CHECK_SHAPES)} shapes"
     print(
-        f"compiled dropout check: {'the same bits as eager' if same else 'DIFFERENT bits from eager'} for 2 shapes "
+        f"compiled dropout check: {'the same bits as eager' if same else 'DIFFERENT bits from eager'} for {checked} "
         f"({seconds:.0f} s with compilation){'' if same else ': the runs use eager dropout'}",
         flush=True,
     )
@@ -104,14 +126,17 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def settings(compile_ok: bool, quick: bool) -> list[dict]:
+def settings(compile_ok: bool, quick: bool, data_parallel: int) -> list[dict]:
     dropouts = os.environ.get("DROPOUTS", "0.1 0.0").split()
     micro_batches = os.environ.get("MICRO_BATCHES", "8 4" if quick else "256 32").split()
     pairs = itertools.product(dropouts, micro_batches)
     matrix = [{"model.dropout": d, "training.micro_batch_size": m} for d, m in pairs]
-    # Compiling the blocks takes minutes on a CPU: no compile row in the CPU test unless asked.
+    # Compiling the blocks takes minutes on a CPU: no compile row in the CPU test unless asked. On a
+    # GPU it runs last, so that a slow compilation costs only its own row.
     if os.environ.get("COMPILE_ROW", "0" if quick else "1") == "1":
-        matrix.insert(1, {**matrix[0], "training.compile": "true"})
+        matrix.append({**matrix[0], "training.compile": "true"})
+    if data_parallel > 1:  # DeepSpeed's overlapped reduction synchronises the device: measure both
+        matrix = [{**s, "parallel.zero_overlap_comm": overlap} for s in matrix for overlap in ("on", "off")]
     if not compile_ok:
         for setting in matrix:
             setting["training.compile_dropout"] = "false"
@@ -125,13 +150,29 @@ def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, ze
         f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
         f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
         f"logging.count_syncs_at_step={int(log_every) + 1}", "training.eval_every=0", "checkpoint.save_every=0",
-        "checkpoint.export_portable=false", "checkpoint.resume=never", "logging.print_samples=0",
-        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
+        "checkpoint.save_final=false", "checkpoint.export_portable=false", "checkpoint.resume=never",
+        "logging.print_samples=0", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+        "logging.progress_bar=false",
         *[f"{key}={value}" for key, value in setting.items()], *extra,
     ]  # fmt: skip
 
 
-def run_one(command: list[str], run_dir: Path, timeout: float) -> dict:
+# CompiledWithFallback's warning when compiling fails and the function runs eagerly instead.
+FALLBACK_WARNING = re.compile(r"torch\.compile of (?P<what>.+?) failed \((?P<why>.*)\); running it eagerly")
+FALLBACK_NAMES = {"block": "blocks", "dropout": "dropout", "loss": "loss"}  # a word of `what` -> the column
+
+
+def fallbacks(log_text: str) -> dict[str, str]:
+    """Short name -> cause of each compiled function that fell back to eager, from a run's log."""
+    found = {}
+    for match in FALLBACK_WARNING.finditer(log_text):
+        what = match.group("what")
+        name = next((short for word, short in FALLBACK_NAMES.items() if word in what), what.split()[-1])
+        found.setdefault(name, f"{what}: {match.group('why')}")
+    return found
+
+
+def run_one(command: list[str], run_dir: Path, timeout: float, positions_per_sample: int) -> dict:
     """One training run in its own session (so a timeout takes down its ranks too)."""
     env = dict(os.environ)
     if os.environ.get("PRETRAINED", "false") != "true":
@@ -166,15 +207,68 @@ def run_one(command: list[str], run_dir: Path, timeout: float) -> dict:
         "syncs": syncs[0]["count"] if syncs else None,
         "warmup_s": train[0]["step_time_s"] * train[0]["steps_in_window"],
         "loss": steady[-1]["loss"],
+        "positions_per_s": mean("samples_per_s") * positions_per_sample,
+        "fallbacks": fallbacks(log.read_text(errors="replace")),
     }
+
+
+def projector():
+    """``project_row`` of benchmarks/bench_projection.py (projected step time and MFU of a setting),
+    or None where that module is absent or broken (the table then shows what was measured)."""
+    if importlib.util.find_spec("bench_projection") is None:
+        return None
+    try:
+        from bench_projection import project_row
+    except Exception as error:  # a projection must not cost the measurement
+        print(f"projection unavailable ({type(error).__name__}: {error}): measured columns only", flush=True)
+        return None
+    return project_row
+
+
+def positions_per_sample(extra: list[str]) -> int:
+    """T, the positions of one sample: every one is computed (and counted by MFU), padding or not."""
+    from parallel_latent.config import load_config
+
+    return load_config(REPO / "configs" / "gpt2.yaml", extra).model.max_length
 
 
 def label(setting: dict) -> str:
     return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k != "training.compile_dropout")
 
 
+def span(low: float, high: float, scale: float = 1.0) -> str:
+    return f"{low * scale:.0f}-{high * scale:.0f}"
+
+
+def print_table(rows: list[tuple[dict, dict]], project) -> None:
+    """The measured columns (the first nine keep their places: tests and readers parse them), then
+    positions/s, what fell back to eager, the ZeRO overlap setting, and the projection if any."""
+    projected = ["proj ms", "proj MFU %"] if project else []
+    print(f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} {'peak GiB':>8} "
+          f"{'syncs':>5} {'warm-up s':>9} {'positions/s':>12} {'fallback':>15} {'zero_ovl':>8}"
+          + "".join(f" {name:>10}" for name in projected))  # fmt: skip
+    for setting, r in rows:
+        cells = [
+            f"{setting['model.dropout']:>7}", f"{setting['training.micro_batch_size']:>5}",
+            f"{setting.get('training.compile', 'false'):>7}", f"{r['tokens_per_s']:>12,.0f}", f"{r['step_ms']:>8.1f}",
+            f"{r['mfu'] * 100:>6.1f}", f"{r['peak_gib']:>8.2f}", f"{r['syncs'] if r['syncs'] is not None else '-':>5}",
+            f"{r['warmup_s']:>9.1f}", f"{r['positions_per_s']:>12,.0f}", f"{','.join(r['fallbacks']) or '-':>15}",
+            f"{setting.get('parallel.zero_overlap_comm', '-'):>8}",
+        ]  # fmt: skip
+        if project:
+            p = project(setting)
+            cells += [f"{span(p['step_ms_overlapped'], p['step_ms_summed']) if p else '-':>10}",
+                      f"{span(p['mfu_summed'], p['mfu_overlapped'], 100) if p else '-':>10}"]  # fmt: skip
+        print(" ".join(cells))
+    for setting, r in rows:
+        for cause in r["fallbacks"].values():
+            print(f"fell back to eager in {label(setting)}: {cause}")
+
+
 def body(args, report: Report) -> None:
-    deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "420"))
+    # From gpu.sh's start where it says when that was (its import check and install count too).
+    started_ago = time.time() - float(os.environ.get("GPU_SH_STARTED_AT", time.time()))
+    deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "420")) - max(0.0, started_ago)
     run_timeout = float(os.environ.get("RUN_TIMEOUT_S", "180"))
     print_facts()
     gpus = visible_gpus()
@@ -188,15 +282,17 @@ def body(args, report: Report) -> None:
     tp = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("parallel.tensor_parallel=")), 1)
     zero_stage = 2 if nproc // tp == 1 else 1  # at DP=1 ZeRO 1 and 2 do the same; else the cheaper one
     compile_ok = compiled_dropout_matches_eager() if not args.quick else True
+    positions = positions_per_sample(extra)
     rows, unfinished = [], []
     with tempfile.TemporaryDirectory(prefix="parallel-latent-gpu-bench.") as scratch:
-        for index, setting in enumerate(settings(compile_ok, args.quick)):
+        for index, setting in enumerate(settings(compile_ok, args.quick, nproc // tp)):
             left = deadline - time.monotonic()
             if left < 5:
                 unfinished.append((setting, "not started: deadline reached"))
                 continue
             run_dir = Path(scratch) / f"run{index}"
-            result = run_one(train_command(setting, extra, run_dir, nproc, zero_stage), run_dir, min(run_timeout, left))
+            command = train_command(setting, extra, run_dir, nproc, zero_stage)
+            result = run_one(command, run_dir, min(run_timeout, left), positions)
             if "timeout" in result:
                 why = "deadline" if left <= run_timeout else "RUN_TIMEOUT_S"
                 unfinished.append((setting, f"ran out of time ({why}, {min(run_timeout, left):.0f} s)"))
@@ -209,22 +305,16 @@ def body(args, report: Report) -> None:
                 continue
             rows.append((setting, result))
             print(
-                f"{label(setting)}, steps {result['steps']}: {result['tokens_per_s']:,.0f} tokens/s, "
-                f"MFU {result['mfu'] * 100:.1f}%, peak {result['peak_gib']:.2f} GiB, syncs/step {result['syncs']}, "
-                f"first window {result['warmup_s']:.1f} s",
+                f"{label(setting)}, steps {result['steps']}: {result['tokens_per_s']:,.0f} tokens/s "
+                f"({result['positions_per_s']:,.0f} positions/s), MFU {result['mfu'] * 100:.1f}%, "
+                f"peak {result['peak_gib']:.2f} GiB, syncs/step {result['syncs']}, "
+                f"first window {result['warmup_s']:.1f} s"
+                + (f", fell back to eager: {', '.join(result['fallbacks'])}" if result["fallbacks"] else ""),
                 flush=True,
             )
     print(f"\nconfigs/gpt2.yaml, bf16, {nproc} process(es), ZeRO-{zero_stage}, dropout kernel "
           f"{'compiled' if compile_ok and gpus else 'eager'}:")  # fmt: skip
-    print(f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} {'peak GiB':>8} "
-          f"{'syncs':>5} {'warm-up s':>9}")  # fmt: skip
-    for setting, r in rows:
-        print(
-            f"{setting['model.dropout']:>7} {setting['training.micro_batch_size']:>5} "
-            f"{setting.get('training.compile', 'false'):>7} {r['tokens_per_s']:>12,.0f} {r['step_ms']:>8.1f} "
-            f"{r['mfu'] * 100:>6.1f} {r['peak_gib']:>8.2f} {r['syncs'] if r['syncs'] is not None else '-':>5} "
-            f"{r['warmup_s']:>9.1f}"
-        )
+    print_table(rows, projector())
     for setting, why in unfinished:
         print(f"not in the table: {label(setting)}: {why}")
     for setting, r in rows:
@@ -232,6 +322,7 @@ def body(args, report: Report) -> None:
         micro, dropout = int(setting["training.micro_batch_size"]), float(setting["model.dropout"])
         goal = MFU_GOALS.get(micro) if dropout > 0 and gpus and not args.quick else None
         report.figure(f"tokens/s, {name}", r["tokens_per_s"], "tokens/s")
+        report.figure(f"positions/s, {name}", r["positions_per_s"], "positions/s")
         report.figure(f"MFU, {name}", r["mfu"], "", at_least=goal)
         if r["syncs"] is not None:
             report.figure(f"host syncs per step, {name}", r["syncs"], "")

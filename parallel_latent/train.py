@@ -602,7 +602,7 @@ class Trainer:
         self.close()
         if stopped_by == "max_steps" and eval_step != self.step and training.eval_every:
             final_eval = self._evaluate_and_log()
-        if self.last_saved_step != self.step:
+        if self.last_saved_step != self.step and (stopped_by == "signal" or cfg.checkpoint.save_final):
             self._refuse_nonfinite_bf16(window)
             self.save()
         if stopped_by == "signal":

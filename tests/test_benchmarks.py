@@ -83,12 +83,17 @@ def test_benchmark_fails_without_figures(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == "bench_nothing: FAILED: no figures produced"
 
 
-def _run_all():
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts import `common` from beside them)."""
     sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("run_all", BENCHMARKS / "run_all.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _run_all():
+    return _benchmark("run_all")
 
 
 def test_page_of_figures_is_rendered_from_the_committed_results():
@@ -158,3 +163,45 @@ def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path):
     assert unfinished and "ran out of time (deadline" in unfinished[0]
     assert all("not started: deadline reached" in line for line in unfinished[1:])
     assert elapsed < deadline + 30, elapsed  # the deadline, plus start-up of Python and the table
+
+
+def test_gpu_matrix_runs_the_compile_row_last_and_both_zero_overlap_settings_with_data_parallel_ranks():
+    bench_gpu = _benchmark("bench_gpu")
+    one_rank = bench_gpu.settings(compile_ok=True, quick=False, data_parallel=1)
+    assert [s.get("training.compile") for s in one_rank] == [None] * 4 + ["true"]
+    assert not any("parallel.zero_overlap_comm" in s for s in one_rank)
+    two_ranks = bench_gpu.settings(compile_ok=True, quick=False, data_parallel=2)
+    assert [s["parallel.zero_overlap_comm"] for s in two_ranks] == ["on", "off"] * 5
+    assert [{k: v for k, v in s.items() if k != "parallel.zero_overlap_comm"} for s in two_ranks[::2]] == one_rank
+
+
+def test_gpu_table_names_what_fell_back_and_shows_a_projection_beside_the_measurement(caplog, capsys):
+    """The warning of a real failed compile (CompiledWithFallback's) marks the row; a projection
+    module's figures, where one is importable, stand beside the measured ones."""
+    import torch
+
+    from parallel_latent.parallel.utils import CompiledWithFallback
+
+    def breaks_the_graph(x):
+        torch._dynamo.graph_break()  # under fullgraph=True: compiling fails, eager runs
+        return x + 1
+
+    with caplog.at_level("WARNING"):
+        assert CompiledWithFallback(breaks_the_graph, "the Perceiver blocks")(torch.ones(2)).tolist() == [2.0, 2.0]
+    bench_gpu = _benchmark("bench_gpu")
+    fell_back = bench_gpu.fallbacks(caplog.text)
+    assert list(fell_back) == ["blocks"] and fell_back["blocks"].startswith("the Perceiver blocks: ")
+
+    setting = {"model.dropout": "0.1", "training.micro_batch_size": "256", "training.compile": "true"}
+    measured = {"tokens_per_s": 1e6, "step_ms": 55.0, "mfu": 0.3, "peak_gib": 40.0, "syncs": 0, "warmup_s": 9.0,
+                "positions_per_s": 3e6, "fallbacks": fell_back}  # fmt: skip
+    projection = {"step_ms_overlapped": 49.2, "step_ms_summed": 60.4, "mfu_overlapped": 0.31, "mfu_summed": 0.26}
+    bench_gpu.print_table([(setting, measured)], lambda s: projection if s == setting else None)
+    header, row, note = capsys.readouterr().out.splitlines()
+    assert header.split()[-5:] == ["proj", "ms", "proj", "MFU", "%"] and "positions/s" in header
+    assert row.split() == ["0.1", "256", "true", "1,000,000", "55.0", "30.0", "40.00", "0", "9.0", "3,000,000",
+                           "blocks", "-", "49-60", "26-31"]  # fmt: skip
+    assert note.startswith("fell back to eager in dropout=0.1, micro_batch_size=256, compile=true: the Perceiver")
+    bench_gpu.print_table([(setting, {**measured, "fallbacks": {}})], None)  # no projection module: measured only
+    header, row = capsys.readouterr().out.splitlines()
+    assert "proj" not in header and row.split()[-3:] == ["3,000,000", "-", "-"]

@@ -128,6 +128,11 @@ def max_abs(tensors) -> float:
     return max((t.detach().abs().max().item() for t in tensors if t is not None and t.numel()), default=0.0)
 
 
+# torch 2.13 renamed the tensor collectives; where the new name is missing (torch 2.11) the project
+# calls the old one, logged under the new name so that every count reads the same on both.
+RENAMED_COLLECTIVES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+
+
 def count_collectives(monkeypatch_target=dist):
     """Wrap torch.distributed collectives; returns (log, restore). Each entry: (name, numel, op)."""
     log = []
@@ -142,10 +147,14 @@ def count_collectives(monkeypatch_target=dist):
         "all_gather_single",
         "reduce_scatter_single",
     ):
-        fn = getattr(monkeypatch_target, name)
+        fn = getattr(monkeypatch_target, name, None)
+        if fn is None:  # a name this torch does not have
+            continue
         originals[name] = fn
+        new_name = RENAMED_COLLECTIVES.get(name, name)
+        logged = name if hasattr(monkeypatch_target, new_name) else new_name
 
-        def wrapped(tensor_or_list, *args, _fn=fn, _name=name, **kwargs):
+        def wrapped(tensor_or_list, *args, _fn=fn, _name=logged, **kwargs):
             tensor = tensor_or_list if isinstance(tensor_or_list, torch.Tensor) else args[0]
             op = kwargs.get("op")
             log.append((_name, tensor.numel(), str(op) if op is not None else "SUM"))

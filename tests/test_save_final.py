@@ -1,0 +1,41 @@
+"""`checkpoint.save_final=false` (what the GPU benchmark sets): a run that reaches max_steps writes
+no checkpoint; a stop by a signal still writes one. A real Trainer in this process (one rank, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer_runs import TINY, TINY_CONFIG
+
+
+@pytest.fixture
+def trainer_without_final_save(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from parallel_latent.config import load_config
+    from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.train import Trainer
+
+    def build(run_dir, max_steps):
+        overrides = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={run_dir}", "logging.print_samples=0"]
+        no_saves = ["checkpoint.save_every=0", "checkpoint.save_final=false"]
+        cfg = load_config(TINY_CONFIG, [*overrides, *no_saves, f"training.max_steps={max_steps}"])
+        return Trainer(cfg)
+
+    yield build
+    destroy_distributed()
+
+
+def test_no_final_checkpoint_at_max_steps_but_one_on_a_signal(trainer_without_final_save, tmp_path):
+    from parallel_latent.train import StopRequest
+
+    finished = trainer_without_final_save(tmp_path / "finished", 2).run(StopRequest())
+    assert finished.stopped_by == "max_steps" and finished.step == 2
+    assert finished.checkpoint is None
+    assert not list((tmp_path / "finished").glob("checkpoints/step_*"))
+
+    stop = StopRequest()
+    stop.signal_name = "SIGTERM"  # what the handler sets when the signal arrives
+    stopped = trainer_without_final_save(tmp_path / "stopped", 3).run(stop)
+    assert stopped.stopped_by == "signal"  # the flag is agreed on a few steps later: any step
+    latest = (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{stopped.step:08d}"
