@@ -212,17 +212,54 @@ def run_one(command: list[str], run_dir: Path, timeout: float, positions_per_sam
     }
 
 
-def projector():
-    """``project_row`` of benchmarks/bench_projection.py (projected step time and MFU of a setting),
-    or None where that module is absent or broken (the table then shows what was measured)."""
+PROJECT_ROWS = (
+    "import json, sys\n"
+    "from bench_projection import project_row\n"
+    "rows = [project_row(setting, quick=sys.argv[2] == '1') for setting in json.loads(sys.argv[1])]\n"
+    "print(json.dumps(rows))\n"
+)
+
+
+class BackgroundProjection:
+    """The projected step time and MFU of every setting (``project_row`` of
+    benchmarks/bench_projection.py), computed while the GPU runs, in a process that sees no GPU: its
+    DeepSpeed step runs on the CPU and must share neither this process's CUDA context nor its
+    DeepSpeed accelerator, nor the runs' cores beyond a few threads."""
+
+    def __init__(self, settings: list[dict], quick: bool):
+        self.settings = settings
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PROJECT_ROWS, json.dumps(settings), "1" if quick else "0"],
+            cwd=Path(__file__).resolve().parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+
+    def lookup(self, timeout: float):
+        """``setting -> projection or None``, or None when the projection did not finish in ``timeout``
+        seconds or failed (the table then shows what was measured)."""
+        try:
+            out, _ = self.process.communicate(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.communicate()
+            print("projection: not finished within the deadline; measured columns only", flush=True)
+            return None
+        lines = out.strip().splitlines()
+        if self.process.returncode != 0 or not lines:
+            print(f"projection failed (exit {self.process.returncode}); measured columns only", flush=True)
+            return None
+        projected = {
+            json.dumps(s, sort_keys=True): row for s, row in zip(self.settings, json.loads(lines[-1]), strict=True)
+        }
+        return lambda setting: projected.get(json.dumps(setting, sort_keys=True))
+
+
+def start_projection(settings: list[dict], quick: bool) -> BackgroundProjection | None:
+    """A :class:`BackgroundProjection` where benchmarks/bench_projection.py is importable."""
     if importlib.util.find_spec("bench_projection") is None:
         return None
-    try:
-        from bench_projection import project_row
-    except Exception as error:  # a projection must not cost the measurement
-        print(f"projection unavailable ({type(error).__name__}: {error}): measured columns only", flush=True)
-        return None
-    return project_row
+    return BackgroundProjection(settings, quick)
 
 
 def positions_per_sample(extra: list[str]) -> int:
@@ -284,8 +321,10 @@ def body(args, report: Report) -> None:
     compile_ok = compiled_dropout_matches_eager() if not args.quick else True
     positions = positions_per_sample(extra)
     rows, unfinished = [], []
+    matrix = settings(compile_ok, args.quick, nproc // tp)
+    projection = start_projection(matrix, args.quick)
     with tempfile.TemporaryDirectory(prefix="parallel-latent-gpu-bench.") as scratch:
-        for index, setting in enumerate(settings(compile_ok, args.quick, nproc // tp)):
+        for index, setting in enumerate(matrix):
             left = deadline - time.monotonic()
             if left < 5:
                 unfinished.append((setting, "not started: deadline reached"))
@@ -314,7 +353,7 @@ def body(args, report: Report) -> None:
             )
     print(f"\nconfigs/gpt2.yaml, bf16, {nproc} process(es), ZeRO-{zero_stage}, dropout kernel "
           f"{'compiled' if compile_ok and gpus else 'eager'}:")  # fmt: skip
-    print_table(rows, projector())
+    print_table(rows, projection.lookup(deadline - time.monotonic()) if projection else None)
     for setting, why in unfinished:
         print(f"not in the table: {label(setting)}: {why}")
     for setting, r in rows:
