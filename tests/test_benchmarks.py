@@ -180,7 +180,7 @@ def test_gpu_table_names_what_fell_back_and_shows_a_projection_beside_the_measur
     module's figures, where one is importable, stand beside the measured ones."""
     import torch
 
-    from parallel_latent.parallel.utils import CompiledWithFallback
+    from parallel_latent.parallel.compile import CompiledWithFallback
 
     def breaks_the_graph(x):
         torch._dynamo.graph_break()  # under fullgraph=True: compiling fails, eager runs

@@ -2,7 +2,9 @@
 coordinate-keyed dropout and the vocabulary-parallel loss. Nothing here knows the Perceiver."""
 
 from .attention import ParallelAttention
+from .compile import CompiledWithFallback, CompileOutcome
 from .cross_entropy import LossKernels, vocab_parallel_argmax, vocab_parallel_cross_entropy
+from .dropout import DropoutRNG, ParallelDropout
 from .layers import (
     ColumnParallelLinear,
     ColumnParallelWeights,
@@ -21,7 +23,6 @@ from .mappings import (
     split_batch_and_gather,
 )
 from .mlp import ParallelMLP
-from .random import DropoutRNG, ParallelDropout
 from .state import (
     ModelParallelUnit,
     ParallelState,
@@ -33,8 +34,6 @@ from .state import (
     launcher_environment,
 )
 from .utils import (
-    CompiledWithFallback,
-    CompileOutcome,
     TensorParallelOptions,
     group_rank,
     group_size,

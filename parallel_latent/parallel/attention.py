@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dropout import DropoutRNG, ParallelDropout
 from .layers import ColumnParallelWeights, InitMethod, RowParallelLinear
 from .projection import Projection, column_parallel_projections
-from .random import DropoutRNG, ParallelDropout
 from .utils import SINGLE_PROCESS, TensorParallelOptions, divide, group_size
 
 

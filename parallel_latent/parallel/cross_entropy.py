@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .utils import CompiledWithFallback, group_rank, group_size
+from .compile import CompiledWithFallback
+from .utils import group_rank, group_size
 
 
 def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
@@ -202,6 +203,10 @@ def vocab_parallel_cross_entropy(
     temporary (default: :data:`CHUNK_ELEMENTS` elements' worth); ``kernels``: the per-chunk work,
     plain or compiled (:class:`LossKernels`).
     """
+    if not torch.is_grad_enabled():
+        # Evaluation (no autograd: other batch sizes, no backward) runs the chunks eagerly, as the
+        # compiled blocks do, so that it adds no compiled variant towards dynamo's recompile limit.
+        kernels = PLAIN_KERNELS
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index, tp_group, chunk_rows, kernels)
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dropout import DropoutRNG, ParallelDropout
 from .layers import ColumnParallelLinear, InitMethod, RowParallelLinear
-from .random import DropoutRNG, ParallelDropout
 from .utils import SINGLE_PROCESS, TensorParallelOptions
 
 

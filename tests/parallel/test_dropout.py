@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.parallel import DropoutRNG, ParallelDropout, initialize_model_parallel
-from parallel_latent.parallel.random import keep_mask
+from parallel_latent.parallel.dropout import keep_mask
 from tests.parallel.test_collectives import B, Block, D, T
 
 
@@ -101,7 +101,7 @@ def test_masks_differ_across_dp_and_agree_within_tp(pool4):
 
 def _reference_keep(row: int, column: int, p: float, key: tuple[int, int, int]) -> bool:
     """The same hash in plain Python integers: guards the int32 wrap-around arithmetic."""
-    from parallel_latent.parallel.random import _splitmix64
+    from parallel_latent.parallel.dropout import _splitmix64
 
     def mix(h):
         h ^= h >> 16
@@ -208,7 +208,7 @@ def test_device_layer_key_equals_the_host_reference():
     """The per-layer key derived on the device in wrapping int64 arithmetic is the host's uint64
     splitmix64 chain bit for bit, for keys of every width (the masks of v1 checkpoints, TP=N ==
     TP=1 and resume depend on it)."""
-    from parallel_latent.parallel.random import _as_int64, device_layer_key, layer_key, step_key
+    from parallel_latent.parallel.dropout import _as_int64, device_layer_key, layer_key, step_key
 
     draw = random.Random(0)
     widths = (8, 31, 32, 33, 62, 63, 64)  # random values with their top bit w - 1 set: >= 2**31, 2**63
