@@ -312,6 +312,7 @@ def trace_optimizer_step(quick: bool) -> StepTracer:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
     from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.startup import start_run
     from parallel_latent.train import Trainer
 
     tracer = StepTracer()
@@ -328,7 +329,7 @@ def trace_optimizer_step(quick: bool) -> StepTracer:
             "checkpoint.resume=never", "training.device=cpu",
             "optimizer.fused=on",  # what CUDA runs (torch's fused AdamW, one pass per group): the CPU has it too
         ]  # fmt: skip
-        trainer = Trainer(load_config(REPO / "configs" / "gpt2.yaml", overrides))
+        trainer = Trainer(start_run(load_config(REPO / "configs" / "gpt2.yaml", overrides)))
         try:
             trainer.train_step()  # builds the optimizer's state
             engine_step = trainer.engine.step

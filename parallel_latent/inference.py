@@ -11,7 +11,15 @@ from parallel_latent.config import config_from_dict
 from parallel_latent.data import build_datasets, get_batch, tokenize_samples
 from parallel_latent.errors import UsageError
 from parallel_latent.model import eval_mode
-from parallel_latent.quality import corpus_bleu, detokenize, output_totals, reconstruction_metrics
+from parallel_latent.quality import (
+    NUM_STATS,
+    SAMPLES,
+    TOKENS,
+    corpus_bleu,
+    detokenize,
+    output_totals,
+    reconstruction_metrics,
+)
 
 
 @torch.no_grad()
@@ -22,23 +30,23 @@ def evaluate_ids(
     reconstructions against the inputs as the model saw them, for tokenised samples [N, T]
     (``truncated``: how many of them were cut to ``max_length`` tokens, reported as is)."""
     model, tokenizer = autoencoder.model, autoencoder.tokenizer
-    totals = torch.zeros(4, dtype=torch.float64)
+    totals = torch.zeros(NUM_STATS, dtype=torch.float64)
     references, hypotheses = [], []
     with eval_mode(model):
         for start in range(0, input_ids.shape[0], batch_size):
             ids = input_ids[start : start + batch_size].to(autoencoder.device)
             mask = attention_mask[start : start + batch_size].to(autoencoder.device)
             out = model(ids, mask, return_predictions=True)
-            totals += output_totals(out).cpu()
+            totals[:SAMPLES] += output_totals(out).cpu()
+            totals[SAMPLES] += ids.shape[0]
             references += detokenize(tokenizer, ids, mask)
             hypotheses += detokenize(tokenizer, out.predictions, mask)
     n = input_ids.shape[0]
-    loss_sum, tokens, correct, exact = totals.tolist()
     return {
         "samples": n,
-        "tokens": int(tokens),
+        "tokens": int(totals[TOKENS]),
         "truncated": int(truncated),
-        **reconstruction_metrics(loss_sum, tokens, correct, exact, n),
+        **reconstruction_metrics(*totals.tolist()),
         "bleu": corpus_bleu(hypotheses, references) if n else None,
     }
 

@@ -1,5 +1,7 @@
-"""Training metrics: the FLOP count behind MFU, peak device throughput, peak memory, and the
-run's metric sinks (``metrics.jsonl``, TensorBoard, the progress bar).
+"""Training metrics: the FLOP count behind MFU, peak device throughput, peak memory, the run's
+metric sinks (``metrics.jsonl``, TensorBoard, the progress bar) and what the trainer reports
+through them: the window of steps between two log lines and its record, the start-up banner, the
+closing summary, and the count of host synchronisations of one step.
 
 Only rank 0 writes; every number it writes is already agreed on by all ranks (the trainer
 reduces counts over the data-parallel group before logging).
@@ -12,21 +14,31 @@ import math
 import os
 import resource
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parallel_latent.config import Config
+from parallel_latent.model.features import random_features_notice
 
 __all__ = [
     "PEAK_FLOPS_ENV",
     "MetricsLogger",
+    "Window",
+    "banner_lines",
+    "counting_syncs",
     "finite_or_none",
     "model_flops_per_sample",
     "peak_flops_per_device",
     "peak_memory_bytes",
     "read_metrics",
+    "summary_text",
+    "train_record",
 ]
 
 PEAK_FLOPS_ENV = "PARALLEL_LATENT_PEAK_FLOPS"
@@ -286,3 +298,144 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+# --------------------------------------------------------------------------- #
+# What the trainer reports.
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Window:
+    """Statistics accumulated between two log lines. Throughput counts every step (host numbers);
+    loss, accuracy and exact match (this rank's, on the device) count only the steps that were
+    applied (a skipped step's non-finite loss would turn the window's means into NaN)."""
+
+    stats: torch.Tensor  # the statistics vector (parallel_latent.quality's layout) on the device
+    steps: int = 0
+    seconds: float = 0.0
+    tokens_processed: float = 0.0
+    samples_processed: float = 0.0
+
+    def add(self, outcome: Any, seconds: float) -> None:
+        """One step's outcome (``stats``, ``applied``, ``tokens``, ``samples``) and its time."""
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens_processed += outcome.tokens
+        self.samples_processed += outcome.samples
+        if outcome.applied:
+            self.stats += outcome.stats
+
+
+def train_record(window: Window, totals: list[float], **facts: Any) -> dict[str, Any]:
+    """The ``train`` line of metrics.jsonl for a window whose statistics, summed over the world, are
+    ``totals``. ``facts``: step, lr, grad_norm, skipped_steps, flops_per_sample, world_size,
+    peak_flops, memory_bytes."""
+    seconds = max(window.seconds, 1e-9)
+    samples_per_s = window.samples_processed / seconds
+    model_flops_per_s = facts["flops_per_sample"] * samples_per_s
+    loss_sum, tokens, correct, exact, samples = totals
+    finite = tokens > 0
+    grad_norm = facts["grad_norm"]
+    return {
+        "kind": "train",
+        "step": facts["step"],
+        "loss": loss_sum / tokens if finite else math.nan,
+        "token_accuracy": correct / tokens if finite else math.nan,
+        "exact_match": exact / samples if finite else math.nan,
+        "lr": facts["lr"],
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens": int(window.tokens_processed),  # non-pad tokens of the window, all ranks
+        "samples": int(window.samples_processed),
+        "tokens_per_s": window.tokens_processed / seconds,
+        "samples_per_s": samples_per_s,
+        "step_time_s": seconds / window.steps,
+        "mfu": model_flops_per_s / (facts["world_size"] * facts["peak_flops"]),
+        "model_tflops_per_device": model_flops_per_s / facts["world_size"] / 1e12,
+        "peak_memory_gb": facts["memory_bytes"] / 2**30,  # this rank (rank 0)
+        "skipped_steps": facts["skipped_steps"],
+        "steps_in_window": window.steps,
+    }
+
+
+def progress_postfix(record: dict[str, Any]) -> dict[str, str]:
+    return {
+        "loss": f"{record['loss']:.4f}",
+        "acc": f"{record['token_accuracy']:.3f}",
+        "tok/s": f"{record['tokens_per_s']:.0f}",
+    }
+
+
+def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source: str) -> list[str]:
+    """What rank 0 prints at start-up: the layout, the data, the batch, the trainable parameters,
+    how gradients are reduced, random features, the TP switches, the MFU peak on a CPU."""
+    s, cfg = run.state, run.cfg
+    lines = [
+        f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
+        f"{cfg.parallel.zero_stage}, {cfg.training.precision}, {run.device_kind}; "
+        f"{len(run.train_set)} train / {len(run.eval_set)} held-out samples of {cfg.model.max_length} tokens; "
+        f"global batch {global_batch}; {trainable:,} trainable parameters on rank 0; run dir {run.run_dir}"
+    ]
+    zero = run.bundle.config["zero_optimization"]
+    reduce_dtype = run.bundle.config.get("communication_data_type", cfg.training.precision)
+    lines.append(
+        f"data parallelism: gradients reduced in {reduce_dtype}"
+        + (f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}" if zero["stage"] else "")
+    )
+    if not cfg.feature_model.pretrained:
+        lines.append(random_features_notice(cfg.feature_model))
+    if s.tp_size > 1:
+        lines.append(f"tensor parallelism: {tp_options_line(cfg, run.model)}")
+    if run.device_kind == "cpu":
+        lines.append(f"MFU peak: {peak_flops_source}")
+    return lines
+
+
+def tp_options_line(cfg: Config, model: Any) -> str:
+    if model.split_feature_model:
+        features = "frozen feature pass split over the TP group (one all-gather of the features)"
+    elif not cfg.feature_model.frozen:
+        features = "feature pass replicated on every TP rank (the feature model trains)"
+    else:
+        features = "feature pass replicated on every TP rank (parallel.split_feature_model=false)"
+    sequence = "sequence parallel" if model.sequence_parallel else "no sequence parallelism"
+    overlap = "backward collective overlapped" if cfg.parallel.tp_overlap_comm else "backward collective not overlapped"
+    return f"{features}; {sequence}; {overlap}"
+
+
+def summary_text(result: Any) -> str:
+    """What rank 0 prints when training ends (``result``: a TrainResult)."""
+    lines = [f"done: {result.step} steps in {result.wall_time_s:.0f} s ({result.skipped_steps} skipped)"]
+    if result.final_eval:
+        e = result.final_eval
+        lines.append(
+            f"held-out: loss {e['eval_loss']:.4f}, token accuracy {e['eval_token_accuracy']:.4f}, "
+            f"exact match {e['eval_exact_match']:.4f}, BLEU {e['eval_bleu']:.2f}"
+        )
+    if result.reconstructions:
+        lines.append("held-out samples, as the model saw them, and their reconstructions:")
+    for original, reconstructed in result.reconstructions:
+        lines.append(f"  input:         {original}")
+        lines.append(f"  reconstructed: {reconstructed}")
+    if result.checkpoint:
+        lines.append(f"checkpoint: {result.checkpoint}")
+    return "\n".join(lines)
+
+
+@contextmanager
+def counting_syncs(enabled: bool, device: torch.device, logger: MetricsLogger, step: int) -> Iterator[None]:
+    """On CUDA, count the host-device synchronisations of the enclosed step (torch warns at each
+    one in its sync debug mode) and log them with their first sources (kind ``syncs``)."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    sources = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    logger.write({"kind": "syncs", "step": step, "count": len(syncs), "sources": sources[:20]})

@@ -15,6 +15,12 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "CORRECT",
+    "EXACT",
+    "LOSS_SUM",
+    "NUM_STATS",
+    "SAMPLES",
+    "TOKENS",
     "corpus_bleu",
     "detokenize",
     "output_totals",
@@ -23,6 +29,12 @@ __all__ = [
     "reconstruction_records",
     "truncation_note",
 ]
+
+
+# The statistics vector of evaluation and of the trainer's steps (float64: exact integer counts up to
+# 2**53): what :func:`output_totals` returns, then the samples.
+LOSS_SUM, TOKENS, CORRECT, EXACT, SAMPLES = range(5)
+NUM_STATS = 5
 
 
 def output_totals(out) -> torch.Tensor:

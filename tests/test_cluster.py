@@ -39,7 +39,7 @@ def load_twice(gpt2_dir: str, tokenizer_dir: str, log: str) -> tuple[int, int]:
     from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, TokenizerConfig
     from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
     from parallel_latent.parallel import initialize_model_parallel
-    from parallel_latent.train import build_model_once_per_node, load_tokenizer_once_per_node
+    from parallel_latent.startup import build_model_once_per_node, load_tokenizer_once_per_node
 
     state = initialize_model_parallel(1)
     rank = state.rank

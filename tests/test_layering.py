@@ -96,6 +96,8 @@ LIBRARY_DOES_NOT_IMPORT = {
     "inference.py": ("parallel_latent.api", "parallel_latent.cli"),
     "api.py": ("parallel_latent.cli", "parallel_latent.inference"),
     "train.py": ("parallel_latent.cli", "parallel_latent.api"),
+    "startup.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.evaluation"),
+    "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
 }
 
 

@@ -33,11 +33,12 @@ def trainer(request, tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
     from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.startup import start_run
     from parallel_latent.train import Trainer
 
     overrides = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={tmp_path / 'run'}", "training.max_steps=10"]
     cfg = load_config(TINY_CONFIG, [*overrides, f"model.dropout={request.param}", "training.grad_accum_steps=2"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(start_run(cfg))
     yield trainer
     trainer.close()
     trainer.logger.close()

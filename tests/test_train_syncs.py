@@ -32,9 +32,10 @@ OVERRIDES = [
 
 def build_trainer(run_dir: str, *extra: str):
     from parallel_latent.config import load_config
+    from parallel_latent.startup import start_run
     from parallel_latent.train import Trainer
 
-    return Trainer(load_config(TINY_CONFIG, [*OVERRIDES, f"logging.run_dir={run_dir}", *extra]))
+    return Trainer(start_run(load_config(TINY_CONFIG, [*OVERRIDES, f"logging.run_dir={run_dir}", *extra])))
 
 
 def host_step_counters(trainer) -> list[torch.Tensor]:

@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not under_launcher():
         if args.nproc and args.nproc > 1:
             # Validate here, in one process, so bad input costs one line and no launch.
-            from parallel_latent.train import preflight
+            from parallel_latent.startup import preflight
 
             preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
             _check_local_devices(cfg, args.nproc)

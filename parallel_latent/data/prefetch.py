@@ -20,7 +20,7 @@ import torch
 from parallel_latent.data.prepared import get_batch, token_count
 from parallel_latent.data.sampler import ShardedBatchSampler
 
-__all__ = ["BatchPrefetcher", "StepBatches"]
+__all__ = ["BatchPrefetcher", "StepBatches", "to_device"]
 
 
 @dataclass
@@ -78,3 +78,12 @@ class BatchPrefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's ids and mask on ``device``. Pinned host memory (the prefetcher's, on a GPU) copies
+    without blocking the host."""
+    return (
+        batch["input_ids"].to(device, non_blocking=True),
+        batch["attention_mask"].to(device, non_blocking=True),
+    )

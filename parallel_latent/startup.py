@@ -1,0 +1,194 @@
+"""Start-up of a training job, on every rank: the checks that need no process group, the process
+groups, the tokenizer and the model once per node, the choice of checkpoint to resume (rank 0's,
+for every rank) with its global batch kept, the data, the DeepSpeed engine, and the run's first
+files. :func:`start_run` returns a :class:`Run`, which the trainer takes; nothing is written before
+every check has passed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from parallel_latent.checkpoint import (
+    checkpoints_dir,
+    find_latest_checkpoint,
+    remove_unfinished_saves,
+    resolve_checkpoint,
+    saved_client_state,
+)
+from parallel_latent.config import Config, ConfigError, keep_global_batch, save_config, validate_world
+from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
+from parallel_latent.data import build_datasets, check_source
+from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from parallel_latent.model import build_model
+from parallel_latent.model.features import random_features_unannounced
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+
+__all__ = [
+    "Run",
+    "checkpoint_to_resume",
+    "planned_resume",
+    "preflight",
+    "start_run",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Checks that need no process group (the CLI runs them before launching ranks).
+# --------------------------------------------------------------------------- #
+
+
+def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
+    """Everything about ``cfg`` that can be checked without building anything: the world size
+    against TP and the batch sizes, the device, the data path, the checkpoint to resume.
+    Raises ConfigError / DataError with one line; writes nothing."""
+    validate_world(cfg, world_size, source, processes_per_node)
+    resolve_device(cfg, source)
+    check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
+    run_dir = Path(cfg.logging.run_dir)
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"{source}: logging.run_dir={run_dir}: {blocking} is a file, not a directory")
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        existing = checkpoints_dir(cfg.logging.run_dir)
+        if existing.is_dir() and any(p.name.startswith("step_") for p in existing.iterdir()):
+            raise ConfigError(
+                f"{source}: checkpoint.resume=never but {existing} already holds checkpoints; "
+                "choose another logging.run_dir or resume with checkpoint.resume=auto"
+            )
+    elif resume != "auto" and not Path(resume).exists():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
+    elif resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
+    # A checkpoint whose global batch cannot be kept on this many processes: one line now, before
+    # any rank starts (the trainer makes the same plan from rank 0's choice of checkpoint).
+    planned_resume(cfg, world_size, checkpoint_to_resume(cfg))
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names, as this process sees it: ``auto`` = the run
+    directory's latest complete one (None if there is none), ``never`` = None, else that path."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest_checkpoint(checkpoints_dir(cfg.logging.run_dir))
+    return resolve_checkpoint(resume)
+
+
+def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
+    """``cfg`` for continuing from ``path`` on ``world_size`` processes: the checkpoint's global
+    batch kept (micro-batch and accumulation chosen for the new data-parallel size), and the line
+    that says so; ConfigError (one line) when it cannot be kept. Unchanged without a checkpoint."""
+    if path is None:
+        return cfg, None
+    sampler = saved_client_state(path).get("sampler") or {}
+    if "global_batch_size" not in sampler:
+        return cfg, None
+    return keep_global_batch(cfg, world_size, int(sampler["global_batch_size"]), str(path))
+
+
+def require_shared_run_dir(run_dir: Path, source: str) -> None:
+    """Checkpoints are written by every rank into one directory tree and published by rank 0; a
+    run directory on node-local disks (or a relative path from different working directories)
+    would be a different directory per node, and the job would hang at its first save or resume.
+    Refuse it at start-up, in seconds, on every rank (collective). Nothing is created: the probe
+    goes into the nearest existing ancestor and is removed."""
+    probe_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not directory_is_shared(probe_dir):
+        raise ConfigError(
+            f"{source}: logging.run_dir={run_dir} is not one directory for all ranks (node-local disks, or a "
+            "relative path from different working directories): put the run directory on a file system "
+            "every node shares"
+        )
+
+
+def load_tokenizer_once_per_node(cfg: Config):
+    """The tokenizer, fetched by the first process of each node before the others look for it in
+    the (node-local) hub cache: one download per node instead of one per rank."""
+    with main_first(per_node=True):
+        return load_tokenizer(cfg.tokenizer)
+
+
+def build_model_once_per_node(cfg: Config, tp_group):
+    """The model; a pretrained feature model is fetched from the hub by the first process of each
+    node before the others read it from the cache. Random features are said once, in the banner."""
+    with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
+        return build_model(cfg, tp_group)
+
+
+@dataclass
+class Run:
+    """What a training job is made of, built once by :func:`start_run` (the same on every rank but
+    for each rank's own slices and samples)."""
+
+    cfg: Config  # the tokenizer's facts applied, the checkpoint's global batch kept
+    source: str  # where the config came from (named by every one-line error)
+    state: ParallelState
+    tokenizer: Any
+    tokenizer_facts: dict
+    resume_path: Path | None  # rank 0's choice, for every rank
+    batch_note: str | None  # how the checkpoint's global batch is kept, if that changed anything
+    train_set: Any
+    eval_set: Any
+    bundle: EngineBundle
+    device_kind: str  # "cpu" | "cuda"
+    started: float  # time.perf_counter() at the start
+
+    @property
+    def engine(self):
+        return self.bundle.engine
+
+    @property
+    def model(self):
+        return self.bundle.engine.module
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.logging.run_dir)
+
+    @property
+    def is_main(self) -> bool:
+        return self.state.rank == 0
+
+
+def start_run(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> Run:
+    """Everything a rank needs before its first step (collective: every rank calls it)."""
+    started = time.perf_counter()
+    launcher = launcher_environment()
+    preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
+    state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend)
+    if state.rank == 0:
+        # Before anything is written: a save killed half-way may have left the disk full.
+        for unfinished in remove_unfinished_saves(checkpoints_dir(cfg.logging.run_dir)):
+            print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
+    require_shared_run_dir(Path(cfg.logging.run_dir), source)
+
+    tokenizer = load_tokenizer_once_per_node(cfg)
+    facts = tokenizer_facts(tokenizer)
+    cfg = apply_tokenizer_facts(cfg, facts)
+    # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a rank that
+    # resumed and one that started fresh would wait for each other forever). Its global batch is
+    # kept, whatever the new layout: the run goes on as the same run.
+    path = checkpoint_to_resume(cfg) if is_main() else None
+    path = broadcast_value(None if path is None else str(path))
+    resume_path = None if path is None else Path(path)
+    cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
+    train_set, eval_set = build_datasets(cfg, tokenizer)
+    model = build_model_once_per_node(cfg, state.tp_group)
+    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
+    run = Run(
+        cfg, source, state, tokenizer, facts, resume_path, batch_note, train_set, eval_set, bundle,
+        resolve_device(cfg), started,
+    )  # fmt: skip
+    # Everything above may still fail on bad input; only now is anything written.
+    if run.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run.run_dir / "config.yaml")
+        (run.run_dir / "deepspeed_config.json").write_text(dump_deepspeed_config(bundle.config) + "\n")
+    return run
