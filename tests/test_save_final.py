@@ -13,13 +13,14 @@ def trainer_without_final_save(tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
     from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.startup import start_run
     from parallel_latent.train import Trainer
 
     def build(run_dir, max_steps):
         overrides = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={run_dir}", "logging.print_samples=0"]
         no_saves = ["checkpoint.save_every=0", "checkpoint.save_final=false"]
         cfg = load_config(TINY_CONFIG, [*overrides, *no_saves, f"training.max_steps={max_steps}"])
-        return Trainer(cfg)
+        return Trainer(start_run(cfg))
 
     yield build
     destroy_distributed()
