@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from parallel_latent.config import Config, ConfigError, ScheduleConfig, dp_size, resolved_global_batch_size
+from parallel_latent.config import Config, ConfigError, ScheduleConfig
 from parallel_latent.parallel import ModelParallelUnit
+from parallel_latent.world import dp_size, resolved_global_batch_size
 
 __all__ = [
     "EngineBundle",

@@ -1,6 +1,9 @@
-"""Held-out evaluation during training: when it is due, its numbers (loss, token accuracy, exact
-match, BLEU and the per-position accuracy, the same on every rank), the reconstructions it keeps
-and their file. The trainer asks :meth:`Evaluator.due` at every step; the evaluator decides.
+"""Held-out evaluation: the one loop that scores samples (:func:`score_samples`, used by the
+trainer's :class:`Evaluator` and by ``parallel-latent evaluate`` / ``save-pretrained`` through
+:mod:`parallel_latent.inference`), and the trainer's periodic evaluation: when it is due, its
+numbers (loss, token accuracy, exact match, BLEU and the per-position accuracy, the same on every
+rank), the reconstructions it keeps and their file. The trainer asks :meth:`Evaluator.due` at every
+step; the evaluator decides.
 """
 
 from __future__ import annotations
@@ -26,7 +29,30 @@ from parallel_latent.quality import (
     truncation_note,
 )
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "reconstruction_bleu", "score_samples"]
+
+
+def score_samples(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, device):
+    """The statistics vector (:mod:`parallel_latent.quality`'s layout, float64 on the host) and the
+    predicted ids of the samples [N, T], run through ``forward(ids, mask)`` (an AutoencoderOutput
+    with predictions) in batches of ``batch_size``, without autograd."""
+    stats = torch.zeros(NUM_STATS, dtype=torch.float64)
+    predictions = []
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            ids, mask = to_device({"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}, device)
+            out = forward(ids, mask)
+            stats[:SAMPLES] += output_totals(out).cpu()
+            stats[SAMPLES] += ids.shape[0]
+            predictions.append(out.predictions)
+    predicted = torch.cat(predictions) if predictions else input_ids.new_empty((0, input_ids.shape[1]))
+    return stats, predicted
+
+
+def reconstruction_bleu(records: list[dict]) -> float:
+    """Corpus BLEU of reconstruction records (:func:`quality.reconstruction_records`) against their inputs."""
+    return corpus_bleu([r["reconstruction"] for r in records], [r["input"] for r in records])
 
 
 class Evaluator:
@@ -57,23 +83,17 @@ class Evaluator:
         if total == 0:
             return None
         share = total // state.dp_size
-        start = state.dp_rank * share
-        stats = torch.zeros(NUM_STATS, dtype=torch.float64)
-        predictions = []
+        mine = get_batch(run.eval_set, list(range(state.dp_rank * share, (state.dp_rank + 1) * share)))
         run.engine.eval()
         try:
-            with torch.no_grad():
-                for offset in range(0, share, self.micro_batch):
-                    indices = list(range(start + offset, start + min(offset + self.micro_batch, share)))
-                    input_ids, attention_mask = to_device(get_batch(run.eval_set, indices), run.engine.device)
-                    out = run.engine(input_ids, attention_mask, return_predictions=True)
-                    stats[:SAMPLES] += output_totals(out).cpu()
-                    stats[SAMPLES] += len(indices)
-                    predictions.append(out.predictions)
+            stats, predictions = score_samples(
+                lambda ids, mask: run.engine(ids, mask, return_predictions=True),
+                mine["input_ids"], mine["attention_mask"], self.micro_batch, run.engine.device,
+            )  # fmt: skip
         finally:
             run.engine.train()
         totals = reduce_stats(stats, run.engine.device, state.tp_size)
-        predicted = self._gather_over_dp(torch.cat(predictions))
+        predicted = self._gather_over_dp(predictions)
         bleu = self._score_reconstructions(total, predicted, step)
         held_out = get_batch(run.eval_set, list(range(total)))
         metrics = reconstruction_metrics(*totals.tolist())
@@ -111,7 +131,7 @@ class Evaluator:
             records = reconstruction_records(
                 run.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), cut
             )
-            score[0] = corpus_bleu([r["reconstruction"] for r in records], [r["input"] for r in records])
+            score[0] = reconstruction_bleu(records)
             self.examples = records[: self.cfg.training.eval_reconstructions]
         dist.broadcast(score, src=0)
         return score.item()

@@ -10,44 +10,32 @@ from parallel_latent.checkpoint import PortableCheckpoint
 from parallel_latent.config import config_from_dict
 from parallel_latent.data import build_datasets, get_batch, tokenize_samples
 from parallel_latent.errors import UsageError
+from parallel_latent.evaluation import reconstruction_bleu, score_samples
 from parallel_latent.model import eval_mode
-from parallel_latent.quality import (
-    NUM_STATS,
-    SAMPLES,
-    TOKENS,
-    corpus_bleu,
-    detokenize,
-    output_totals,
-    reconstruction_metrics,
-)
+from parallel_latent.quality import TOKENS, reconstruction_metrics, reconstruction_records
 
 
-@torch.no_grad()
 def evaluate_ids(
     autoencoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int = 32, truncated: int = 0
 ) -> dict:
     """Loss per token, token accuracy, exact-match rate of whole sequences and corpus BLEU of the
     reconstructions against the inputs as the model saw them, for tokenised samples [N, T]
-    (``truncated``: how many of them were cut to ``max_length`` tokens, reported as is)."""
-    model, tokenizer = autoencoder.model, autoencoder.tokenizer
-    totals = torch.zeros(NUM_STATS, dtype=torch.float64)
-    references, hypotheses = [], []
+    (``truncated``: how many of them were cut to ``max_length`` tokens, reported as is), with the
+    trainer's evaluation loop (:func:`parallel_latent.evaluation.score_samples`)."""
+    model = autoencoder.model
     with eval_mode(model):
-        for start in range(0, input_ids.shape[0], batch_size):
-            ids = input_ids[start : start + batch_size].to(autoencoder.device)
-            mask = attention_mask[start : start + batch_size].to(autoencoder.device)
-            out = model(ids, mask, return_predictions=True)
-            totals[:SAMPLES] += output_totals(out).cpu()
-            totals[SAMPLES] += ids.shape[0]
-            references += detokenize(tokenizer, ids, mask)
-            hypotheses += detokenize(tokenizer, out.predictions, mask)
+        totals, predicted = score_samples(
+            lambda ids, mask: model(ids, mask, return_predictions=True),
+            input_ids, attention_mask, batch_size, autoencoder.device,
+        )  # fmt: skip
+    records = reconstruction_records(autoencoder.tokenizer, input_ids, attention_mask, predicted.cpu())
     n = input_ids.shape[0]
     return {
         "samples": n,
         "tokens": int(totals[TOKENS]),
         "truncated": int(truncated),
         **reconstruction_metrics(*totals.tolist()),
-        "bleu": corpus_bleu(hypotheses, references) if n else None,
+        "bleu": reconstruction_bleu(records) if n else None,
     }
 
 

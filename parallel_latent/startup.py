@@ -19,7 +19,7 @@ from parallel_latent.checkpoint import (
     resolve_checkpoint,
     saved_client_state,
 )
-from parallel_latent.config import Config, ConfigError, keep_global_batch, save_config, validate_world
+from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets, check_source
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
@@ -27,6 +27,7 @@ from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+from parallel_latent.world import keep_global_batch, validate_world
 
 __all__ = [
     "Run",

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.checkpoint import checkpoints_dir, load_training_checkpoint, save_training_checkpoint
-from parallel_latent.config import Config, resolved_global_batch_size
+from parallel_latent.config import Config
 from parallel_latent.data import ShardedBatchSampler
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches, to_device
 from parallel_latent.errors import ExitStatus
@@ -64,6 +64,7 @@ from parallel_latent.metrics import (
 )
 from parallel_latent.quality import LOSS_SUM, NUM_STATS, SAMPLES, output_totals
 from parallel_latent.startup import Run, preflight, start_run
+from parallel_latent.world import resolved_global_batch_size
 
 __all__ = ["NonFiniteTrainingError", "TrainResult", "Trainer", "preflight", "train"]
 

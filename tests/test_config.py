@@ -16,12 +16,10 @@ from parallel_latent.config import (
     build_dataclass,
     config_from_dict,
     config_to_dict,
-    dp_size,
     load_config,
-    resolved_global_batch_size,
     save_config,
-    validate_world,
 )
+from parallel_latent.world import dp_size, resolved_global_batch_size, validate_world
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -421,7 +419,7 @@ def test_an_integer_key_does_not_take_a_float_literal():
     ],
 )
 def test_resume_keeps_the_checkpoints_global_batch(world, tp, micro, saved, want):
-    from parallel_latent.config import keep_global_batch
+    from parallel_latent.world import keep_global_batch
 
     cfg = config_from_dict({"parallel": {"tensor_parallel": tp}, "training": {"micro_batch_size": micro}})
     kept, note = keep_global_batch(cfg, world, saved, "ck")
@@ -435,7 +433,7 @@ def test_resume_keeps_the_checkpoints_global_batch(world, tp, micro, saved, want
 
 
 def test_resume_refuses_what_cannot_be_kept_in_one_line():
-    from parallel_latent.config import keep_global_batch
+    from parallel_latent.world import keep_global_batch
 
     cfg = config_from_dict({"parallel": {"tensor_parallel": 1}})
     with pytest.raises(ConfigError, match=r"global batch of 16, which does not split over 3 data-parallel ranks"):

@@ -97,6 +97,7 @@ LIBRARY_DOES_NOT_IMPORT = {
     "api.py": ("parallel_latent.cli", "parallel_latent.inference"),
     "train.py": ("parallel_latent.cli", "parallel_latent.api"),
     "startup.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.evaluation"),
+    "world.py": ("parallel_latent.cli", "parallel_latent.engine", "parallel_latent.startup", "parallel_latent.train"),
     "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
 }
 
