@@ -44,14 +44,22 @@ def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> tor
 CHUNK_ELEMENTS = 2**25
 
 
-def _chunks(rows: int, local_vocab: int, chunk_rows: int | None) -> range:
+def _row_chunks(local_vocab: int, chunk_rows: int | None, *tensors: torch.Tensor):
+    """The tensors (rows first, all with the same number of rows) chunk by chunk of rows; one chunk
+    is the tensors themselves, without slicing them."""
+    rows = tensors[0].shape[0]
     step = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, local_vocab))
-    return range(0, rows, step), step
+    if step >= rows:
+        yield tensors
+        return
+    for first in range(0, rows, step):
+        yield tuple(t[first : first + step] for t in tensors)
 
 
-def _shifted_exp(logits, row_max, real: int, compute_dtype) -> torch.Tensor:
-    """exp(logits - max) of a chunk of rows, in ``compute_dtype``; padding columns get 0."""
-    exp_logits = torch.sub(logits, row_max.unsqueeze(-1).to(compute_dtype))
+def _shifted_exp(logits, row_max, real: int, compute_dtype, out=None) -> torch.Tensor:
+    """exp(logits - max) of a chunk of rows, in ``compute_dtype`` (into ``out`` when given, which
+    has that dtype); padding columns get 0."""
+    exp_logits = torch.sub(logits, row_max.unsqueeze(-1).to(compute_dtype), out=out)
     if real < logits.shape[-1]:
         exp_logits[..., real:].fill_(float("-inf"))  # (an assignment would build a tensor from Python data)
     return exp_logits.exp_()
@@ -68,10 +76,17 @@ def chunk_max_sum_exp(out_max, out_argmax, out_sum, logits, real: int, compute_d
 def chunk_grad_into(out, logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype) -> None:
     """Backward work of one chunk of rows: (softmax - one-hot of the target) x the incoming gradient,
     rounded once to ``out``'s dtype (the logits') and written straight into ``out``."""
-    softmax = _shifted_exp(logits, global_max, real, compute_dtype).div_(sum_exp[:, None])
+    # Logits already in the compute dtype (fp32 on a CPU): ``out`` itself is the one temporary,
+    # so the chunk allocates and touches no second buffer of its size.
+    in_place = out.dtype == compute_dtype
+    softmax = _shifted_exp(logits, global_max, real, compute_dtype, out=out if in_place else None)
+    softmax.div_(sum_exp[:, None])
     flat = torch.arange(softmax.shape[0], device=softmax.device)
     softmax[flat, targets] -= hits
-    torch.mul(softmax, scale[:, None], out=out)
+    if in_place:
+        softmax.mul_(scale[:, None])
+    else:
+        torch.mul(softmax, scale[:, None], out=out)
 
 
 @dataclass
@@ -134,7 +149,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The target logit is read from the logits themselves (exact in any dtype).
         target_logit = torch.gather(logits, -1, local_target.unsqueeze(-1)).squeeze(-1).to(compute_dtype)
         target_logit = torch.where(in_range, target_logit - global_max, torch.zeros_like(target_logit))
-        sums = torch.stack([local_sum * torch.exp(local_max - global_max), target_logit])
+        if group_size(group) > 1:  # each rank's sum to the global max (one rank: the same max)
+            local_sum = local_sum * torch.exp(local_max - global_max)
+        sums = torch.stack([local_sum, target_logit])
         sum_exp, target_logit = _reduce(sums, dist.ReduceOp.SUM, group)
 
         loss = torch.log(sum_exp) - target_logit
@@ -157,14 +174,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max, row_sum = global_max.reshape(-1), sum_exp.reshape(-1)
         targets, hits = local_target.reshape(-1), in_range.reshape(-1).to(compute_dtype)
         grad = torch.empty_like(logits)  # in the logits' dtype
-        grad_rows = grad.view(-1, local_vocab)
-        chunks, step = _chunks(rows.shape[0], local_vocab, ctx.chunk_rows)
-        for first in chunks:
-            chunk = slice(first, first + step)
-            ctx.kernels.grad(
-                grad_rows[chunk], rows[chunk], row_max[chunk], row_sum[chunk], targets[chunk], hits[chunk],
-                scale[chunk], ctx.real, compute_dtype,
-            )  # fmt: skip
+        each = _row_chunks(local_vocab, ctx.chunk_rows, grad.view(-1, local_vocab), rows, row_max, row_sum, targets,
+                           hits, scale)  # fmt: skip
+        for chunk in each:
+            ctx.kernels.grad(*chunk, ctx.real, compute_dtype)
         return grad, None, None, None, None, None, None
 
 
@@ -179,11 +192,10 @@ def _local_max_and_sum(logits, real: int, chunk_rows, kernels, compute_dtype):
     local_argmax = torch.empty(shape, dtype=torch.long, device=logits.device)
     local_sum = torch.empty(shape, dtype=compute_dtype, device=logits.device)
     rows = logits.reshape(-1, logits.shape[-1])
-    max_rows, argmax_rows, sum_rows = local_max.view(-1), local_argmax.view(-1), local_sum.view(-1)
-    chunks, step = _chunks(rows.shape[0], logits.shape[-1], chunk_rows)
-    for first in chunks:
-        chunk = slice(first, first + step)
-        kernels.sum_exp(max_rows[chunk], argmax_rows[chunk], sum_rows[chunk], rows[chunk], real, compute_dtype)
+    each = _row_chunks(logits.shape[-1], chunk_rows, local_max.view(-1), local_argmax.view(-1), local_sum.view(-1),
+                       rows)  # fmt: skip
+    for chunk in each:
+        kernels.sum_exp(*chunk, real, compute_dtype)
     return local_max.to(compute_dtype), local_argmax, local_sum
 
 
