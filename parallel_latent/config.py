@@ -328,6 +328,20 @@ class TrainingConfig:
         at_least(1),
     )
     max_nonfinite_steps: int = setting(10, "stop after this many consecutive inf/nan losses", at_least(0))
+    hang_timeout_s: float = setting(
+        600.0,
+        "the hang watchdog: a rank whose main thread has not moved for this long (or whose process has not run for "
+        "this long) ends the job with one line naming it and exit status 5; 0 = no watchdog. 10 minutes suits GPU "
+        "clusters: longer than any healthy step, far shorter than a job idling until someone notices",
+        at_least(0),
+    )
+    hang_long_phase_s: float = setting(
+        3600.0,
+        "the watchdog's allowance while a rank is in a phase that may take long without reporting: start-up (data "
+        "preparation, model loading, resuming), the first step (compilation), evaluation, a checkpoint save; "
+        "also bounds every wait of the process groups (plus 2 minutes)",
+        at_least(0),
+    )
     device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto: cuda when visible")
     compile_dropout: bool = setting(
         True,

@@ -10,7 +10,8 @@ directory (``RUN/logs/<time>/``):
 - a failing rank writes torchrun's error file (``$TORCHELASTIC_ERROR_FILE``) with its one-line
   reason, and its traceback, if the failure was unexpected, to ``rank<R>.log``; the agent, once every
   rank has stopped, prints the first failing rank's line last (after the log's path when there is a
-  traceback) and exits with that rank's status (2 bad input, 3 non-finite, 1 anything else) instead
+  traceback) and exits with that rank's status (2 bad input, 3 non-finite, 4 a failed save, 5 a
+  stalled rank found by the hang watchdog, 1 anything else) instead
   of torchrun's ``ChildFailedError`` report. torchrun's own messages go to ``agent.log``;
 - afterwards empty files go; after bad input the whole launch's directory goes (the line says it all).
 
@@ -61,6 +62,7 @@ __all__ = [
     "quiet_repeated_notices",
     "redirect_worker_output",
     "report_failure",
+    "report_hang",
     "run_agent",
 ]
 
@@ -153,6 +155,17 @@ def report_failure(error: BaseException, exit_code: int) -> int:
     sys.stderr.write(details)  # what Python would have printed, then the one line, naming the rank
     print(error_line(f"rank {rank}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
     return exit_code
+
+
+def report_hang(line: str, detected_here: bool) -> None:
+    """Say that the hang watchdog ends this rank (from its thread, before ``os._exit``): the error
+    file for the launcher on every rank; on the terminal, the rank that found the stall says it (the
+    stalled rank may be rank 0), unless the agent of ``train --nproc`` says it once for all."""
+    _write_error_file(line, line, ExitStatus.HANG)
+    under_agent = os.environ.get(WORKER_LOGS_ENV) and "RANK" in os.environ
+    if detected_here and not under_agent:
+        print(error_line(line), file=sys.stderr, flush=True)
+    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- #

@@ -7,10 +7,15 @@ every check has passed.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from parallel_latent.checkpoint import (
     checkpoints_dir,
@@ -20,6 +25,7 @@ from parallel_latent.checkpoint import (
     saved_client_state,
 )
 from parallel_latent.config import Config, ConfigError, save_config
+from parallel_latent.console import WORKER_LOGS_ENV, report_hang
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets, check_source
 from parallel_latent.engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
@@ -27,6 +33,7 @@ from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+from parallel_latent.watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s
 from parallel_latent.world import keep_global_batch, validate_world
 
 __all__ = [
@@ -140,6 +147,8 @@ class Run:
     bundle: EngineBundle
     device_kind: str  # "cpu" | "cuda"
     started: float  # time.perf_counter() at the start
+    progress: Progress = field(default_factory=Progress)  # what the main thread is doing (the trainer moves it)
+    watchdog: Watchdog | None = None  # watching every rank's progress (None: one process, or switched off)
 
     @property
     def engine(self):
@@ -157,19 +166,66 @@ class Run:
     def is_main(self) -> bool:
         return self.state.rank == 0
 
+    def stop_watch(self) -> None:
+        """This rank is done: the watchdog leaves it out from now on."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+
+def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Watchdog | None:
+    """This rank's hang watchdog over ``progress`` (:mod:`parallel_latent.watchdog`), started; None
+    in one process (nothing waits on it) or with ``training.hang_timeout_s=0``. Its records go into
+    the run directory, which start-up has checked is one directory for every rank."""
+    training = cfg.training
+    if not training.hang_timeout_s or state.world_size == 1:
+        return None
+    run_dir = Path(cfg.logging.run_dir)
+    launch_logs = os.environ.get(WORKER_LOGS_ENV)  # train --nproc: this launch's log directory
+    stacks = Path(launch_logs) if launch_logs else run_dir / "logs" / time.strftime("stacks-%Y%m%d-%H%M%S")
+    watchdog = Watchdog(
+        progress, run_dir, state.rank, state.world_size, training.hang_timeout_s, training.hang_long_phase_s,
+        stacks, report=report_hang, active=dist.is_initialized,
+    )  # fmt: skip
+    return watchdog.start()
+
+
+def _abandon_watch(watchdog: Watchdog | None, run_dir: Path, run_dir_existed: bool) -> None:
+    """Start-up failed (bad input leaves nothing behind): stop the watchdog and remove its records,
+    and the run directory if they were all it held."""
+    if watchdog is None:
+        return
+    watchdog.stop()
+    shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
+    if not run_dir_existed:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # only if empty
+
 
 def start_run(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> Run:
     """Everything a rank needs before its first step (collective: every rank calls it)."""
     started = time.perf_counter()
     launcher = launcher_environment()
     preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
-    state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend)
+    training, run_dir = cfg.training, Path(cfg.logging.run_dir)
+    timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
+    state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s)
     if state.rank == 0:
         # Before anything is written: a save killed half-way may have left the disk full.
-        for unfinished in remove_unfinished_saves(checkpoints_dir(cfg.logging.run_dir)):
+        for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
             print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
-    require_shared_run_dir(Path(cfg.logging.run_dir), source)
+        clear_progress(run_dir)  # a previous job's (before any rank's watchdog starts)
+    require_shared_run_dir(run_dir, source)
+    run_dir_existed, progress = run_dir.exists(), Progress()
+    watchdog = start_watchdog(cfg, state, progress)
+    try:
+        return _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
+    except BaseException:
+        _abandon_watch(watchdog, run_dir, run_dir_existed)
+        raise
 
+
+def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog) -> Run:
+    """The rest of :func:`start_run`, under the watchdog's eye (in its start-up phase)."""
     tokenizer = load_tokenizer_once_per_node(cfg)
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
@@ -185,7 +241,7 @@ def start_run(cfg: Config, deepspeed_overrides: dict | None = None, source: str 
     bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
     run = Run(
         cfg, source, state, tokenizer, facts, resume_path, batch_note, train_set, eval_set, bundle,
-        resolve_device(cfg), started,
+        resolve_device(cfg), started, progress, watchdog,
     )  # fmt: skip
     # Everything above may still fail on bad input; only now is anything written.
     if run.is_main:

@@ -164,6 +164,7 @@ class Trainer:
         self.job, self.cfg, self.state = run, run.cfg, run.state
         self.engine, self.model, self.device, self.bundle = run.engine, run.model, run.engine.device, run.bundle
         self.train_set, self.run_dir, self.is_main = run.train_set, run.run_dir, run.is_main
+        self.progress = run.progress  # what this main thread is doing, for the hang watchdog
         training = self.cfg.training
         self.micro_batch, self.grad_accum = training.micro_batch_size, training.grad_accum_steps
         self.global_batch = resolved_global_batch_size(self.cfg, self.state.world_size)
@@ -223,6 +224,7 @@ class Trainer:
         ``checkpoint.export_portable``; ``latest`` moves only once it is complete. A save that cannot
         be written raises CheckpointSaveError on every rank, which ends the run with its one line."""
         checkpoint = self.cfg.checkpoint
+        self.progress.enter("save")
         path = save_training_checkpoint(
             self.engine, checkpoints_dir(self.run_dir), self.step, self.state_dict(), model=self.model, cfg=self.cfg,
             tokenizer_facts=self.job.tokenizer_facts, keep_last=checkpoint.keep_last,
@@ -254,6 +256,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the background reader and close the metrics (the one teardown; the trainer can be
         stepped again: the reader restarts)."""
+        self.progress.enter("shutdown")
         self._stop_prefetcher()
         self.logger.close()
 
@@ -285,7 +288,10 @@ class Trainer:
         holds for DeepSpeed's ZeRO-1/2 step (tests/test_train_syncs.py)."""
         state, engine, rng = self.state, self.engine, self.model.dropout_rng
         self.step_lr = self.job.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
+        progress = self.progress
+        progress.enter("data", self.step + 1)
         batches = self._step_batches()
+        progress.enter("stop vote")
         stop = self._vote(stop_requested) if self._vote_due(self.step + 1) else False
         step_tokens = float(batches.global_tokens)
         # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
@@ -299,8 +305,11 @@ class Trainer:
             # however the global batch is cut into micro-batches and data-parallel ranks.
             rng.step = self.step
             rng.sample_offset = (micro_step * state.dp_size + state.dp_rank) * self.micro_batch
+            progress.enter("forward")
             out = engine(input_ids, attention_mask)
+            progress.enter("backward")
             engine.backward(out.loss_sum * weight_per_token)
+            progress.enter("optimizer")
             engine.step()
             # In place on the device: no indexed assignment (it would build a tensor from Python data).
             step_stats[:SAMPLES].add_(output_totals(out))
@@ -310,6 +319,7 @@ class Trainer:
         # the bf16 ZeRO-1/2 step has no overflow scan and reads nothing from the device
         # (engine.sync_free_zero_step), so there it is always True.
         applied = bool(engine.was_step_applied())
+        progress.finished_step()
         return StepOutcome(step_stats, applied, stop, step_tokens, self.global_batch)
 
     # -- what the loop does between steps ------------------------------------- #
@@ -344,6 +354,7 @@ class Trainer:
         return progress_postfix(record)
 
     def _evaluate_and_log(self) -> dict[str, float] | None:
+        self.progress.enter("evaluation")
         result = self.evaluator.evaluate(self.step)
         if result is not None:
             self.logger.write({"kind": "eval", "step": self.step, **result})
@@ -427,8 +438,12 @@ def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<
     """Train ``cfg`` on this rank (every rank calls it).  See the module docstring."""
     stop = StopRequest()
     with stop.installed():
-        trainer = Trainer(start_run(cfg, deepspeed_overrides, source))
+        run = start_run(cfg, deepspeed_overrides, source)
         try:
-            return trainer.run(stop)
+            trainer = Trainer(run)
+            try:
+                return trainer.run(stop)
+            finally:
+                trainer.close()
         finally:
-            trainer.close()
+            run.stop_watch()

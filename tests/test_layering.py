@@ -99,6 +99,8 @@ LIBRARY_DOES_NOT_IMPORT = {
     "startup.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.evaluation"),
     "world.py": ("parallel_latent.cli", "parallel_latent.engine", "parallel_latent.startup", "parallel_latent.train"),
     "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
+    # The watchdog reads files and writes stacks: nothing of the job it watches, not even torch.
+    "watchdog.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
 }
 
 

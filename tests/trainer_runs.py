@@ -43,6 +43,8 @@ TINY = [
     "logging.progress_bar=false",
     "logging.tensorboard=false",
     "checkpoint.export_portable=false",
+    # The hang watchdog on, short: a false alarm in any healthy end-to-end run fails its test.
+    "training.hang_timeout_s=30",
 ]
 
 

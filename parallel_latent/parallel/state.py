@@ -40,8 +40,6 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
-# Host-side waits can be long: one rank tokenizing a corpus while the others wait for it.
-CONTROL_TIMEOUT_S = 6 * 3600.0
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -181,9 +179,18 @@ def _choose_backend(backend: str) -> str:
     return backend
 
 
-def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s: float = 600.0) -> ParallelState:
+# How long any collective may wait by default: an hour of legitimate waiting (one rank preparing a
+# corpus or writing a checkpoint while the others wait) plus two minutes. The trainer passes its
+# hang watchdog's longest allowance instead, so that the watchdog's one line always comes first.
+DEFAULT_TIMEOUT_S = 3600.0 + 120.0
+
+
+def init_distributed(
+    tensor_parallel: int = 1, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelState:
     """Join (or create) the default process group from the launcher's environment, then build
-    the TP and DP groups. Safe to call when the default group already exists (tests, DeepSpeed)."""
+    the TP and DP groups (every group, the gloo control group included, with ``timeout_s``). Safe to
+    call when the default group already exists (tests, DeepSpeed)."""
     if not dist.is_initialized():
         env = launcher_environment()
         backend = _choose_backend(backend)
@@ -200,14 +207,15 @@ def init_distributed(tensor_parallel: int = 1, backend: str = "auto", timeout_s:
                 backend, init_method="env://", rank=env["rank"], world_size=env["world_size"], timeout=timeout
             )
         os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
-    state = initialize_model_parallel(tensor_parallel)
+    state = initialize_model_parallel(tensor_parallel, timeout_s)
     if state.backend == "nccl":  # over gloo, before any NCCL collective
         check_one_process_per_device(device_identity(torch.cuda.current_device()), state.control_group)
     return state
 
 
-def initialize_model_parallel(tensor_parallel: int) -> ParallelState:
-    """Build TP groups of consecutive ranks and DP groups across them (collective: all ranks call)."""
+def initialize_model_parallel(tensor_parallel: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+    """Build TP groups of consecutive ranks and DP groups across them, and the gloo control group
+    with ``timeout_s`` (collective: all ranks call)."""
     global _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor_parallel < 1 or world % tensor_parallel != 0:
@@ -230,7 +238,7 @@ def initialize_model_parallel(tensor_parallel: int) -> ParallelState:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     # Its own group even over gloo: the default group's timeout guards the training collectives.
-    control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S))
+    control_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     _STATE = ParallelState(
         rank=rank,
         world_size=world,
