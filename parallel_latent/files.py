@@ -11,7 +11,17 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["fsync", "publish", "replace_file"]
+__all__ = ["fsync", "inside", "publish", "replace_file"]
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """``directory / name`` for a ``name`` that a file of ``directory`` records (a manifest's shard):
+    refused (ValueError, one line) when it is absolute or climbs with ``..``. Directories are
+    downloaded from hubs: what they name must stay in them. (Links are followed: a Hugging Face
+    cache's snapshot is links into its blob store.)"""
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
+        raise ValueError(f"{directory}: {what} names {name!r}, which is not a file inside the directory; not read")
+    return Path(directory) / name
 
 
 def fsync(path: Path) -> None:

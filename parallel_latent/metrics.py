@@ -236,9 +236,19 @@ class MetricsLogger:
             )
 
     def _truncate_after(self, step: int) -> None:
+        """One record per step: a run resumed at ``step`` (after a crash, or from an older checkpoint
+        when a newer one was damaged) moves the records past it to ``metrics.after-step_<step>.jsonl``
+        (appended: kept, never deleted) before it writes its own."""
         if not self.path.exists():
             return
-        kept = [record for record in read_metrics(self.path) if record.get("step", 0) <= step]
+        records = read_metrics(self.path)
+        kept = [record for record in records if record.get("step", 0) <= step]
+        if len(kept) == len(records):
+            return
+        with open(self.path.with_name(f"metrics.after-step_{step:08d}.jsonl"), "a", encoding="utf-8") as side:
+            for record in records:
+                if record.get("step", 0) > step:
+                    side.write(json.dumps(record) + "\n")
         temporary = self.path.with_suffix(".jsonl.tmp")
         with open(temporary, "w", encoding="utf-8") as handle:
             for record in kept:

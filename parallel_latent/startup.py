@@ -19,9 +19,11 @@ import torch.distributed as dist
 
 from parallel_latent.checkpoint import (
     checkpoints_dir,
-    find_latest_checkpoint,
+    move_aside,
     remove_unfinished_saves,
+    require_intact,
     resolve_checkpoint,
+    resumable,
     saved_client_state,
 )
 from parallel_latent.config import Config, ConfigError, save_config
@@ -79,14 +81,29 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
 
 
 def checkpoint_to_resume(cfg: Config) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names, as this process sees it: ``auto`` = the run
-    directory's latest complete one (None if there is none), ``never`` = None, else that path."""
+    """The checkpoint ``checkpoint.resume`` names, as this process sees it (reading only):
+    ``auto`` = the run directory's latest, or the newest intact one before it if that is damaged
+    (None if there is none); ``never`` = None; else that path, which must be intact."""
     resume = cfg.checkpoint.resume
     if resume == "never":
         return None
     if resume == "auto":
-        return find_latest_checkpoint(checkpoints_dir(cfg.logging.run_dir))
-    return resolve_checkpoint(resume)
+        return resumable(checkpoints_dir(cfg.logging.run_dir))[0]
+    return require_intact(resolve_checkpoint(resume))
+
+
+def choose_checkpoint_to_resume(cfg: Config) -> Path | None:
+    """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, with each damaged checkpoint
+    passed over moved aside (renamed, never deleted) and said in one line."""
+    if cfg.checkpoint.resume != "auto":
+        return checkpoint_to_resume(cfg)  # an explicit checkpoint that is damaged stops the run
+    intact, damaged = resumable(checkpoints_dir(cfg.logging.run_dir))
+    for step_dir, damage in damaged:
+        moved = move_aside(step_dir)
+        instead = f"resuming from {intact.name}" if intact is not None else "no intact checkpoint left: starting afresh"
+        line = f"{damage}: checkpoint {step_dir.name} is truncated or damaged; moved to {moved.name}; {instead}"
+        print(line, flush=True)
+    return intact
 
 
 def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
@@ -232,7 +249,7 @@ def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
     # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a rank that
     # resumed and one that started fresh would wait for each other forever). Its global batch is
     # kept, whatever the new layout: the run goes on as the same run.
-    path = checkpoint_to_resume(cfg) if is_main() else None
+    path = choose_checkpoint_to_resume(cfg) if is_main() else None
     path = broadcast_value(None if path is None else str(path))
     resume_path = None if path is None else Path(path)
     cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)

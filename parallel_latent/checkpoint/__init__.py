@@ -1,12 +1,13 @@
 """Checkpoints: exact-resume training checkpoints, portable safetensors shards that load at any TP
 degree, consolidation, inspection, and resharded resume with the optimizer's state.
 
-The modules import one way (layout, zero_access, shards, portable, universal, training, describe);
+The modules import one way (layout, zero_access, shards, integrity, portable, universal, training, describe);
 their commands are in :mod:`parallel_latent.cli.checkpoint`. No model is known here: a model describes
 itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
 
 from .describe import inspect_checkpoint as inspect
+from .integrity import checkpoint_damage, move_aside, require_intact, resumable
 from .layout import (
     CheckpointError,
     CheckpointSaveError,
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
     "PortableCheckpoint",
+    "checkpoint_damage",
     "checkpoints_dir",
     "consolidate",
     "convert_to_universal",
@@ -37,11 +39,14 @@ __all__ = [
     "inspect",
     "load_portable",
     "load_training_checkpoint",
+    "move_aside",
     "publish",
     "remove_unfinished_saves",
     "require_empty_output",
+    "require_intact",
     "resolve_checkpoint",
     "resolve_portable_dir",
+    "resumable",
     "safe_torch_load",
     "save_portable",
     "save_training_checkpoint",

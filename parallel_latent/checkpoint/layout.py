@@ -105,7 +105,10 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     checkpoint_dir = Path(checkpoint_dir)
     latest = checkpoint_dir / LATEST_FILE
     if latest.is_file():
-        candidate = checkpoint_dir / latest.read_text(encoding="utf-8").strip()
+        tag = latest.read_text(encoding="utf-8").strip()
+        if not TAG_PATTERN.match(tag):  # never a path: a tag names a checkpoint beside it, nothing else
+            raise CheckpointError(f"{latest}: names {tag[:80]!r}, not a checkpoint directory beside it; not read")
+        candidate = checkpoint_dir / tag
         if is_complete(candidate):
             return candidate
         logger.warning(

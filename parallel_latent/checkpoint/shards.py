@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from parallel_latent.files import inside
 from parallel_latent.parallel.utils import group_rank, group_size
 
 from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
@@ -213,6 +214,12 @@ class PortableCheckpoint:
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, tuple[Any, set[str]]] = {}  # open file, its tensor names
+        shard_files = {shard["file"] for info in self.tensors.values() for shard in info.get("shards", [])}
+        for name in sorted(set(self.manifest["files"]) | shard_files):
+            try:
+                inside(self.directory, name, MANIFEST_NAME)
+            except ValueError as error:
+                raise CheckpointError(str(error)) from None
         for name, info in self.manifest["files"].items():
             if not (path := self.directory / name).is_file():
                 raise CheckpointError(f"{path}: shard file missing")

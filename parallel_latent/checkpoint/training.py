@@ -21,9 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel_latent.coordination import is_main
+from parallel_latent.coordination import broadcast_value, is_main
 
 from . import layout
+from .integrity import checkpoint_damage, damaged_error, file_record
 from .layout import CheckpointError, CheckpointSaveError
 from .portable import check_model_record, model_record, plain, write_portable
 from .universal import ensure_universal_state, load_universal_state, tensor_table
@@ -166,6 +167,7 @@ def save_training_checkpoint(
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "deepspeed_version": import_deepspeed().__version__,
             **facts,
+            "files": file_record(staging),  # what the files are: a resume checks them first
         }
         layout.write_json(staging / layout.INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
@@ -202,6 +204,10 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
     stage and precision DeepSpeed loads its own files; at any other, the universal state is loaded."""
     step_dir = layout.resolve_checkpoint(path)
     info = layout.read_info(step_dir)
+    # Checked by one reader before DeepSpeed reads a file, so that damage is named as damage.
+    damage = broadcast_value(checkpoint_damage(step_dir) if is_main() else None)
+    if damage is not None:
+        raise damaged_error(step_dir, damage)
     model = model if model is not None else engine.module
     saved, now = info["layout"], engine_layout(engine)
     same_layout = all(saved.get(k) == now[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision"))

@@ -175,6 +175,26 @@ def test_truncated_shard_with_matching_manifest(damaged):
     assert "truncated" in load_error(damaged)
 
 
+@pytest.mark.parametrize("outside", ["../outside.safetensors", "/tmp/outside.safetensors", "model/../../x.safetensors"])
+def test_a_manifest_naming_a_file_outside_its_directory_is_refused_before_reading(damaged, outside):
+    # The file exists out there, with the right size: nothing may be read from it.
+    name = "model-tp00-of-02.safetensors"
+    target = (damaged / outside) if not outside.startswith("/") else damaged.parent / "abs-outside.safetensors"
+    outside = outside if not outside.startswith("/") else str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(damaged / name, target)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    manifest["files"][outside] = manifest["files"].pop(name)
+    for info in manifest["tensors"].values():
+        for shard in info["shards"]:
+            if shard["file"] == name:
+                shard["file"] = outside
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    (damaged / name).unlink()
+    message = load_error(damaged)
+    assert f"manifest.json names {outside!r}, which is not a file inside the directory; not read" in message
+
+
 def test_missing_manifest(damaged):
     (damaged / "manifest.json").unlink()
     assert "not a portable checkpoint" in load_error(damaged)

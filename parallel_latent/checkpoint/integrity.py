@@ -1,0 +1,164 @@
+"""Whether a published training checkpoint is intact, and which one a run resumes from.
+
+Each checkpoint records, when it is published, what its files should be (``checkpoint.json``'s
+``files``: every file's size, and the SHA-256 of the small ones, which costs nothing). Before any
+rank loads it, rank 0 compares the files with that record; a file that is missing, shorter or longer,
+or whose small-file checksum differs makes the checkpoint damaged. Checkpoints written before the
+record existed are checked for what can be checked without it: JSON files parse, DeepSpeed's
+``.pt`` files are whole zip archives (their central directory is at the end: a truncated one has
+none), the portable weights match their manifest's sizes and safetensors headers. A missing record
+is never damage.
+
+With ``checkpoint.resume=auto`` a damaged newest checkpoint is moved aside (``.damaged-step_N``,
+renamed, not deleted) with one line saying so, and the run resumes from the newest intact one; an
+explicitly named checkpoint that is damaged stops the run with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from parallel_latent.files import replace_file
+
+from .layout import (
+    INFO_FILE,
+    LATEST_FILE,
+    MANIFEST_NAME,
+    PORTABLE_DIR,
+    TAG_PATTERN,
+    CheckpointError,
+    find_latest_checkpoint,
+    list_checkpoints,
+)
+from .shards import PortableCheckpoint
+
+__all__ = [
+    "DAMAGED_PREFIX",
+    "checkpoint_damage",
+    "damaged_error",
+    "file_record",
+    "move_aside",
+    "require_intact",
+    "resumable",
+]
+
+DAMAGED_PREFIX = ".damaged-"
+# Files up to this size get a checksum in the record (JSON, RNG states): reading them is free.
+CHECKSUM_MAX_BYTES = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def file_record(directory: Path) -> dict[str, dict]:
+    """What ``directory``'s files are now (relative name -> bytes, and sha256 for small files);
+    written into ``checkpoint.json`` when the checkpoint is published."""
+    record = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != INFO_FILE):
+        size = path.stat().st_size
+        entry: dict = {"bytes": size}
+        if size <= CHECKSUM_MAX_BYTES:
+            entry["sha256"] = _sha256(path)
+        record[path.relative_to(directory).as_posix()] = entry
+    return record
+
+
+def _against_record(step_dir: Path, record: dict[str, dict]) -> str | None:
+    for name, expected in record.items():
+        path = step_dir / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if (size := path.stat().st_size) != expected["bytes"]:
+            return f"{path}: {size} bytes, {expected['bytes']} when it was saved"
+        if "sha256" in expected and _sha256(path) != expected["sha256"]:
+            return f"{path}: its contents changed since it was saved (checksum)"
+    return None
+
+
+def _without_record(step_dir: Path) -> str | None:
+    """What can be checked of a checkpoint saved before files were recorded."""
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file()):
+        if path.stat().st_size == 0:
+            return f"{path}: empty"
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                return f"{path}: not readable JSON"
+        elif path.suffix == ".pt" and not zipfile.is_zipfile(path):
+            return f"{path}: not a whole torch file (no zip directory at its end)"
+    if (step_dir / PORTABLE_DIR / MANIFEST_NAME).is_file():
+        try:
+            PortableCheckpoint(step_dir / PORTABLE_DIR, verify_checksums=False).open_files()
+        except CheckpointError as error:
+            return str(error)
+    return None
+
+
+def checkpoint_damage(step_dir: Path) -> str | None:
+    """Why the checkpoint ``step_dir`` is damaged (a file and what is wrong with it), or None."""
+    try:
+        info = json.loads((step_dir / INFO_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{step_dir / INFO_FILE}: missing"
+    except (OSError, UnicodeDecodeError, ValueError):
+        return f"{step_dir / INFO_FILE}: not readable JSON"
+    record = info.get("files") if isinstance(info, dict) else None
+    return _against_record(step_dir, record) if isinstance(record, dict) else _without_record(step_dir)
+
+
+def damaged_error(step_dir: Path, damage: str) -> CheckpointError:
+    return CheckpointError(f"{damage}: the checkpoint {step_dir} is truncated or damaged; not loaded")
+
+
+def require_intact(step_dir: Path) -> Path:
+    """``step_dir`` if it is intact; else CheckpointError (one line, naming the file)."""
+    if (damage := checkpoint_damage(step_dir)) is not None:
+        raise damaged_error(step_dir, damage)
+    return step_dir
+
+
+def resumable(checkpoint_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint a run in ``checkpoint_dir`` resumes from: the one :func:`find_latest_checkpoint`
+    finds, or when it is damaged the newest intact one before it (None if there is none); and the
+    damaged ones passed over, newest first, each with its damage. Reads, never changes anything."""
+    latest = find_latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        return None, []
+    newest = _step(latest)
+    damaged = []
+    for step_dir in reversed([p for p in list_checkpoints(checkpoint_dir) if _step(p) <= newest]):
+        if (damage := checkpoint_damage(step_dir)) is None:
+            return step_dir, damaged
+        damaged.append((step_dir, damage))
+    return None, damaged
+
+
+def _step(step_dir: Path) -> int:
+    return int(TAG_PATTERN.match(step_dir.name).group(1))
+
+
+def move_aside(step_dir: Path) -> Path:
+    """Rename a damaged checkpoint out of the run's way (``.damaged-step_N``, never deleted) and,
+    if ``latest`` named it, point ``latest`` at the newest intact checkpoint left."""
+    checkpoint_dir = step_dir.parent
+    target = checkpoint_dir / f"{DAMAGED_PREFIX}{step_dir.name}"
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = checkpoint_dir / f"{DAMAGED_PREFIX}{step_dir.name}-{suffix}"
+    os.rename(step_dir, target)
+    latest = checkpoint_dir / LATEST_FILE
+    named = latest.read_text(encoding="utf-8").strip() if latest.is_file() else ""
+    if named == step_dir.name or not TAG_PATTERN.match(named or "x"):
+        intact, _ = resumable(checkpoint_dir)
+        if intact is not None:
+            replace_file(latest, intact.name + "\n")
+        else:
+            latest.unlink(missing_ok=True)
+    return target

@@ -1,0 +1,145 @@
+"""A damaged newest checkpoint: found before any rank loads it, moved aside, and the run resumes from
+the newest intact one exactly as an uninterrupted run went on from there (2 ranks, gloo)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parallel_latent.checkpoint import checkpoint_damage, resumable
+from parallel_latent.checkpoint.integrity import file_record
+from tests.trainer_runs import cli_command, describe, run, torchrun_command, train_records
+
+FIXTURE_RUN = Path(__file__).parent / "fixtures" / "v1" / "run"
+STEPS, HALF = 20, 10
+RECIPE = [
+    f"training.max_steps={STEPS}",
+    f"checkpoint.save_every={HALF}",
+    "checkpoint.keep_last=0",
+    "checkpoint.export_portable=true",
+    "parallel.tensor_parallel=2",
+    "model.dropout=0.1",
+]
+OPTIMIZER_SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+MODEL_STATES = "mp_rank_01_model_states.pt"
+
+DAMAGE = {
+    "truncated optimizer shard": (OPTIMIZER_SHARD, lambda p: p.write_bytes(p.read_bytes()[:-4096])),
+    "truncated model states": (MODEL_STATES, lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])),
+    "zero-byte RNG file": ("rng/rank_00001.json", lambda p: p.write_bytes(b"")),
+    "deleted shard": ("model/model-tp01-of-02.safetensors", lambda p: p.unlink()),
+}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    result = run(torchrun_command(run_dir, *RECIPE, nproc=2), timeout=400)
+    assert result.returncode == 0, describe(result)
+    return run_dir
+
+
+def damaged_copy(straight: Path, tmp_path: Path, kind: str) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(straight, copy)
+    name, damage = DAMAGE[kind]
+    damage(copy / "checkpoints" / f"step_{STEPS:08d}" / name)
+    return copy
+
+
+def test_a_checkpoint_records_its_files_when_published(straight):
+    step_dir = straight / "checkpoints" / f"step_{STEPS:08d}"
+    record = json.loads((step_dir / "checkpoint.json").read_text())["files"]
+    assert record == file_record(step_dir)  # nothing changed since
+    assert {OPTIMIZER_SHARD, MODEL_STATES, "rng/rank_00001.json", "model/manifest.json"} <= set(record)
+    assert checkpoint_damage(step_dir) is None
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_each_kind_of_damage_is_found_and_passed_over(straight, tmp_path, kind):
+    copy = damaged_copy(straight, tmp_path, kind)
+    newest = copy / "checkpoints" / f"step_{STEPS:08d}"
+    damage = checkpoint_damage(newest)
+    assert damage is not None and damage.startswith(str(newest / DAMAGE[kind][0]))
+    intact, passed_over = resumable(copy / "checkpoints")
+    assert intact == copy / "checkpoints" / f"step_{HALF:08d}"
+    assert passed_over == [(newest, damage)]
+
+
+def test_checkpoints_saved_before_the_record_are_checked_for_what_can_be(tmp_path):
+    fixture = FIXTURE_RUN / "checkpoints" / "step_00000060"
+    assert "files" not in json.loads((fixture / "checkpoint.json").read_text())
+    assert checkpoint_damage(fixture) is None  # a missing record is not damage
+    copy = tmp_path / "step_00000060"
+    shutil.copytree(fixture, copy)
+    shard = copy / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert checkpoint_damage(copy) == f"{shard}: not a whole torch file (no zip directory at its end)"
+    shard.write_bytes(b"")
+    assert checkpoint_damage(copy) == f"{shard}: empty"
+
+
+def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_before(straight, tmp_path):
+    copy = damaged_copy(straight, tmp_path, "truncated optimizer shard")
+    result = run(torchrun_command(copy, *RECIPE, nproc=2), timeout=400)
+    assert result.returncode == 0, describe(result)
+    newest = f"step_{STEPS:08d}"
+    [line] = [line for line in result.stdout.splitlines() if "truncated or damaged" in line]
+    assert line == (
+        f"{copy / 'checkpoints' / newest / OPTIMIZER_SHARD}: "
+        f"{(copy / 'checkpoints' / f'.damaged-{newest}' / OPTIMIZER_SHARD).stat().st_size} bytes, "
+        f"{(straight / 'checkpoints' / newest / OPTIMIZER_SHARD).stat().st_size} when it was saved: "
+        f"checkpoint {newest} is truncated or damaged; moved to .damaged-{newest}; resuming from step_{HALF:08d}"
+    )
+    assert f"at step {HALF}" in result.stdout
+    want = {r["step"]: r for r in train_records(straight)}
+    got = train_records(copy)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # one record per step
+    for record in got:
+        for key in ("loss", "grad_norm", "token_accuracy", "lr"):
+            assert record[key] == want[record["step"]][key], (record["step"], key)
+    side = [json.loads(line) for line in (copy / f"metrics.after-step_{HALF:08d}.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in side if r["kind"] == "train"] == list(range(HALF + 1, STEPS + 1))
+    assert (copy / "checkpoints" / "latest").read_text().strip() == newest  # the new save of step 20
+    assert checkpoint_damage(copy / "checkpoints" / newest) is None
+
+
+def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tmp_path):
+    copy = damaged_copy(straight, tmp_path, "zero-byte RNG file")
+    step_dir = copy / "checkpoints" / f"step_{STEPS:08d}"
+    result = run(cli_command(copy, *RECIPE, f"checkpoint.resume={step_dir}", nproc=2), timeout=300)
+    assert result.returncode == 2, describe(result)
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .endswith(
+            f"{step_dir / 'rng' / 'rank_00001.json'}: 0 bytes, "
+            f"{(straight / 'checkpoints' / f'step_{STEPS:08d}' / 'rng' / 'rank_00001.json').stat().st_size} when it "
+            f"was saved: the checkpoint {step_dir} is truncated or damaged; not loaded"
+        )
+    )
+    assert step_dir.is_dir()  # nothing moved, nothing removed
+
+
+@pytest.mark.parametrize("named", ["../x", "/x", "step_00000010/../../x", "model"])
+def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named):
+    from parallel_latent.checkpoint import CheckpointError, find_latest_checkpoint
+
+    copy = tmp_path / "run"
+    shutil.copytree(straight / "checkpoints", copy / "checkpoints")
+    (copy / "checkpoints" / "latest").write_text(named + "\n")
+    with pytest.raises(CheckpointError) as error:
+        find_latest_checkpoint(copy / "checkpoints")
+    assert (
+        str(error.value)
+        == f"{copy / 'checkpoints' / 'latest'}: names {named!r}, not a checkpoint directory beside it; not read"
+    )
+    if named != "../x":
+        return  # one command line is enough: the message is the function's
+    result = run(cli_command(copy, *RECIPE, nproc=2), timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(str(error.value)), describe(
+        result
+    )
