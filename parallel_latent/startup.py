@@ -35,6 +35,7 @@ from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+from parallel_latent.run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from parallel_latent.watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s
 from parallel_latent.world import keep_global_batch, validate_world
 
@@ -166,6 +167,7 @@ class Run:
     started: float  # time.perf_counter() at the start
     progress: Progress = field(default_factory=Progress)  # what the main thread is doing (the trainer moves it)
     watchdog: Watchdog | None = None  # watching every rank's progress (None: one process, or switched off)
+    run_lock: RunLock | None = None  # rank 0's hold on the run directory (None: its launcher holds it)
 
     @property
     def engine(self):
@@ -183,10 +185,13 @@ class Run:
     def is_main(self) -> bool:
         return self.state.rank == 0
 
-    def stop_watch(self) -> None:
-        """This rank is done: the watchdog leaves it out from now on."""
+    def release(self) -> None:
+        """This rank is done: the watchdog leaves it out from now on, and rank 0 gives the run
+        directory's lock up (if it, not its launcher, holds it)."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Watchdog | None:
@@ -206,19 +211,32 @@ def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Wat
     return watchdog.start()
 
 
-def _abandon_watch(watchdog: Watchdog | None, run_dir: Path, run_dir_existed: bool) -> None:
-    """Start-up failed (bad input leaves nothing behind): stop the watchdog and remove its records,
-    and the run directory if they were all it held."""
-    if watchdog is None:
-        return
-    watchdog.stop()
-    shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
-    if not run_dir_existed:
-        with contextlib.suppress(OSError):
-            run_dir.rmdir()  # only if empty
+def _abandon_watch(watchdog: Watchdog | None, run_dir: Path) -> None:
+    """Start-up failed (bad input leaves nothing behind): stop the watchdog and remove its records."""
+    if watchdog is not None:
+        watchdog.stop()
+        shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
 
 
-def start_run(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> Run:
+def take_run_lock(run_dir: Path, wait_for_lock_s: float) -> RunLock | None:
+    """Rank 0: the run directory's lock (:mod:`parallel_latent.run_lock`), unless the ``train
+    --nproc`` that started this job holds it; every rank raises the same one line if another job
+    holds it (collective)."""
+    lock, refusal = None, None
+    if is_main() and os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
+        try:
+            lock = acquire_run_lock(run_dir, wait_for_lock_s)
+        except RunDirLocked as error:
+            refusal = str(error)
+    refusal = broadcast_value(refusal)
+    if refusal is not None:
+        raise RunDirLocked(refusal)
+    return lock
+
+
+def start_run(
+    cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>", wait_for_lock_s: float = 0.0
+) -> Run:
     """Everything a rank needs before its first step (collective: every rank calls it)."""
     started = time.perf_counter()
     launcher = launcher_environment()
@@ -226,18 +244,37 @@ def start_run(cfg: Config, deepspeed_overrides: dict | None = None, source: str 
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
     state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s)
+    run_dir_existed = run_dir.exists()
+    run_lock = take_run_lock(run_dir, wait_for_lock_s)  # before anything in the run directory changes
+    try:
+        return _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release(remove=True)
+        if not run_dir_existed:  # bad input leaves nothing behind
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
+        raise
+
+
+def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock) -> Run:
+    """The rest of :func:`start_run`, with the run directory locked: the watchdog starts as soon as
+    the run directory is known to be one for every rank."""
+    run_dir = Path(cfg.logging.run_dir)
     if state.rank == 0:
         # Before anything is written: a save killed half-way may have left the disk full.
         for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
             print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
         clear_progress(run_dir)  # a previous job's (before any rank's watchdog starts)
     require_shared_run_dir(run_dir, source)
-    run_dir_existed, progress = run_dir.exists(), Progress()
+    progress = Progress()
     watchdog = start_watchdog(cfg, state, progress)
     try:
-        return _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
+        run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
+        run.run_lock = run_lock
+        return run
     except BaseException:
-        _abandon_watch(watchdog, run_dir, run_dir_existed)
+        _abandon_watch(watchdog, run_dir)
         raise
 
 

@@ -434,11 +434,13 @@ class Trainer:
         return result
 
 
-def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>") -> TrainResult:
+def train(
+    cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>", wait_for_lock_s: float = 0.0
+) -> TrainResult:
     """Train ``cfg`` on this rank (every rank calls it).  See the module docstring."""
     stop = StopRequest()
     with stop.installed():
-        run = start_run(cfg, deepspeed_overrides, source)
+        run = start_run(cfg, deepspeed_overrides, source, wait_for_lock_s)
         try:
             trainer = Trainer(run)
             try:
@@ -446,4 +448,4 @@ def train(cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<
             finally:
                 trainer.close()
         finally:
-            run.stop_watch()
+            run.release()

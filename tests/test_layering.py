@@ -65,7 +65,7 @@ def test_subpackage_does_not_import(subpackage, forbidden):
 
 
 # The checkpoint package's modules, lowest first: each may import only modules before it.
-CHECKPOINT_ORDER = ["layout", "zero_access", "shards", "portable", "universal", "training", "describe"]
+CHECKPOINT_ORDER = ["layout", "zero_access", "shards", "integrity", "portable", "universal", "training", "describe"]
 
 
 def test_checkpoint_imports_point_one_way():
@@ -101,6 +101,8 @@ LIBRARY_DOES_NOT_IMPORT = {
     "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
     # The watchdog reads files and writes stacks: nothing of the job it watches, not even torch.
     "watchdog.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
+    # The command line takes the run directory's lock before anything loads torch.
+    "run_lock.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
 }
 
 

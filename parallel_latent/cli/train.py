@@ -94,7 +94,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch_local(nproc: int, argv: list[str], run_dir: Path) -> int:
+def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock, run_dir_existed: bool) -> int:
     """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return the exit status of
     the first rank that failed (0 if none did).
 
@@ -106,12 +106,17 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path) -> int:
     Rank 0 keeps the terminal; the other ranks, torchrun's messages and any traceback go to
     ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
     one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
+
+    This process holds the run directory's ``lock`` (:mod:`parallel_latent.run_lock`) for its
+    ranks, and gives it up when they are done.
     """
     from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
+    from parallel_latent.run_lock import HELD_BY_LAUNCHER_ENV
 
-    log_dir, run_dir_existed = open_worker_logs(run_dir)
+    log_dir, _ = open_worker_logs(run_dir)
     env = dict(os.environ)
     env[WORKER_LOGS_ENV] = str(log_dir.resolve())
+    env[HELD_BY_LAUNCHER_ENV] = str(lock.path.resolve())
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     process = subprocess.Popen(
@@ -146,8 +151,36 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
     close_worker_logs(log_dir, run_dir_existed, status, ExitStatus.BAD_INPUT)
     return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
+
+
+def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
+    """``train --nproc N``: the run directory's lock first (torch-free: a second job on it is
+    refused in seconds, before any work), then the checks in this one process (bad input costs one
+    line and no launch, and leaves nothing behind), then the ranks."""
+    from parallel_latent.run_lock import acquire_run_lock
+
+    run_dir = Path(cfg.logging.run_dir)
+    existed = run_dir.exists()
+    lock = None
+    with contextlib.suppress(NotADirectoryError, FileExistsError):  # a file in the way: preflight says so
+        lock = acquire_run_lock(run_dir, args.wait_for_lock)
+    try:
+        from parallel_latent.startup import preflight
+
+        preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+        _check_local_devices(cfg, args.nproc)
+        lock = lock or acquire_run_lock(run_dir, args.wait_for_lock)
+    except BaseException:
+        if lock is not None:
+            lock.release(remove=True)
+        if not existed:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
+        raise
+    return _launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed)
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -163,15 +196,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     deepspeed_overrides = _parse_overrides_json(args.deepspeed_overrides)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
+    if args.wait_for_lock < 0:
+        raise UsageError(f"--wait-for-lock={args.wait_for_lock:g} must be >= 0")
     cfg = _load_train_config(args)
     if not under_launcher():
         if args.nproc and args.nproc > 1:
-            # Validate here, in one process, so bad input costs one line and no launch.
-            from parallel_latent.startup import preflight
-
-            preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
-            _check_local_devices(cfg, args.nproc)
-            return _launch_local(args.nproc, _rank_argv(args), Path(cfg.logging.run_dir))
+            return _validate_and_launch(cfg, args)
         tp = cfg.parallel.tensor_parallel
         if tp > 1:  # one process from a shell: say how to get the processes the config needs
             raise UsageError(
@@ -185,7 +215,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     quiet_repeated_notices()
     setattr(args, PER_RANK, True)
-    train(cfg, deepspeed_overrides, source=args.config)
+    train(cfg, deepspeed_overrides, source=args.config, wait_for_lock_s=args.wait_for_lock)
     return ExitStatus.OK
 
 
@@ -258,5 +288,13 @@ def add_subcommands(sub) -> None:
         metavar="JSON|FILE",
         help="DeepSpeed config entries merged into the generated config "
         '(e.g. \'{"zero_optimization": {"reduce_bucket_size": 5e7}}\')',
+    )
+    train.add_argument(
+        "--wait-for-lock",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="if another training job holds the run directory, wait up to this long for it to end before "
+        "giving up (for requeued jobs); default: give up at once",
     )
     train.set_defaults(handler=cmd_train)
