@@ -99,6 +99,13 @@ LIBRARY_DOES_NOT_IMPORT = {
     "startup.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.evaluation"),
     "world.py": ("parallel_latent.cli", "parallel_latent.engine", "parallel_latent.startup", "parallel_latent.train"),
     "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
+    "latents.py": (
+        "parallel_latent.cli",
+        "parallel_latent.api",
+        "parallel_latent.inference",
+        "parallel_latent.train",
+        "parallel_latent.startup",
+    ),
 }
 
 
