@@ -341,9 +341,13 @@ def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup
         other = cli(command(setup, out, "export.precision=bf16"))
         assert other.returncode == 2 and "holds an export of another export.precision" in other.stderr
         assert len(other.stderr.strip().splitlines()) == 1
-        for pid in rank_pids(job.pid):  # kill -9 of the ranks, as a node going down
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        agent = [
+            pid for pid in rank_pids(job.pid) if b"parallel_latent.console" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        ranks = sorted(set(rank_pids(job.pid)) - set(agent))
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[0], signal.SIGKILL)  # kill -9 of one rank: torchrun ends the job
+        assert job.wait(timeout=120) != 0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
@@ -356,4 +360,26 @@ def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup
     rerun = cli(command(setup, out))  # one process now
     assert rerun.returncode == 0, describe(rerun)
     assert {name: (out / name).stat().st_mtime_ns for name in done} == stamps  # not written again
+    assert directory_bytes(out) == directory_bytes(one_process)
+
+
+def test_sigterm_mid_shard_then_rerun_gives_the_same_bytes(setup, one_process, tmp_path):
+    out = tmp_path / "terminated"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "parallel_latent", *command(setup, out)],
+        cwd=REPO,
+        env=rank_env({PAUSE_IN_SHARD_ENV: "2"}),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(out / WORK_DIR / PAUSE_MARKER, job)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{i}-of-00005.arrow" for i in (0, 1)]
+    assert main(command(setup, out)) == 0
     assert directory_bytes(out) == directory_bytes(one_process)
