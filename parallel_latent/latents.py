@@ -461,7 +461,6 @@ class _OpenShard:
         }
         records = self.writer.work / RECORDS_DIR
         files.replace_file(records / f"{self.index:05d}.json", json.dumps(record) + "\n")
-        os.chmod(self.staging, 0o666 & ~_umask())
         os.rename(self.staging, self.writer.out / self.name)
         files.fsync(self.writer.out)
 
@@ -469,12 +468,6 @@ class _OpenShard:
         with contextlib.suppress(OSError):
             self.file.close()
         self.staging.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _as_float32(latents: np.ndarray) -> np.ndarray:
@@ -636,7 +629,7 @@ def _finish(plan: ExportPlan, out: Path, data) -> dict:
     if len(shapes) != 1:
         raise RuntimeError(f"{out}: the shards hold latents of several shapes {sorted(shapes)}")
     (latent_shape,) = shapes
-    moments = records[0]["moments"] and _Moments.from_dict(records[0]["moments"])
+    moments = _Moments.from_dict(records[0]["moments"])
     for record in records[1:]:
         moments = moments.merged(_Moments.from_dict(record["moments"]))
     bf16 = plan.export.precision == "bf16"
@@ -795,6 +788,7 @@ class LatentDataset:
 
         self.directory, self.index = directory, index
         self.latent_shape = tuple(index["latents"]["shape"])
+        self.max_length = int(index["corpus"]["max_length"])
         self.bfloat16 = index["latents"]["dtype"] == "bfloat16"
         self._tables = []
         for shard in index["shards"]:
@@ -820,13 +814,14 @@ class LatentDataset:
         return torch.tensor(self.index["statistics"]["std"], dtype=torch.float32)
 
     def _rows(self, table, rows: np.ndarray) -> dict[str, np.ndarray]:
-        picked = table.take(rows) if len(rows) != table.num_rows or (rows != np.arange(table.num_rows)).any() else table
+        consecutive = len(rows) > 0 and bool((np.diff(rows) == 1).all())
+        picked = table.slice(int(rows[0]), len(rows)) if consecutive else table.take(rows)
         length, width = self.latent_shape
         latents = picked.column("latents").combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False)
         mask = picked.column("attention_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         return {
             "latents": latents.reshape(len(rows), length, width),
-            "attention_mask": mask.reshape(len(rows), -1),
+            "attention_mask": mask.reshape(len(rows), self.max_length),
             "index": picked.column("index").to_numpy(),
             "num_tokens": picked.column("num_tokens").to_numpy(),
             "truncated": picked.column("truncated").to_numpy(zero_copy_only=False),
@@ -843,21 +838,19 @@ class LatentDataset:
             raise IndexError(f"sample index outside a latent dataset of {len(self)}")
         shards = np.searchsorted(self._starts, positions, side="right") - 1
         parts = []
-        for shard in np.unique(shards) if positions.size else []:
+        for shard in np.unique(shards):
             chosen = np.nonzero(shards == shard)[0]
             parts.append((chosen, self._rows(self._tables[shard], positions[chosen] - self._starts[shard])))
+        if not parts:  # nothing asked for: empty columns of the right shapes
+            parts.append((positions, self._rows(self._tables[0], positions)))
         columns = {}
         for key in ("latents", "attention_mask", "index", "num_tokens", "truncated"):
             if len(parts) == 1:
-                values = parts[0][1][key]
-                order = np.argsort(parts[0][0], kind="stable")
-                values = values if (order == np.arange(len(order))).all() else values[order]
-            elif parts:
+                values = parts[0][1][key]  # the positions of one shard, in the order asked for
+            else:
                 values = np.empty((len(positions), *parts[0][1][key].shape[1:]), dtype=parts[0][1][key].dtype)
                 for chosen, part in parts:
                     values[chosen] = part[key]
-            else:
-                values = np.zeros((0,), dtype=np.int64)
             columns[key] = values
         latents = torch.from_numpy(np.array(columns["latents"]))
         if self.bfloat16:
