@@ -17,7 +17,8 @@
    model loading are paid by both).
 
     python benchmarks/bench_export.py                 # 200k lines (minutes on 2 cores)
-    python benchmarks/bench_export.py --quick         # seconds: 20k lines, one round
+    python benchmarks/bench_export.py --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
+    python benchmarks/bench_export.py --quick         # minutes: 20k lines, one round
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def make_checkpoint(directory: Path) -> Path:
 # --------------------------------------------------------------------------- #
 
 
-def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int) -> dict:
+def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int, shard_size: int) -> dict:
     import numpy as np
     import torch
 
@@ -71,7 +72,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
     from parallel_latent.model import eval_mode
     from parallel_latent.parallel import init_distributed
 
-    plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}"])
+    plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
     init_distributed(1, "gloo")
     autoencoder = TextAutoencoder.from_checkpoint(plan.directory)
     data = open_for_training(plan.cfg, autoencoder.tokenizer, announce=False)
@@ -113,7 +114,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
 # --------------------------------------------------------------------------- #
 
 
-def command(checkpoint: Path, corpus: Path, cache: Path, out: Path) -> list[str]:
+def command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -127,6 +128,7 @@ def command(checkpoint: Path, corpus: Path, cache: Path, out: Path) -> list[str]
         str(out),
         *SETTINGS,
         f"data.cache_dir={cache}",
+        f"export.shard_size={shard_size}",
     ]
 
 
@@ -154,7 +156,7 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
 
 def body(args, report: Report) -> None:
     if args.quick:
-        args.lines, args.repeats = 20_000, 1
+        args.lines, args.repeats, args.shard_size = 20_000, 1, 2048
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-export-"))
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
@@ -165,7 +167,7 @@ def body(args, report: Report) -> None:
         write_corpus(large, args.lines)
 
         print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
-        speed = bench_throughput(checkpoint, large, cache, work, args.repeats)
+        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size)
         print(
             f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} samples/s "
             f"({speed['samples']:,} samples)",
@@ -178,21 +180,21 @@ def body(args, report: Report) -> None:
         for name, corpus in (("bundled (4,874)", BUNDLED), (f"{args.lines:,} lines", large)):
             out = work / "rss"
             shutil.rmtree(out, ignore_errors=True)
-            runs[name] = run_export(command(checkpoint, corpus, cache, out))
+            runs[name] = run_export(command(checkpoint, corpus, cache, out, args.shard_size))
             print(f"  {name:>16}: {runs[name]['rss']:.0f} MB, {runs[name]['seconds']:.1f} s", flush=True)
         bundled, larger = runs["bundled (4,874)"], runs[f"{args.lines:,} lines"]
         growth = larger["rss"] - bundled["rss"]
         report.figure(f"peak RSS, {args.lines:,} lines - bundled corpus", growth, "MB", at_most=100)
 
         print(f"\n3. resume after SIGKILL at half of the shards, {args.lines:,} lines:", flush=True)
-        shards = -(-speed["samples"] // 8192)
+        shards = -(-speed["samples"] // args.shard_size)
         out = work / "resume"
         shutil.rmtree(out, ignore_errors=True)
-        uninterrupted = run_export(command(checkpoint, large, cache, out))
+        uninterrupted = run_export(command(checkpoint, large, cache, out, args.shard_size))
         shutil.rmtree(out, ignore_errors=True)
-        killed = run_export(command(checkpoint, large, cache, out), kill_at_shards=max(1, shards // 2))
+        killed = run_export(command(checkpoint, large, cache, out, args.shard_size), kill_at_shards=max(1, shards // 2))
         published = len(list(out.glob("data-*.arrow")))
-        rerun = run_export(command(checkpoint, large, cache, out))
+        rerun = run_export(command(checkpoint, large, cache, out, args.shard_size))
         print(
             f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
             f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s",
@@ -212,6 +214,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=200_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
+    parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
     parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
     add_common_arguments(parser)
     return run("bench_export", parser, body)

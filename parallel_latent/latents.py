@@ -59,7 +59,8 @@ from parallel_latent.config import (
     export_config_from_dict,
 )
 from parallel_latent.console import WORKER_LOGS_ENV
-from parallel_latent.data import open_for_training
+from parallel_latent.data import open_for_training, resolve_source
+from parallel_latent.data.sources import samples_per_file
 from parallel_latent.errors import BadInput, ExitStatus, first_line, os_reason
 from parallel_latent.model import eval_mode
 from parallel_latent.parallel import get_parallel_state
@@ -618,6 +619,23 @@ def _stored(latents: torch.Tensor) -> np.ndarray:
     return latents.float().contiguous().numpy()
 
 
+def _rows_of_files(plan: ExportPlan, num_samples: int) -> list[dict] | None:
+    """Which rows come from which source file: ``first_row`` + k is the file's k-th sample (its
+    k-th non-empty line of text, or JSONL record with a non-empty text); None where the source's
+    files cannot be counted that way (see :func:`parallel_latent.data.sources.samples_per_file`),
+    or do not add up to the prepared copy's rows (the files changed since it was prepared)."""
+    data = plan.cfg.data
+    source = resolve_source(data.path, data.format)
+    counts = samples_per_file(source, data.text_field, data.sample_unit)
+    if counts is None or sum(counts) != num_samples:
+        return None
+    starts = np.cumsum([0, *counts[:-1]]).tolist()
+    return [
+        {"file": path, "format": fmt, "first_row": int(first), "rows": count}
+        for (path, fmt), first, count in zip(source.files, starts, counts, strict=True)
+    ]
+
+
 def _finish(plan: ExportPlan, out: Path, data) -> dict:
     """Rank 0, every shard published: the datasets files and the index, then the work files go."""
     num_shards = math.ceil(len(data) / plan.export.shard_size)
@@ -654,8 +672,10 @@ def _finish(plan: ExportPlan, out: Path, data) -> dict:
             "content_sha256": data.content_digest,
             # The prepared copy's rule: its rows are the source's non-empty samples, in order.
             "rows": "row i is the i-th non-empty sample of the source's files (record.source.files, in that order; "
-            "record.sample_unit says what a sample of a text file is), cut to max_length tokens",
+            "record.sample_unit says what a sample of a text file is), cut to max_length tokens; files: the rows "
+            "of each file where they can be counted (text files by line, JSONL), else null",
             "max_length": data.max_length,
+            "files": _rows_of_files(plan, len(data)),
         },
         "export": dataclasses.asdict(plan.export),
         "latents": {

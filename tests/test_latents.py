@@ -174,6 +174,26 @@ def test_index_records_checksums_ranges_and_statistics(setup, one_process):
     assert largest_difference(torch.tensor(index["statistics"]["mean"], dtype=torch.float64), mean) <= bound
     assert largest_difference(torch.tensor(index["statistics"]["std"], dtype=torch.float64), std) <= 10 * bound
     assert index["num_tokens"] == int(everything["num_tokens"].sum())
+    corpus = str(setup["corpus"].resolve())
+    assert index["corpus"]["files"] == [{"file": corpus, "format": "text", "first_row": 0, "rows": LINES}]
+
+
+def test_index_says_which_file_each_row_comes_from(setup, tmp_path):
+    """A directory of two files (blank lines and a JSONL record without text among them): each
+    file's first row and its count, so row first_row + k is that file's k-th sample."""
+    texts = setup["texts"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in [*texts[:5], "  ", texts[5]]))
+    (corpus / "b.txt").write_text("\n\n".join(texts[6:20]) + "\n")
+    args = command(setup, tmp_path / "out")
+    args[args.index("--data") + 1] = str(corpus)
+    assert main(args) == 0
+    files = json.loads((tmp_path / "out" / INDEX_FILE).read_text())["corpus"]["files"]
+    assert [(Path(f["file"]).name, f["format"], f["first_row"], f["rows"]) for f in files] == [
+        ("a.jsonl", "jsonl", 0, 6),
+        ("b.txt", "text", 6, 14),
+    ]
 
 
 def test_a_rerun_of_a_complete_export_changes_nothing(setup, one_process, capsys):
