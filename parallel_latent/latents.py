@@ -558,8 +558,7 @@ def _progress_bar(enabled: bool, total: int, initial: int):
     return tqdm(
         total=total,
         initial=initial,
-        unit="sample",
-        unit_scale=True,
+        unit="samples",
         desc="encoding",
         disable=not enabled or not coordination.is_main(),
         dynamic_ncols=True,
@@ -603,7 +602,8 @@ def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state
                         return
                     if writer is not None:
                         writer.put(_stored(latents), mask.numpy(), rows, mask.sum(1).numpy(), data.truncated[rows])
-                    progress.update(len(rows) * state.dp_size)
+                    # Rank 0 counts the other data-parallel ranks' batches as its own (they run abreast).
+                    progress.update(max(0, min(len(rows) * state.dp_size, progress.total - progress.n)))
                 if writer is not None:
                     writer.end()
     finally:

@@ -408,3 +408,9 @@ def test_sigterm_mid_shard_then_rerun_gives_the_same_bytes(setup, one_process, t
     assert sorted(p.name for p in out.glob("data-*.arrow")) == [f"data-0000{i}-of-00005.arrow" for i in (0, 1)]
     assert main(command(setup, out)) == 0
     assert directory_bytes(out) == directory_bytes(one_process)
+
+
+def test_a_progress_bar_shows_samples_per_second_and_the_time_left(setup, tmp_path, capsys):
+    assert main([*command(setup, tmp_path / "out"), "logging.progress_bar=true"]) == 0
+    shown = capsys.readouterr().err
+    assert "encoding" in shown and "samples/s" in shown and f"{LINES}/{LINES}" in shown
