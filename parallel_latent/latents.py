@@ -498,7 +498,9 @@ def _identity(plan: ExportPlan, data) -> dict:
 
 
 def _completed_shards(out: Path, num_shards: int) -> list[dict]:
-    """Records of the shards already published (the rest, and their leftovers, are removed)."""
+    """Records of the shards already published, less their statistics (d floats each: they are
+    merged from the files at the end, so that no rank holds them all); the rest, and their
+    leftovers, are removed."""
     work, done = out / WORK_DIR, []
     for index in range(num_shards):
         final, record_path = out / shard_name(index, num_shards), work / RECORDS_DIR / f"{index:05d}.json"
@@ -507,7 +509,7 @@ def _completed_shards(out: Path, num_shards: int) -> list[dict]:
             with contextlib.suppress(ValueError, OSError):
                 record = json.loads(record_path.read_text(encoding="utf-8"))
         if record and final.is_file() and final.stat().st_size == record.get("bytes"):
-            done.append(record)
+            done.append({key: value for key, value in record.items() if key != "moments"})
             continue
         final.unlink(missing_ok=True)
         record_path.unlink(missing_ok=True)
@@ -647,9 +649,10 @@ def _finish(plan: ExportPlan, out: Path, data) -> dict:
     if len(shapes) != 1:
         raise RuntimeError(f"{out}: the shards hold latents of several shapes {sorted(shapes)}")
     (latent_shape,) = shapes
-    moments = _Moments.from_dict(records[0]["moments"])
-    for record in records[1:]:
-        moments = moments.merged(_Moments.from_dict(record["moments"]))
+    moments = None
+    for index in range(num_shards):  # in shard order, one record at a time: the same bits every run
+        part = _Moments.from_dict(_read_json(out / WORK_DIR / RECORDS_DIR / f"{index:05d}.json")["moments"])
+        moments = part if moments is None else moments.merged(part)
     bf16 = plan.export.precision == "bf16"
     features = _features(latent_shape, "uint16" if bf16 else "float32", data.max_length)
     shards = [{key: r[key] for key in ("file", "first", "count", "num_tokens", "bytes", "sha256")} for r in records]
