@@ -50,6 +50,11 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",
         ["benchmarks/bench_data.py"],
     ),
+    "bench_export": (
+        "encode-corpus on configs/tiny.yaml's model: export / bare encode throughput, peak RSS against the "
+        "corpus size, a rerun after a kill at 50%",
+        ["benchmarks/bench_export.py"],
+    ),
     "bench_projection": (
         "configs/gpt2.yaml's step on one H200, projected from a trace on the meta device (pinned roofline: "
         "989 TFLOP/s MFU peak, matmuls at 700/593 TFLOP/s, 4.0 TB/s, 5 us per eager launch); goals on the "

@@ -28,12 +28,15 @@ from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
+from parallel_latent.engine import resolve_device
+from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
+from parallel_latent.parallel import init_distributed
 from parallel_latent.quality import detokenize
 
-__all__ = ["Latents", "TextAutoencoder", "load_autoencoder", "load_checkpoint_tokenizer"]
+__all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
 
 
 def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool = True) -> LatentAutoencoder:
@@ -173,3 +176,30 @@ class TextAutoencoder:
     def reconstruct(self, texts: list[str]) -> list[str]:
         """``decode(encode(texts))``: what the model makes of each text (as far as it saw it)."""
         return self.decode(self.encode(texts))
+
+
+def encode_corpus(
+    checkpoint: str | Path,
+    data: str | Path,
+    out: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    progress: bool | None = None,
+) -> dict:
+    """Encode every sample of the corpus ``data`` (anything ``data.path`` accepts) with the
+    autoencoder of ``checkpoint`` into the latent dataset ``out``, and return its index (see
+    :mod:`parallel_latent.latents`; read it with :func:`parallel_latent.latents.open_latents` or
+    ``datasets.load_from_disk``). ``overrides``: ``export.*`` (batch size, shard size, precision),
+    ``data.*``, ``parallel.tensor_parallel``, ``parallel.backend``, ``training.device``.
+
+    Collective: under a launcher every rank calls it (world = TP x DP); in one process it runs at
+    TP=1 without a launcher. Rerun on a directory it left unfinished, it continues."""
+    plan = plan_export(checkpoint, data, overrides)
+    device_kind = resolve_device(plan.cfg)
+    state = init_distributed(plan.tensor_parallel, plan.cfg.parallel.backend)
+    autoencoder = TextAutoencoder.from_checkpoint(
+        plan.directory, tp_group=state.tp_group, device=state.device if device_kind == "cuda" else None
+    )
+    if plan.export.precision == "bf16":
+        autoencoder.model.to(torch.bfloat16)
+    return export_latents(autoencoder, plan, out, progress=progress)

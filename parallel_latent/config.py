@@ -36,6 +36,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "ExportConfig",
     "FeatureModelConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "build_dataclass",
     "config_from_dict",
     "config_to_dict",
+    "export_config_from_dict",
     "load_config",
     "save_config",
     "validate_config",
@@ -406,6 +408,33 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+@dataclass
+class ExportConfig:
+    """``parallel-latent encode-corpus``: how a corpus is encoded into a latent dataset (not part of a
+    training config; given on that command's line as ``export.key=value``)."""
+
+    batch_size: int = setting(
+        64,
+        "samples per export batch: the encoder sees the same batches whatever the number of processes, so the "
+        "output does not depend on --nproc",
+        at_least(1),
+    )
+    shard_size: int = setting(
+        8192,
+        "samples per shard file (a multiple of export.batch_size): the unit of work of a data-parallel rank and "
+        "of resuming (a killed export re-encodes at most the shards that were being written)",
+        at_least(1),
+    )
+    precision: Literal["fp32", "bf16"] = setting(
+        "fp32",
+        "the dtype the model encodes in and the latents are stored in; bf16 is stored as its 16-bit pattern "
+        "(uint16: Arrow has no bfloat16; open_latents gives torch.bfloat16 back)",
+    )
+
+
+EXPORT_SECTION = "export"
+
+
 def schema_keys(cls: type = Config, prefix: str = "") -> list[tuple[str, Any, str, Bound | Items | None]]:
     """Every key of the schema: (dotted key, default, meaning, bound), in the schema's order."""
     keys = []
@@ -646,6 +675,17 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             parallel.zero_stage in (1, 2),
             f"training.precision=fp64 needs parallel.zero_stage 1 or 2 (got {parallel.zero_stage}): DeepSpeed "
             "reduces float64 gradients only there",
+        )
+    return cfg
+
+
+def export_config_from_dict(values: dict | None, source: str = "<dict>") -> ExportConfig:
+    """Validate the ``export`` settings (keys without the section prefix) into an ExportConfig."""
+    cfg = build_dataclass(ExportConfig, values or {}, source, EXPORT_SECTION)
+    check_bounds(cfg, source, EXPORT_SECTION)
+    if cfg.shard_size % cfg.batch_size:
+        raise ConfigError(
+            f"{source}: export.shard_size={cfg.shard_size} is not a multiple of export.batch_size={cfg.batch_size}"
         )
     return cfg
 

@@ -33,6 +33,7 @@ QUICK_FIGURES = {
     "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
     "bench_checkpoint.py": ["portable load (checksums verified) / torch.load", "portable bytes / torch.save bytes"],
     "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
+    "bench_export.py": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
     "bench_quality.py": [
         "tiny.yaml seed 1: token accuracy",
         "tiny.yaml worst seed bleu",

@@ -12,10 +12,12 @@ import yaml
 from parallel_latent.config import (
     Config,
     ConfigError,
+    ExportConfig,
     ModelConfig,
     build_dataclass,
     config_from_dict,
     config_to_dict,
+    export_config_from_dict,
     load_config,
     save_config,
 )
@@ -466,9 +468,24 @@ def test_config_list_prints_every_key_with_its_default_and_meaning(capsys):
 
     assert main(["config", "--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == every_key()
+    export_keys = [f"export.{item.name}" for item in dataclasses.fields(ExportConfig)]
+    assert [line.split()[0] for line in lines] == every_key() + export_keys
     dropout = next(line for line in lines if line.startswith("model.dropout "))
     assert " 0.1 " in dropout and "must be in [0, 1)" in dropout
+
+
+def test_export_settings_are_checked_with_their_line():
+    assert export_config_from_dict({}) == ExportConfig()
+    for values, words in [
+        ({"batch_size": 0}, "x: export.batch_size=0 must be >= 1"),
+        ({"shard_size": 0}, "x: export.shard_size=0 must be >= 1"),
+        ({"precision": "fp16"}, "x: export.precision: 'fp16' is not one of fp32, bf16"),
+        ({"batch_size": 8, "shard_size": 12}, "x: export.shard_size=12 is not a multiple of export.batch_size=8"),
+        ({"batch": 8}, "x: export.batch: unknown key"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            export_config_from_dict(values, "x")
+        assert str(caught.value).startswith(words), str(caught.value)
 
 
 def just_outside(bound_words: str, default):

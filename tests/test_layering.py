@@ -103,6 +103,13 @@ LIBRARY_DOES_NOT_IMPORT = {
     "watchdog.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
     # The command line takes the run directory's lock before anything loads torch.
     "run_lock.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
+    "latents.py": (
+        "parallel_latent.cli",
+        "parallel_latent.api",
+        "parallel_latent.inference",
+        "parallel_latent.train",
+        "parallel_latent.startup",
+    ),
 }
 
 

@@ -28,7 +28,7 @@ import sys
 
 from parallel_latent.errors import PROG, ExitStatus, error_line, exit_status, one_line
 
-from . import checkpoint, config, data, inference, plot, pretrained, train
+from . import checkpoint, config, data, inference, latents, plot, pretrained, train
 
 __all__ = ["build_parser", "main"]
 
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     # environment (LOCAL_RANK) anyway.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for commands in (train, plot, checkpoint, inference, pretrained, data, config):
+    for commands in (train, plot, checkpoint, inference, latents, pretrained, data, config):
         commands.add_subcommands(sub)
     return parser
 

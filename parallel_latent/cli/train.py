@@ -94,7 +94,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock, run_dir_existed: bool) -> int:
+def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir_existed: bool | None = None) -> int:
     """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return the exit status of
     the first rank that failed (0 if none did).
 
@@ -107,16 +107,18 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock, run_dir_exis
     ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
     one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
 
-    This process holds the run directory's ``lock`` (:mod:`parallel_latent.run_lock`) for its
-    ranks, and gives it up when they are done.
+    A training job's launcher holds the run directory's ``lock`` (:mod:`parallel_latent.run_lock`)
+    for its ranks, and gives it up when they are done (``run_dir_existed``: before the lock made it).
     """
     from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
     from parallel_latent.run_lock import HELD_BY_LAUNCHER_ENV
 
-    log_dir, _ = open_worker_logs(run_dir)
+    log_dir, existed = open_worker_logs(run_dir)
+    run_dir_existed = existed if run_dir_existed is None else run_dir_existed
     env = dict(os.environ)
     env[WORKER_LOGS_ENV] = str(log_dir.resolve())
-    env[HELD_BY_LAUNCHER_ENV] = str(lock.path.resolve())
+    if lock is not None:
+        env[HELD_BY_LAUNCHER_ENV] = str(lock.path.resolve())
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     process = subprocess.Popen(
@@ -151,7 +153,8 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock, run_dir_exis
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
+        if lock is not None:
+            lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
     close_worker_logs(log_dir, run_dir_existed, status, ExitStatus.BAD_INPUT)
     return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
 

@@ -37,6 +37,7 @@ __all__ = [
     "read_samples",
     "record_samples",
     "resolve_source",
+    "samples_per_file",
 ]
 
 HUB_PREFIX = "hf:"
@@ -501,3 +502,28 @@ def load_source_datasets(
             ) from None
         return [(_text_column(loaded, text_field, source.location), "record")]
     raise DataError(f"{source.location}: a prepared copy cannot be prepared again")
+
+
+def samples_per_file(source: Source, text_field: str = "text", sample_unit: str = "line") -> list[int] | None:
+    """How many samples each of a source's files holds, in order, by the rules the preparation
+    follows (the non-empty stripped lines of a text file, the non-empty ``text_field`` of each JSONL
+    record), streaming (memory does not grow with the files); None where it is not known this way
+    (paragraphs, parquet, CSV, saved and hub datasets, unreadable files)."""
+    if source.kind != "files" or sample_unit != "line" or any(fmt not in ("text", "jsonl") for _, fmt in source.files):
+        return None
+    counts = []
+    try:
+        for path, fmt in source.files:
+            count = 0
+            with open(path, encoding="utf-8", newline="") as handle:
+                for line in handle:
+                    if fmt == "text":
+                        count += len(record_samples(line, "line"))
+                    elif line.strip():
+                        record = json.loads(line)
+                        text = record.get(text_field) if isinstance(record, dict) else None
+                        count += len(record_samples(text, "record")) if isinstance(text, str) else 0
+            counts.append(count)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return counts

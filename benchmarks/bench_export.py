@@ -1,0 +1,224 @@
+"""Corpus export benchmarks (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1.
+
+1. **Throughput**: :func:`parallel_latent.latents.export_latents` (encode, Arrow shards written on a
+   background thread, checksums, statistics, index) against a bare loop of the model's ``encode``
+   over the same batches of the same prepared copy, in this process, alternated ``--repeats``
+   times (best of each). Goal: export / bare >= 0.9 samples per second (the writing overlaps the
+   model).
+
+2. **Memory**: ``parallel-latent encode-corpus`` (one process) on the bundled corpus (4,874 lines)
+   and on a ``--lines``-line corpus (the bundled corpus repeated), each prepared beforehand (the
+   preparation's memory is bench_data's subject): the process's peak RSS. Goal: the large corpus's
+   <= the bundled one's + 100 MB.
+
+3. **Resume**: the same command on the large corpus, killed with SIGKILL once half of its shards
+   are published, then run again: the rerun's time (process start to exit) against an
+   uninterrupted run's. Goal: <= 0.6 (the completed half is never encoded again; process start and
+   model loading are paid by both).
+
+    python benchmarks/bench_export.py                 # 200k lines (minutes on 2 cores)
+    python benchmarks/bench_export.py --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
+    python benchmarks/bench_export.py --quick         # minutes: 20k lines, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_data import _peak_rss_mb, write_corpus
+
+from common import REPO, Report, add_common_arguments, run
+
+TINY = REPO / "configs" / "tiny.yaml"
+BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
+SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
+
+
+def make_checkpoint(directory: Path) -> Path:
+    """configs/tiny.yaml's model (its initial weights: the speed does not depend on them), saved as
+    a portable checkpoint."""
+    from parallel_latent.checkpoint import save_portable
+    from parallel_latent.config import load_config
+    from parallel_latent.model import build_model
+    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+    cfg = load_config(TINY, ["parallel.tensor_parallel=1"])
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    save_portable(build_model(cfg), directory, cfg, tokenizer_facts(tokenizer))
+    return directory
+
+
+# --------------------------------------------------------------------------- #
+# 1. Throughput, in this process.
+# --------------------------------------------------------------------------- #
+
+
+def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int, shard_size: int) -> dict:
+    import numpy as np
+    import torch
+
+    from parallel_latent.api import TextAutoencoder
+    from parallel_latent.data import open_for_training
+    from parallel_latent.latents import export_latents, plan_export
+    from parallel_latent.model import eval_mode
+    from parallel_latent.parallel import init_distributed
+
+    plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
+    init_distributed(1, "gloo")
+    autoencoder = TextAutoencoder.from_checkpoint(plan.directory)
+    data = open_for_training(plan.cfg, autoencoder.tokenizer, announce=False)
+    batch_size, model = plan.export.batch_size, autoencoder.model
+
+    def bare() -> float:
+        started = time.perf_counter()
+        with torch.no_grad(), eval_mode(model):
+            for start in range(0, len(data), batch_size):
+                batch = data.rows(np.arange(start, min(start + batch_size, len(data))))
+                model.encode(batch["input_ids"], batch["attention_mask"]).float().numpy()
+        return time.perf_counter() - started
+
+    def export() -> float:
+        out = work / "throughput"
+        shutil.rmtree(out, ignore_errors=True)
+        started = time.perf_counter()
+        export_latents(autoencoder, plan, out, progress=False)
+        elapsed = time.perf_counter() - started
+        shutil.rmtree(out, ignore_errors=True)
+        return elapsed
+
+    times: dict[str, list[float]] = {"bare": [], "export": []}
+    bare()  # warm: the first pass pages the prepared copy in and warms the allocator
+    for _ in range(repeats):
+        times["bare"].append(bare())
+        times["export"].append(export())
+    best = {name: min(values) for name, values in times.items()}
+    return {
+        "samples": len(data),
+        "bare_per_s": len(data) / best["bare"],
+        "export_per_s": len(data) / best["export"],
+        "ratio": best["bare"] / best["export"],
+    }
+
+
+# --------------------------------------------------------------------------- #
+# 2 and 3. The command, as a process.
+# --------------------------------------------------------------------------- #
+
+
+def command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "parallel_latent",
+        "encode-corpus",
+        "--checkpoint",
+        str(checkpoint),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        *SETTINGS,
+        f"data.cache_dir={cache}",
+        f"export.shard_size={shard_size}",
+    ]
+
+
+def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
+    """One run of the command: seconds, peak RSS in MB; with ``kill_at_shards``, SIGKILLed once that
+    many shards are published."""
+    out = Path(args[args.index("--out") + 1])
+    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak, killed = 0.0, False
+    while process.poll() is None:
+        peak = max(peak, _peak_rss_mb(process.pid) or 0.0)
+        if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
+            process.send_signal(signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.01)
+    process.wait()
+    elapsed = time.perf_counter() - started
+    if not killed and process.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {process.stderr.read().decode()[-2000:]}")
+    return {"seconds": elapsed, "rss": peak, "killed": killed}
+
+
+def body(args, report: Report) -> None:
+    if args.quick:
+        args.lines, args.repeats, args.shard_size = 20_000, 1, 2048
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-export-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "cache"
+    try:
+        print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
+        checkpoint = make_checkpoint(work / "checkpoint")
+        large = work / f"corpus-{args.lines}.txt"
+        write_corpus(large, args.lines)
+
+        print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
+        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size)
+        print(
+            f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} samples/s "
+            f"({speed['samples']:,} samples)",
+            flush=True,
+        )
+        report.figure("export / bare encode loop, samples per second", speed["ratio"], "x", at_least=0.9)
+
+        print("\n2. peak RSS of encode-corpus, one process:", flush=True)
+        runs = {}
+        for name, corpus in (("bundled (4,874)", BUNDLED), (f"{args.lines:,} lines", large)):
+            out = work / "rss"
+            shutil.rmtree(out, ignore_errors=True)
+            runs[name] = run_export(command(checkpoint, corpus, cache, out, args.shard_size))
+            print(f"  {name:>16}: {runs[name]['rss']:.0f} MB, {runs[name]['seconds']:.1f} s", flush=True)
+        bundled, larger = runs["bundled (4,874)"], runs[f"{args.lines:,} lines"]
+        growth = larger["rss"] - bundled["rss"]
+        report.figure(f"peak RSS, {args.lines:,} lines - bundled corpus", growth, "MB", at_most=100)
+
+        print(f"\n3. resume after SIGKILL at half of the shards, {args.lines:,} lines:", flush=True)
+        shards = -(-speed["samples"] // args.shard_size)
+        out = work / "resume"
+        shutil.rmtree(out, ignore_errors=True)
+        uninterrupted = run_export(command(checkpoint, large, cache, out, args.shard_size))
+        shutil.rmtree(out, ignore_errors=True)
+        killed = run_export(command(checkpoint, large, cache, out, args.shard_size), kill_at_shards=max(1, shards // 2))
+        published = len(list(out.glob("data-*.arrow")))
+        rerun = run_export(command(checkpoint, large, cache, out, args.shard_size))
+        print(
+            f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
+            f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s",
+            flush=True,
+        )
+        report.figure(
+            "rerun after a kill at 50% / uninterrupted run, time", rerun["seconds"] / uninterrupted["seconds"], "x",
+            at_most=0.6,
+        )  # fmt: skip
+        report.figure("uninterrupted encode-corpus run", uninterrupted["seconds"], "s")
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=200_000, help="lines of the large corpus")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
+    parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
+    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
+    add_common_arguments(parser)
+    return run("bench_export", parser, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
