@@ -161,10 +161,9 @@ class Trainer:
     stop vote, checkpoints, and when to log, evaluate and save."""
 
     def __init__(self, run: Run):
-        self.job, self.cfg, self.state = run, run.cfg, run.state
+        self.job, self.cfg, self.state, self.progress = run, run.cfg, run.state, run.progress
         self.engine, self.model, self.device, self.bundle = run.engine, run.model, run.engine.device, run.bundle
         self.train_set, self.run_dir, self.is_main = run.train_set, run.run_dir, run.is_main
-        self.progress = run.progress  # what this main thread is doing, for the hang watchdog
         training = self.cfg.training
         self.micro_batch, self.grad_accum = training.micro_batch_size, training.grad_accum_steps
         self.global_batch = resolved_global_batch_size(self.cfg, self.state.world_size)
@@ -286,9 +285,8 @@ class Trainer:
         statistics stay on the device (read once per log line), and a collective outside the engine
         (the stop vote, over gloo) runs only every ``training.vote_every`` steps. Under bf16 the same
         holds for DeepSpeed's ZeRO-1/2 step (tests/test_train_syncs.py)."""
-        state, engine, rng = self.state, self.engine, self.model.dropout_rng
+        state, engine, rng, progress = self.state, self.engine, self.model.dropout_rng, self.progress
         self.step_lr = self.job.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
-        progress = self.progress
         progress.enter("data", self.step + 1)
         batches = self._step_batches()
         progress.enter("stop vote")

@@ -107,18 +107,14 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir
     ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
     one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
 
-    A training job's launcher holds the run directory's ``lock`` (:mod:`parallel_latent.run_lock`)
-    for its ranks, and gives it up when they are done (``run_dir_existed``: before the lock made it).
+    ``lock``: the run directory's (:mod:`parallel_latent.run_lock`), held for the ranks, then released.
     """
     from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
     from parallel_latent.run_lock import HELD_BY_LAUNCHER_ENV
 
     log_dir, existed = open_worker_logs(run_dir)
-    run_dir_existed = existed if run_dir_existed is None else run_dir_existed
-    env = dict(os.environ)
-    env[WORKER_LOGS_ENV] = str(log_dir.resolve())
-    if lock is not None:
-        env[HELD_BY_LAUNCHER_ENV] = str(lock.path.resolve())
+    env = {**os.environ, WORKER_LOGS_ENV: str(log_dir.resolve())}
+    env.update({HELD_BY_LAUNCHER_ENV: str(lock.path.resolve())} if lock is not None else {})
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     process = subprocess.Popen(
@@ -155,7 +151,7 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir
             signal.signal(signum, handler)
         if lock is not None:
             lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
-    close_worker_logs(log_dir, run_dir_existed, status, ExitStatus.BAD_INPUT)
+    close_worker_logs(log_dir, existed if run_dir_existed is None else run_dir_existed, status, ExitStatus.BAD_INPUT)
     return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
 
 
