@@ -44,11 +44,14 @@ def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> tor
 CHUNK_ELEMENTS = 2**25
 
 
+def _rows_per_chunk(local_vocab: int, chunk_rows: int | None) -> int:
+    return chunk_rows or max(1, CHUNK_ELEMENTS // max(1, local_vocab))
+
+
 def _row_chunks(local_vocab: int, chunk_rows: int | None, *tensors: torch.Tensor):
     """The tensors (rows first, all with the same number of rows) chunk by chunk of rows; one chunk
     is the tensors themselves, without slicing them."""
-    rows = tensors[0].shape[0]
-    step = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, local_vocab))
+    rows, step = tensors[0].shape[0], _rows_per_chunk(local_vocab, chunk_rows)
     if step >= rows:
         yield tensors
         return
@@ -73,20 +76,20 @@ def chunk_max_sum_exp(out_max, out_argmax, out_sum, logits, real: int, compute_d
     torch.sum(_shifted_exp(logits, out_max, real, compute_dtype), dim=-1, out=out_sum)
 
 
-def chunk_grad_into(out, logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype) -> None:
+def chunk_grad_into(out, logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype):
     """Backward work of one chunk of rows: (softmax - one-hot of the target) x the incoming gradient,
-    rounded once to ``out``'s dtype (the logits') and written straight into ``out``."""
-    # Logits already in the compute dtype (fp32 on a CPU): ``out`` itself is the one temporary,
-    # so the chunk allocates and touches no second buffer of its size.
-    in_place = out.dtype == compute_dtype
+    rounded once to ``out``'s dtype (the logits') and written straight into ``out``; with ``out``
+    None (logits in the compute dtype), into a new tensor, which is returned."""
+    # Logits already in the compute dtype (fp32 on a CPU): ``out`` (or the new tensor) itself is
+    # the one temporary, so the chunk allocates and touches no second buffer of its size.
+    in_place = out is None or out.dtype == compute_dtype
     softmax = _shifted_exp(logits, global_max, real, compute_dtype, out=out if in_place else None)
     softmax.div_(sum_exp[:, None])
     flat = torch.arange(softmax.shape[0], device=softmax.device)
     softmax[flat, targets] -= hits
     if in_place:
-        softmax.mul_(scale[:, None])
-    else:
-        torch.mul(softmax, scale[:, None], out=out)
+        return softmax.mul_(scale[:, None])
+    return torch.mul(softmax, scale[:, None], out=out)
 
 
 @dataclass
@@ -173,6 +176,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = torch.where(ignored, torch.zeros_like(grad_loss), grad_loss).reshape(-1)
         row_max, row_sum = global_max.reshape(-1), sum_exp.reshape(-1)
         targets, hits = local_target.reshape(-1), in_range.reshape(-1).to(compute_dtype)
+        if logits.dtype == compute_dtype and rows.shape[0] <= _rows_per_chunk(local_vocab, ctx.chunk_rows):
+            # One chunk in the compute dtype: its temporary is the gradient, no buffer to copy it into.
+            grad = ctx.kernels.grad(None, rows, row_max, row_sum, targets, hits, scale, ctx.real, compute_dtype)
+            return grad.view_as(logits), None, None, None, None, None, None
         grad = torch.empty_like(logits)  # in the logits' dtype
         each = _row_chunks(local_vocab, ctx.chunk_rows, grad.view(-1, local_vocab), rows, row_max, row_sum, targets,
                            hits, scale)  # fmt: skip
