@@ -142,11 +142,19 @@ class ModelConfig:
         "~1; normal: a trainable matrix drawn from N(0, init_std)",
     )
 
+    encoder_context_positions: bool = setting(
+        True,
+        "the encoder adds its position table to the (normalised) features as well as to its latents and "
+        "starts as a position lookup (latent t reads position t), like the decoder; false: the features "
+        "carry only the feature model's own positions and the encoder starts reading every position alike "
+        "(checkpoints written before this key)",
+    )
+
     # Keys that do not change the weights: a checkpoint loads whatever they are set to.
     RUNTIME_ONLY_KEYS: ClassVar[frozenset[str]] = frozenset({"dropout", "activation_checkpointing", "init_std"})
     # Keys added after checkpoints were already written, with the value the code behaved as before
     # the key existed: such a checkpoint means that value, not today's default.
-    KEYS_ADDED_LATER: ClassVar[dict[str, Any]] = {"head": "normal"}
+    KEYS_ADDED_LATER: ClassVar[dict[str, Any]] = {"head": "normal", "encoder_context_positions": False}
 
     @classmethod
     def saved(cls, record: dict | None) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -42,17 +43,19 @@ from parallel_latent.parallel import (
 from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
 from parallel_latent.parallel.utils import SINGLE_PROCESS
 
-# How the decoder starts (see LatentDecoder), at any width and init_std:
-# - its position rows at the scale of the LayerNorm'd latents they are added to (unit root-mean-
-#   square), so that the position is half of each key's variance;
+# How a position lookup starts (the decoder's blocks, and the encoder's with
+# model.encoder_context_positions; see LatentDecoder), at any width and init_std:
+# - its position rows at the scale of the normalised vectors they are added to (unit root-mean-
+#   square: the latents on the decoder's side, the features on the encoder's), so that the position
+#   is half of each key's variance;
 # - query and key projections equal and scaled so that a query's score for its own (uninformative)
-#   stream position starts at DECODER_SELF_SCORE;
-# - its context LayerNorm's gain, so that the score for the latent of its own position starts at
-#   DECODER_CONTEXT_GAIN / sqrt(2) times that (about 5.3): a sharp lookup, far above the other
-#   latents (whose expected score is 0).
-DECODER_POSITION_STD = 1.0
-DECODER_SELF_SCORE = 2.5
-DECODER_CONTEXT_GAIN = 3.0
+#   stream position starts at LOOKUP_SELF_SCORE;
+# - its context LayerNorm's gain, so that the score for the context row of its own position starts
+#   at LOOKUP_CONTEXT_GAIN / sqrt(2) times that (about 5.3): a sharp lookup, far above the other
+#   rows (whose expected score is 0).
+LOOKUP_POSITION_STD = 1.0
+LOOKUP_SELF_SCORE = 2.5
+LOOKUP_CONTEXT_GAIN = 3.0
 
 
 def _position_table(length: int, width: int, std: float) -> nn.Parameter:
@@ -157,27 +160,28 @@ class PerceiverStack(nn.Module):
 
 
 def _start_as_position_lookup(block: PerceiverBlock, cfg: ModelConfig) -> None:
-    """A decoder block whose attention starts by sending query t to latent t.
+    """A block whose attention starts by sending query t to context row t (decoder: query t to
+    latent t; encoder: latent t to the features of position t).
 
     The key projection starts equal to the query projection W, so a score is x^T W W^T y with
-    W W^T positive semi-definite: a query prefers the keys most like itself, and query t and latent
-    t carry the same position row. With W's entries of variance v, a head of dimension h scores two
+    W W^T positive semi-definite: a query prefers the keys most like itself, and query t and context
+    row t carry the same position row. With W's entries of variance v, a head of dimension h scores two
     LayerNorm'd vectors x, y at about sqrt(h) v x.y, and x.x = d: W is rescaled to the v that
-    makes the self score DECODER_SELF_SCORE. Rescaling (and copying) the local slices equals doing
+    makes the self score LOOKUP_SELF_SCORE. Rescaling (and copying) the local slices equals doing
     it to the master weight and slicing it (TP=N stays TP=1)."""
     head_dim = cfg.d_model // cfg.n_heads
-    std = math.sqrt(DECODER_SELF_SCORE / (cfg.d_model * math.sqrt(head_dim)))
+    std = math.sqrt(LOOKUP_SELF_SCORE / (cfg.d_model * math.sqrt(head_dim)))
     with torch.no_grad():
         block.attn.query.weight.mul_(std / cfg.init_std)
         block.attn.key.weight.copy_(block.attn.query.weight)
-        block.ln_context.weight.fill_(DECODER_CONTEXT_GAIN)
+        block.ln_context.weight.fill_(LOOKUP_CONTEXT_GAIN)
 
 
 def _start_reading_uniformly(block: PerceiverBlock) -> None:
     """An encoder block whose latents start reading every position alike: the query projection
-    starts at zero (its bias already does), so every score starts equal, and which position a
-    latent comes to read is set by the decoder query that reads it, not by a random preference of
-    the initial weights."""
+    starts at zero (its bias already does), so every score starts equal. The initialisation of
+    issue 19, kept for checkpoints written before ``model.encoder_context_positions`` (which latent
+    came to read which position was learned, and could go wrong: see LatentDecoder)."""
     with torch.no_grad():
         block.attn.query.weight.zero_()
 
@@ -187,8 +191,11 @@ class PerceiverEncoder(nn.Module):
 
     Ends with a LayerNorm: the pre-LN residual stream is unnormalised and grows with depth; a final
     norm (GPT-2's ``ln_f``) gives the latents a per-position bounded scale that the decoder, and
-    any model trained on the latents, can rely on. Its attention starts uniform (see LatentDecoder
-    for why).
+    any model trained on the latents, can rely on.
+
+    With ``cfg.encoder_context_positions`` its position table is added to the latents (the queries)
+    and to the normalised features (the context), and every block starts as a position lookup:
+    latent t reads position t from the first step (see LatentDecoder for why).
     """
 
     def __init__(
@@ -200,11 +207,18 @@ class PerceiverEncoder(nn.Module):
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
+        self.context_positions = cfg.encoder_context_positions
         self.latents = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
-        self.positions = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
+        # With context positions the latents' query is mostly their position row (as the decoder's
+        # queries are), so that it finds the same row in the context.
+        position_std = LOOKUP_POSITION_STD if self.context_positions else cfg.init_std
+        self.positions = _position_table(cfg.max_length, cfg.d_model, position_std)
         self.stack = PerceiverStack(cfg, cfg.n_encoder_layers, rng, tp_group, options)
         for block in self.stack.blocks:
-            _start_reading_uniformly(block)
+            if self.context_positions:
+                _start_as_position_lookup(block, cfg)
+            else:
+                _start_reading_uniformly(block)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.latents, self.positions, self.ln_f)
@@ -219,6 +233,9 @@ class PerceiverEncoder(nn.Module):
                 features = scatter_to_sequence_parallel_region(features, self.tp_group)
             else:
                 features = split_along_sequence(features, self.tp_group)
+        if self.context_positions:
+            # Normalised first: the position is half of each key's variance at any feature scale.
+            features = F.layer_norm(features, features.shape[-1:]) + self.positions[rows]
         return self.ln_f(self.stack(x, features, attention_mask))
 
 
@@ -279,11 +296,17 @@ class LatentDecoder(nn.Module):
     weights on both sides the latents start as interchangeable slots: encoder and decoder must agree
     on an arbitrary assignment of positions to latents, and where two positions start out sharing a
     latent (both decoder queries reading it, the encoder writing both tokens into it) each stays
-    near 50% accuracy for hundreds of steps, at positions that depend on the seed. So every decoder
-    block starts as a position lookup (query t reads latent t, ``_start_as_position_lookup``) and
-    every encoder block starts reading all positions alike (``_start_reading_uniformly``): each
-    latent is then pulled towards its own position's token by its own query only, and learns to
-    read that position. Both are needed: either alone leaves seeds with merged positions.
+    near 50% accuracy for good. So every decoder block starts as a position lookup (query t reads
+    latent t, ``_start_as_position_lookup``). That alone is not enough when the encoder has to learn
+    which position each latent reads: while its latents all hold the same mixture of tokens, one
+    latent comes to hold a second position's token first (its queries share one projection), the
+    decoder query of that position moves to it, and the latent of that position is then read by no
+    query, gets no gradient and stays empty: the pair forms within the first ~150 steps and never
+    separates. So the encoder starts as a position lookup too (``cfg.encoder_context_positions``:
+    latent t reads the features of position t). Then from the first step the token of position t is
+    in latent t far more than in any other, so no decoder query is drawn to another latent, and
+    each latent's loss comes from its own position's query: the identity assignment is where
+    training starts and what every gradient reinforces, not an outcome that depends on the seed.
     """
 
     def __init__(
@@ -299,7 +322,7 @@ class LatentDecoder(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
-        self.positions = _position_table(cfg.max_length, d, DECODER_POSITION_STD)
+        self.positions = _position_table(cfg.max_length, d, LOOKUP_POSITION_STD)
         mask_vector = mask_vector.detach().clone().float()
         if train_mask_vector:  # the feature model trains, so does the vector copied from it
             self.mask_vector = nn.Parameter(mask_vector)

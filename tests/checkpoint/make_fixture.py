@@ -57,6 +57,7 @@ def fixture_config(head: str):
         mask_token_id=MASK,
         pad_token_id=PAD,
         head=head,
+        encoder_context_positions=False,  # the encoder the fixture was written with (before the key)
     )
     return Config(
         model=model,

@@ -220,14 +220,13 @@ def test_construction_is_deterministic_flagged_and_leaves_the_caller_rng_alone()
     assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2))
 
 
-def first_decoder_attention(model: LatentAutoencoder, latents: torch.Tensor) -> torch.Tensor:
-    """The first decoder block's attention probabilities [T queries, T latents + T stream positions]
-    for ``latents`` [N, T, d], averaged over samples and heads (computed here from the weights)."""
-    decoder, block = model.decoder, model.decoder.stack.blocks[0]
-    (batch, length, width), heads = latents.shape, model.model_cfg.n_heads
+def first_block_attention(block, heads: int, stream: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """A Perceiver block's attention probabilities [T queries, S context rows + T stream positions]
+    for ``stream`` [N, T, d] and ``context`` [N, S, d] (unmasked), averaged over samples and heads
+    (computed here from the weights)."""
+    batch, _, width = stream.shape
     with torch.no_grad():
-        stream = decoder.queries(batch, length)
-        keys_in = torch.cat([block.ln_context(latents + decoder.positions), block.ln_query(stream)], dim=1)
+        keys_in = torch.cat([block.ln_context(context), block.ln_query(stream)], dim=1)
         q = F.linear(block.ln_query(stream), block.attn.query.weight, block.attn.query.bias)
         k = F.linear(keys_in, block.attn.key.weight)
         q, k = (t.view(batch, -1, heads, width // heads).transpose(1, 2) for t in (q, k))
@@ -235,22 +234,96 @@ def first_decoder_attention(model: LatentAutoencoder, latents: torch.Tensor) -> 
         return scores.softmax(dim=-1).mean(dim=(0, 1))
 
 
+def first_decoder_attention(model: LatentAutoencoder, latents: torch.Tensor) -> torch.Tensor:
+    """Decoder query t's attention [T, T latents + T stream positions] over ``latents`` [N, T, d]."""
+    decoder, (batch, length, _) = model.decoder, latents.shape
+    stream = decoder.queries(batch, length)
+    return first_block_attention(decoder.stack.blocks[0], model.model_cfg.n_heads, stream, latents + decoder.positions)
+
+
+def first_encoder_attention(model: LatentAutoencoder, ids: torch.Tensor) -> torch.Tensor:
+    """Latent t's attention [T, T positions + T latents] over the features of full rows ``ids``."""
+    encoder, (batch, length) = model.encoder, ids.shape
+    with torch.no_grad():
+        features = model.features(ids, torch.ones_like(ids))
+    stream = (encoder.latents + encoder.positions).expand(batch, -1, -1)
+    context = F.layer_norm(features, features.shape[-1:]) + encoder.positions[:length]
+    return first_block_attention(encoder.stack.blocks[0], model.model_cfg.n_heads, stream, context)
+
+
+def lookup_margin(attention: torch.Tensor) -> tuple[float, float, torch.Tensor]:
+    """(mean attention to the own context row, mean attention to another context row, the rows'
+    attention to their own stream position) of a [T, T + T] attention."""
+    own = attention[:, :T].diagonal()
+    others = (attention[:, :T].sum() - own.sum()) / (T * (T - 1))
+    return own.mean().item(), others.item(), attention[:, T:].diagonal()
+
+
 @pytest.mark.parametrize(("width", "init_std"), [(D, 0.02), (D, 0.1), (2 * D, 0.02)])
-def test_decoder_starts_reading_each_position_from_its_own_latent(width, init_std):
+def test_both_sides_start_as_position_lookups(width, init_std):
     """Nothing in the architecture ties latent t to position t; the init does (LatentDecoder's
-    docstring): decoder query t starts reading latent t, far above the other latents and its own
-    stream position, at any width and init_std; and encoder latents start reading every position
-    alike (every score equal), so that no random preference decides which latent holds which token."""
+    docstring): decoder query t starts reading latent t, and encoder latent t starts reading the
+    features of position t, each far above the other rows and its own stream position, at any width
+    and init_std."""
     model_cfg, feature_cfg = tiny_configs(dropout=0.0, d_model=width, init_std=init_std)
     model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, n_embd=width), seed=7)
     latents = F.layer_norm(torch.randn(64, T, width, generator=torch.Generator().manual_seed(0)), (width,))
-    attention = first_decoder_attention(model, latents)
-    own = attention[:, :T].diagonal()
-    others = (attention[:, :T].sum() - own.sum()) / (T * (T - 1))
-    assert own.mean() >= 5 * others, f"own latent {own.mean():.3f} vs the others {others:.3f}"
-    assert (own > attention[:, T:].diagonal()).all(), "a query prefers its own stream position"
-    for block in model.encoder.stack.blocks:
-        assert not block.attn.query.weight.any() and not block.attn.query.bias.any()
+    ids = torch.randint(0, MASK, (64, T), generator=torch.Generator().manual_seed(1))
+    for side, attention in (
+        ("decoder", first_decoder_attention(model, latents)),
+        ("encoder", first_encoder_attention(model, ids)),
+    ):
+        own, others, own_stream = lookup_margin(attention)
+        assert own >= 5 * others, f"{side}: own row {own:.3f} vs the others {others:.3f}"
+        assert (attention[:, :T].diagonal() > own_stream).all(), f"{side}: a query prefers its own stream position"
+
+
+def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencoder, torch.Tensor]:
+    """configs/tiny.yaml's model shape and optimizer (one block a side, dropout 0, init_std 0.1,
+    AdamW at 2.5e-3, clip 1) at ``width``, trained ``steps`` steps on random full rows; returns it and
+    the per-position accuracy [T] on 256 other rows."""
+    from parallel_latent.engine import parameter_groups
+
+    model_cfg, feature_cfg = tiny_configs(
+        dropout=0.0, d_model=width, init_std=0.1, n_encoder_layers=1, n_decoder_layers=1
+    )
+    # Two GPT-2 blocks: the features (hidden state -3) are its embeddings, token plus position.
+    model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, n_layer=2, n_embd=width), seed=seed)
+    params = model.trainable_parameters()
+    optimizer = torch.optim.AdamW(parameter_groups(params, 0.01), lr=2.5e-3, betas=(0.9, 0.95))
+    data = torch.Generator().manual_seed(1000 + seed)
+    ones = torch.ones(16, T, dtype=torch.long)
+    for _ in range(steps):
+        loss = model(torch.randint(0, MASK, (16, T), generator=data), ones).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+    model.eval()
+    ids = torch.randint(0, MASK, (256, T), generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        predictions = model(ids, torch.ones_like(ids), return_predictions=True).predictions
+    return model, (predictions == ids).double().mean(dim=0)
+
+
+@pytest.mark.parametrize("width", [D, 48])
+def test_no_two_positions_end_a_short_run_reading_one_latent(width):
+    """The failure of issue 29: with an encoder that learns which position each latent reads (the
+    issue-19 initialisation, model.encoder_context_positions=false), these runs ended with a decoder
+    query reading another position's latent at 2 of these 8 (width, seed) pairs, both positions of
+    the pair stuck near 50% accuracy. With both sides starting as position lookups, decoder query t
+    still reads latent t most at every seed, and every position is reconstructed (a merged pair
+    cannot exceed ~0.5 at one of its positions; a position of its own reaches ~1.0 here)."""
+    merged = {}
+    for seed in range(4):
+        model, accuracy = train_copy_task(width, seed, steps=250)
+        with torch.no_grad():
+            ids = torch.randint(0, MASK, (64, T), generator=torch.Generator().manual_seed(5))
+            latents = model.encode(ids, torch.ones_like(ids))
+        reads = first_decoder_attention(model, latents)[:, :T].argmax(dim=1).tolist()
+        if reads != list(range(T)) or accuracy.min() <= 0.9:
+            merged[seed] = f"query t reads latent {reads}, accuracy {[round(a, 2) for a in accuracy.tolist()]}"
+    assert not merged, f"width {width}: {merged}"
 
 
 def test_build_model_from_config_takes_the_training_seed():
