@@ -12,8 +12,9 @@ export batches with the model's own ``encode`` and writes::
     DIR/state.json, dataset_info.json
                                     what ``datasets.load_from_disk(DIR)`` reads (memory-mapped)
     DIR/latents.json                the index: format version, model record, shapes, dtype, the export
-                                    settings, the corpus, per-shard row ranges and SHA-256 checksums,
-                                    the latents' per-feature mean and std; no timestamps, so the whole
+                                    settings, the corpus (and the rows each source file gave),
+                                    per-shard row ranges and SHA-256 checksums, the latents'
+                                    per-feature mean and std; no timestamps, so the whole
                                     directory is the same bytes whoever wrote it, in however many runs
 
 Work is split by shards: data-parallel rank ``r`` takes every ``dp``-th shard still missing, its
@@ -60,7 +61,7 @@ from parallel_latent.config import (
 )
 from parallel_latent.console import WORKER_LOGS_ENV
 from parallel_latent.data import open_for_training, resolve_source
-from parallel_latent.data.sources import samples_per_file
+from parallel_latent.data.sources import read_split, samples_per_file
 from parallel_latent.errors import BadInput, ExitStatus, first_line, os_reason
 from parallel_latent.model import eval_mode
 from parallel_latent.parallel import get_parallel_state
@@ -622,15 +623,22 @@ def _stored(latents: torch.Tensor) -> np.ndarray:
 
 
 def _rows_of_files(plan: ExportPlan, num_samples: int) -> list[dict] | None:
-    """Which rows come from which source file: ``first_row`` + k is the file's k-th sample (its
-    k-th non-empty line of text, or JSONL record with a non-empty text); None where the source's
-    files cannot be counted that way (see :func:`parallel_latent.data.sources.samples_per_file`),
-    or do not add up to the prepared copy's rows (the files changed since it was prepared)."""
+    """Which rows come from which part of the source: row ``first_row`` + k is the part's k-th
+    sample, by the preparation's rules (see :func:`parallel_latent.data.sources.samples_per_file`).
+    Files: one entry per file, ``format`` its format. A saved or hub dataset: one entry for all of
+    it, ``file`` its location (the directory, or ``hf:NAME[:CONFIG]``), ``format`` ``saved`` or
+    ``hub``, ``split`` the split read (null for a saved ``Dataset``, which has none), first_row 0
+    and every row. None where the source cannot be read now, or its counts do not add up to the
+    prepared copy's rows (it changed since it was prepared)."""
     data = plan.cfg.data
     source = resolve_source(data.path, data.format)
-    counts = samples_per_file(source, data.text_field, data.sample_unit)
+    counts = samples_per_file(source, data.text_field, data.sample_unit, data.split)
     if counts is None or sum(counts) != num_samples:
         return None
+    if source.kind in ("saved", "hub"):
+        location = source.location if source.kind == "hub" else str(Path(source.location).resolve())
+        split = read_split(source, data.split)
+        return [{"file": location, "format": source.kind, "split": split, "first_row": 0, "rows": num_samples}]
     starts = np.cumsum([0, *counts[:-1]]).tolist()
     return [
         {"file": path, "format": fmt, "first_row": int(first), "rows": count}
@@ -674,9 +682,12 @@ def _finish(plan: ExportPlan, out: Path, data) -> dict:
             "prepared_fingerprint": data.fingerprint,
             "content_sha256": data.content_digest,
             # The prepared copy's rule: its rows are the source's non-empty samples, in order.
-            "rows": "row i is the i-th non-empty sample of the source's files (record.source.files, in that order; "
-            "record.sample_unit says what a sample of a text file is), cut to max_length tokens; files: the rows "
-            "of each file where they can be counted (text files by line, JSONL), else null",
+            "rows": "row i is the i-th non-empty sample of the source (record.source: its files in that order, "
+            "or a saved or hub dataset's split), cut to max_length tokens: a line or paragraph of a text file "
+            "(record.sample_unit), the text_field of a JSONL, parquet or CSV record or of a dataset's row; files: "
+            "the rows each part gave, row first_row + k its k-th sample (an entry per file; a saved or hub "
+            "dataset: one, its location and split, every row), null if the source cannot be read now or its "
+            "counts do not add up to the copy's rows (it changed since it was prepared)",
             "max_length": data.max_length,
             "files": _rows_of_files(plan, len(data)),
         },

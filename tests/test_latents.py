@@ -12,6 +12,7 @@ while it is stopped a second export and an export of another precision are refus
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
@@ -31,7 +32,16 @@ from parallel_latent.checkpoint import save_portable
 from parallel_latent.cli import main
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.data import read_samples, tokenize_samples
-from parallel_latent.latents import INDEX_FILE, PAUSE_IN_SHARD_ENV, PAUSE_MARKER, WORK_DIR, open_latents
+from parallel_latent.data.prepared import PreparedDataset
+from parallel_latent.latents import (
+    INDEX_FILE,
+    PAUSE_IN_SHARD_ENV,
+    PAUSE_MARKER,
+    WORK_DIR,
+    _rows_of_files,
+    open_latents,
+    plan_export,
+)
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.tp_compare import order_bound, terms_scale
@@ -194,6 +204,70 @@ def test_index_says_which_file_each_row_comes_from(setup, tmp_path):
         ("a.jsonl", "jsonl", 0, 6),
         ("b.txt", "text", 6, 14),
     ]
+
+
+def test_each_row_is_its_files_kth_sample_for_paragraphs_parquet_and_csv_until_a_file_changes(setup, tmp_path):
+    """Every row of the export: the map's (file, k) is the file's k-th sample as the in-memory reader
+    reads it, and its tokens are the prepared copy's row. A file edited after the preparation makes
+    the counts disagree with the copy: the map is null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = setup["texts"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(
+        "\n\n \n".join(f"{a}\n  {b}" for a, b in zip(texts[:8:2], texts[1:8:2], strict=True)) + "\n\n"
+    )
+    pq.write_table(pa.table({"text": [texts[8], None, " ", *texts[9:13]]}), corpus / "b.parquet", row_group_size=3)
+    with open(corpus / "c.csv", "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["text", "id"], [texts[13], 0], ["", 1], [f"{texts[14]}\n{texts[15]}", 2]])
+    args = command(setup, tmp_path / "out", "data.sample_unit=paragraph")
+    args[args.index("--data") + 1] = str(corpus)
+    assert main(args) == 0
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    files = index["corpus"]["files"]
+    assert [(Path(f["file"]).name, f["format"]) for f in files] == [
+        ("a.txt", "text"),
+        ("b.parquet", "parquet"),
+        ("c.csv", "csv"),
+    ]
+    samples = [read_samples(f["file"], format=f["format"], sample_unit="paragraph") for f in files]
+    assert [f["rows"] for f in files] == [len(s) for s in samples]
+    copy = PreparedDataset(next(setup["cache"].glob(f"[!.]*-{index['corpus']['prepared_fingerprint']}")))
+    tokenizer = load_tokenizer(Config().tokenizer)
+    rows = open_latents(tmp_path / "out")[:]["index"].tolist()
+    assert sorted(rows) == list(range(len(copy))) == list(range(sum(f["rows"] for f in files)))
+    for row in rows:
+        (part,) = [i for i, f in enumerate(files) if f["first_row"] <= row < f["first_row"] + f["rows"]]
+        sample = samples[part][row - files[part]["first_row"]]
+        expected = tokenize_samples([sample], tokenizer, copy.max_length, copy.pad_token_id).input_ids[0]
+        assert torch.equal(torch.from_numpy(copy.input_ids[row].astype("int64")), expected), (row, sample)
+    plan = plan_export(setup["checkpoint"], corpus, ["data.sample_unit=paragraph"])
+    assert _rows_of_files(plan, len(copy)) == files
+    with open(corpus / "c.csv", "a", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerow(["a sample added since the preparation", 3])
+    assert _rows_of_files(plan, len(copy)) is None
+
+
+def test_a_saved_or_hub_dataset_is_one_entry_of_every_row(setup, tmp_path, monkeypatch):
+    import datasets
+
+    texts = [*setup["texts"][:6], "  ", None]
+    whole = datasets.Dataset.from_dict({"text": texts})
+    whole.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": whole.select([0]), "test": whole}).save_to_disk(str(tmp_path / "saved-dict"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config=None, split=None, **_: whole)
+    for path, kind, split in [
+        (tmp_path / "saved", "saved", None),  # a Dataset: no splits
+        (tmp_path / "saved-dict", "saved", "test"),
+        ("hf:someone/corpus", "hub", "test"),
+    ]:
+        plan = plan_export(setup["checkpoint"], path, ["data.split=test"])
+        rows = len(read_samples(path, split="test"))
+        entry = {"file": str(path), "format": kind, "split": split, "first_row": 0, "rows": rows}
+        assert _rows_of_files(plan, rows) == [entry], path
+        assert _rows_of_files(plan, rows + 1) is None
 
 
 def test_a_rerun_of_a_complete_export_changes_nothing(setup, one_process, capsys):

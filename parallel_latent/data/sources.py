@@ -35,6 +35,7 @@ __all__ = [
     "list_data_files",
     "load_source_datasets",
     "read_samples",
+    "read_split",
     "record_samples",
     "resolve_source",
     "samples_per_file",
@@ -48,6 +49,7 @@ FORMAT_SUFFIXES = {
     "csv": (".csv",),
 }
 SNIFF_BYTES = 8192
+COUNT_BATCH = 10_000
 
 
 def bundled_corpus_path() -> Path:
@@ -411,13 +413,20 @@ def _csv_header(path: str) -> list[str]:
         return next(csv.reader(handle), [])
 
 
-def _load_file_group(files: list[str], fmt: str, text_field: str, sample_unit: str, work: Path) -> tuple[Any, str]:
+def _load_file_group(
+    files: list[str], fmt: str, text_field: str, sample_unit: str, work: Path, streaming: bool = False
+) -> tuple[Any, str]:
+    """Files of one format as one dataset (see :func:`load_source_datasets`); ``streaming``: an
+    ``IterableDataset`` that reads the files as it is iterated, with the same builder and options
+    (what :func:`samples_per_file` counts; not for JSONL, whose record checks need the loaded table)."""
     datasets = _quiet_datasets()
     cache = str(work / "hf-cache")
     options: dict[str, Any] = {}
     column = text_field
     if fmt == "text":
-        options, column, unit = {"sample_by": sample_unit}, "text", sample_unit
+        # The text builder names its features only once it has read a file (never, streaming).
+        features = datasets.Features({"text": datasets.Value("string")})
+        options, column, unit = {"sample_by": sample_unit, "features": features}, "text", sample_unit
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -450,7 +459,9 @@ def _load_file_group(files: list[str], fmt: str, text_field: str, sample_unit: s
         unit = "record"
     builder = "json" if fmt == "jsonl" else fmt
     try:
-        dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache, **options)
+        dataset = datasets.load_dataset(
+            builder, data_files=files, split="train", cache_dir=cache, streaming=streaming, **options
+        )
     except DataError:
         raise
     except Exception as error:  # the builders raise many types; all mean "this input is bad"
@@ -504,26 +515,53 @@ def load_source_datasets(
     raise DataError(f"{source.location}: a prepared copy cannot be prepared again")
 
 
-def samples_per_file(source: Source, text_field: str = "text", sample_unit: str = "line") -> list[int] | None:
-    """How many samples each of a source's files holds, in order, by the rules the preparation
-    follows (the non-empty stripped lines of a text file, the non-empty ``text_field`` of each JSONL
-    record), streaming (memory does not grow with the files); None where it is not known this way
-    (paragraphs, parquet, CSV, saved and hub datasets, unreadable files)."""
-    if source.kind != "files" or sample_unit != "line" or any(fmt not in ("text", "jsonl") for _, fmt in source.files):
+def read_split(source: Source, split: str) -> str | None:
+    """The split a saved or hub dataset is read from: ``split``, or None for a saved ``Dataset``
+    (not a ``DatasetDict``: it has no splits, and ``data.split`` is not used)."""
+    if source.kind == "saved" and not (Path(source.location) / "dataset_dict.json").is_file():
         return None
-    counts = []
+    return split
+
+
+def _count_samples(dataset: Any, unit: str) -> int:
+    return sum(len(batch_samples(batch["text"], unit)) for batch in dataset.iter(batch_size=COUNT_BATCH))
+
+
+def _count_jsonl(path: str, text_field: str) -> int:
+    count = 0
+    with open(path, encoding="utf-8", newline="") as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                text = record.get(text_field) if isinstance(record, dict) else None
+                count += len(record_samples(text, "record")) if isinstance(text, str) else 0
+    return count
+
+
+def samples_per_file(
+    source: Source, text_field: str = "text", sample_unit: str = "line", split: str = "train"
+) -> list[int] | None:
+    """How many samples each of a source's files holds, in order; for a saved or hub dataset one
+    count, of the whole split it is read from (:func:`read_split`). Each file is read as the
+    preparation reads it (the same ``datasets`` builder and options, streaming; JSONL line by line)
+    and its rows cut into samples by :func:`batch_samples`, a batch at a time: memory does not grow
+    with the files. None for a prepared copy, or where the source cannot be read that way now."""
+    if source.kind == "prepared":
+        return None
+    import tempfile
+
     try:
-        for path, fmt in source.files:
-            count = 0
-            with open(path, encoding="utf-8", newline="") as handle:
-                for line in handle:
-                    if fmt == "text":
-                        count += len(record_samples(line, "line"))
-                    elif line.strip():
-                        record = json.loads(line)
-                        text = record.get(text_field) if isinstance(record, dict) else None
-                        count += len(record_samples(text, "record")) if isinstance(text, str) else 0
-            counts.append(count)
-    except (OSError, UnicodeDecodeError, ValueError):
+        with tempfile.TemporaryDirectory(prefix="parallel-latent-count-") as work:
+            if source.kind in ("saved", "hub"):
+                pieces = load_source_datasets(source, text_field, sample_unit, split, Path(work))
+                return [sum(_count_samples(dataset, unit) for dataset, unit in pieces)]
+            counts = []
+            for path, fmt in source.files:
+                if fmt == "jsonl":
+                    counts.append(_count_jsonl(path, text_field))
+                    continue
+                dataset, unit = _load_file_group([path], fmt, text_field, sample_unit, Path(work), streaming=True)
+                counts.append(_count_samples(dataset, unit))
+            return counts
+    except Exception:  # the readers raise many types; each means the source is not as it was prepared
         return None
-    return counts
