@@ -69,6 +69,10 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "Held-out reconstruction of configs/small.yaml over three seeds",
         ["benchmarks/bench_quality.py", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
     ),
+    "quality_compressed": (
+        "Held-out reconstruction of configs/compressed.yaml (32 floats per token) over three seeds",
+        ["benchmarks/bench_quality.py", "--config", "configs/compressed.yaml", "--seeds", "1", "2", "1234"],
+    ),
 }
 GPU = "gpu"
 GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (benchmarks/gpu.sh)"

@@ -4,8 +4,10 @@
 
     autoencoder = TextAutoencoder.from_checkpoint("runs/tiny")   # run, checkpoints, step or portable dir
     latents = autoencoder.encode(["It is a truth universally acknowledged."])
-    latents.latents.shape                  # [N, T, d]; latents.attention_mask [N, T] marks real tokens
+    latents.latents.shape                  # [B, N, k]; latents.attention_mask [B, T] marks real tokens
     autoencoder.decode(latents)            # ["It is a truth universally acknowledged."]
+    autoencoder.latent_stats               # per-feature mean and std [k], to standardise the latents
+    autoencoder.interpolate("first text", "second text", steps=5)   # texts along the line between
     autoencoder.save_pretrained("tiny")    # a Hugging Face model directory; from_pretrained("tiny" or "org/name")
 
 This module sits above both the model and the checkpoint packages (the model does not know how it
@@ -29,8 +31,10 @@ from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
 from parallel_latent.engine import resolve_device
+from parallel_latent.latent_space import LatentStats
 from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.model import LatentAutoencoder, eval_mode
+from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import init_distributed
@@ -61,13 +65,15 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
     with random_features_unannounced():  # every weight is loaded next: the warning does not apply
         model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
     load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
+    model.latent_stats = LatentStats.from_dict(manifest.get("latent_stats"))
     return model.eval()
 
 
 @dataclass
 class Latents:
-    """One row per input text: ``latents`` [N, T, d] and ``attention_mask`` [N, T] (1 = a real
-    token); ``truncated`` [N] says which texts were longer than ``T`` tokens and were cut."""
+    """One row per input text: ``latents`` [B, N, k] (N = T and k = d_model unless the model
+    compresses: ``model.num_latents``, ``model.latent_dim``) and ``attention_mask`` [B, T] (1 = a
+    real token); ``truncated`` [B] says which texts were longer than ``T`` tokens and were cut."""
 
     latents: torch.Tensor
     attention_mask: torch.Tensor
@@ -151,31 +157,66 @@ class TextAutoencoder:
             latents = self.model.encode(input_ids, attention_mask)
         return Latents(latents, attention_mask, batch.truncated)
 
+    @property
+    def latent_stats(self) -> LatentStats | None:
+        """The latents' per-feature mean and standard deviation [k] at the checkpoint's last
+        evaluation (see :mod:`parallel_latent.latent_space`); None for checkpoints written before
+        they were recorded."""
+        return self.model.latent_stats
+
     @torch.no_grad()
-    def decode_ids(self, latents: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Token ids [N, T] (the pad id where ``attention_mask`` is 0)."""
-        d, length = self.model.model_cfg.d_model, self.model.model_cfg.max_length
-        if latents.dim() != 3 or latents.shape[2] != d or latents.shape[1] > length:
-            raise ValueError(f"latents of shape {tuple(latents.shape)} do not fit this model ([N, <={length}, {d}])")
-        if tuple(attention_mask.shape) != tuple(latents.shape[:2]):
+    def decode_ids(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] (the pad id where ``attention_mask`` is 0). Without a mask (a model
+        trained with ``model.predict_length``) T is ``max_length`` and each row ends at its
+        predicted length."""
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != latents.shape[0]):
             raise ValueError(
-                f"attention_mask {tuple(attention_mask.shape)} does not match latents {tuple(latents.shape[:2])}"
+                f"attention_mask {tuple(attention_mask.shape)} does not match {latents.shape[0]} latent samples"
             )
         latents = latents.to(self.device, next(self.model.parameters()).dtype)
         with eval_mode(self.model):
-            return self.model.decode(latents, attention_mask.to(self.device))
+            return self.model.decode(latents, None if attention_mask is None else attention_mask.to(self.device))
 
     def decode(self, latents: Latents | torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[str]:
-        """Texts of ``latents`` (a :class:`Latents`, or a tensor with its ``attention_mask``)."""
+        """Texts of ``latents`` (a :class:`Latents`, or a tensor with its ``attention_mask``; a model
+        with ``model.predict_length`` decodes a tensor without one, at its predicted lengths)."""
         if isinstance(latents, Latents):
             latents, attention_mask = latents.latents, latents.attention_mask
+        if attention_mask is None and not self.model.model_cfg.predict_length:
+            raise ValueError(
+                "decode needs the attention_mask that encode returned with the latents "
+                "(this model was not trained with model.predict_length)"
+            )
+        ids = self.decode_ids(latents, attention_mask)
         if attention_mask is None:
-            raise ValueError("decode needs the attention_mask that encode returned with the latents")
-        return detokenize(self.tokenizer, self.decode_ids(latents, attention_mask), attention_mask)
+            attention_mask = length_mask(predicted_lengths(ids, self.model.model_cfg.pad_token_id), ids.shape[1])
+        return detokenize(self.tokenizer, ids, attention_mask)
 
     def reconstruct(self, texts: list[str]) -> list[str]:
         """``decode(encode(texts))``: what the model makes of each text (as far as it saw it)."""
         return self.decode(self.encode(texts))
+
+    def interpolate(self, first: str, second: str, steps: int = 5) -> list[str]:
+        """The decodings of ``steps`` (>= 2) latents evenly spaced on the straight line from the
+        latents of ``first`` to those of ``second``. The endpoints are decoded with their own masks
+        (they are the two texts' reconstructions); the points between at their predicted lengths
+        where the model predicts them, else with the longer of the two masks."""
+        if steps < 2:
+            raise ValueError(f"interpolate needs at least 2 steps (the two endpoints), got {steps}")
+        both = self.encode([first, second])
+        start, end = both.latents[0].double(), both.latents[1].double()
+        weights = torch.linspace(0.0, 1.0, steps, dtype=torch.float64)[1:-1]
+        between = torch.stack([(1 - w) * start + w * end for w in weights]) if steps > 2 else None
+        texts = self.decode(both)
+        if between is None:
+            return texts
+        between = between.to(both.latents.dtype)
+        if self.model.model_cfg.predict_length:
+            middle = self.decode(between)
+        else:
+            longer = both.attention_mask[both.attention_mask.sum(dim=1).argmax()]
+            middle = self.decode(between, longer.expand(steps - 2, -1))
+        return [texts[0], *middle, texts[1]]
 
 
 def encode_corpus(

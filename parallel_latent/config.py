@@ -150,22 +150,78 @@ class ModelConfig:
         "(checkpoints written before this key)",
     )
 
+    num_latents: int = setting(
+        0,
+        "latents per sample (N); 0 = model.max_length: one latent per position, as the source notes describe. "
+        "Fewer: latent j starts reading positions [j*T/N, (j+1)*T/N) (see PerceiverEncoder)",
+        at_least(0),
+    )
+    latent_dim: int = setting(
+        0,
+        "features per latent (k); 0 = model.d_model, no bottleneck layer. Fewer: the encoder ends in a "
+        "d_model -> k projection and a LayerNorm without gain or bias (each latent: mean 0, RMS 1 over its k "
+        "features), the decoder starts with k -> d_model",
+        at_least(0),
+    )
+    predict_length: bool = setting(
+        False,
+        "the decoder also learns where the text ends (the pad token at every position past the end, trained "
+        "like a token), so latents decode without an attention mask; false: the loss covers the real tokens only",
+    )
+
     # Keys that do not change the weights: a checkpoint loads whatever they are set to.
     RUNTIME_ONLY_KEYS: ClassVar[frozenset[str]] = frozenset({"dropout", "activation_checkpointing", "init_std"})
     # Keys added after checkpoints were already written, with the value the code behaved as before
     # the key existed: such a checkpoint means that value, not today's default.
-    KEYS_ADDED_LATER: ClassVar[dict[str, Any]] = {"head": "normal", "encoder_context_positions": False}
+    KEYS_ADDED_LATER: ClassVar[dict[str, Any]] = {
+        "head": "normal",
+        "encoder_context_positions": False,
+        "num_latents": 0,
+        "latent_dim": 0,
+        "predict_length": False,
+    }
+
+    @property
+    def latent_count(self) -> int:
+        """N: the latents of a sample (``num_latents``, or ``max_length`` for 0)."""
+        return self.num_latents or self.max_length
+
+    @property
+    def latent_width(self) -> int:
+        """k: the features of a latent (``latent_dim``, or ``d_model`` for 0)."""
+        return self.latent_dim or self.d_model
+
+    @property
+    def compresses_positions(self) -> bool:
+        """Fewer latents than positions (a latent covers several positions)."""
+        return self.latent_count != self.max_length
+
+    @property
+    def has_bottleneck(self) -> bool:
+        """Narrower latents than the blocks (a projection on each side)."""
+        return self.latent_width != self.d_model
 
     @classmethod
     def saved(cls, record: dict | None) -> dict:
         """A checkpoint's model config, with the keys it predates filled in."""
         return {**cls.KEYS_ADDED_LATER, **record} if record else {}
 
+    @staticmethod
+    def _canonical(values: dict) -> dict:
+        """``values`` with num_latents / latent_dim at their default written as 0: the same model."""
+        values = dict(values)
+        if values.get("num_latents") == values.get("max_length"):
+            values["num_latents"] = 0
+        if values.get("latent_dim") == values.get("d_model"):
+            values["latent_dim"] = 0
+        return values
+
     def difference(self, record: dict | None) -> str | None:
         """How the model config a checkpoint records differs from this one in a key that shapes
-        the weights (the first such key), or None."""
-        saved, current = self.saved(record), dataclasses.asdict(self)
-        if not saved:
+        the weights or what the model was trained to do (the first such key), or None."""
+        saved = self._canonical(self.saved(record))
+        current = self._canonical(dataclasses.asdict(self))
+        if not record:
             return None
         for key in sorted(set(saved) | set(current)):
             if key not in self.RUNTIME_ONLY_KEYS and saved.get(key) != current.get(key):
@@ -644,6 +700,27 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         f"model.max_length={model.max_length} exceeds feature_model.n_positions={feature.n_positions}",
     )
     require(
+        model.latent_count <= model.max_length,
+        f"model.num_latents={model.num_latents} exceeds model.max_length={model.max_length}: "
+        "at most one latent per position",
+    )
+    require(
+        model.latent_width <= model.d_model,
+        f"model.latent_dim={model.latent_dim} exceeds model.d_model={model.d_model}: a bottleneck narrows",
+    )
+    per_latent = -(-model.max_length // model.latent_count)
+    require(
+        not model.compresses_positions or per_latent <= model.n_heads,
+        f"model.num_latents={model.num_latents}: a latent covers up to {per_latent} of the "
+        f"model.max_length={model.max_length} positions, more than model.n_heads={model.n_heads} "
+        "(each position starts in a head of its own: raise num_latents or n_heads)",
+    )
+    require(
+        not model.compresses_positions or model.encoder_context_positions,
+        f"model.num_latents={model.num_latents} < model.max_length={model.max_length} needs "
+        "model.encoder_context_positions: true (the encoder's latents start reading their own positions)",
+    )
+    require(
         not data.path.startswith("hf:") or len(data.path) > 3,
         f"data.path={data.path}: expected hf:NAME or hf:NAME:CONFIG",
     )
@@ -663,6 +740,11 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
             model.max_length % tp == 0,
             f"parallel.sequence_parallel: model.max_length={model.max_length} is not divisible by "
             f"parallel.tensor_parallel={tp} (each rank holds max_length / tensor_parallel positions)",
+        )
+        require(
+            model.latent_count % tp == 0,
+            f"parallel.sequence_parallel: model.num_latents={model.latent_count} is not divisible by "
+            f"parallel.tensor_parallel={tp} (each rank holds num_latents / tensor_parallel latents)",
         )
 
     if training.global_batch_size:

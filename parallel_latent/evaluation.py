@@ -9,6 +9,8 @@ step; the evaluator decides.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,11 +19,21 @@ import torch.distributed as dist
 from parallel_latent.checkpoint.zero_access import gathered
 from parallel_latent.data import get_batch
 from parallel_latent.data.prefetch import to_device
+from parallel_latent.latent_space import (
+    NOISE_LEVELS,
+    NOISE_SEED,
+    LatentMoments,
+    LatentStats,
+    latent_size_metrics,
+    noised,
+)
 from parallel_latent.model import eval_mode
+from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.quality import (
     NUM_STATS,
     SAMPLES,
     corpus_bleu,
+    detokenize,
     output_totals,
     position_accuracy,
     reconstruction_metrics,
@@ -29,15 +41,25 @@ from parallel_latent.quality import (
     truncation_note,
 )
 
-__all__ = ["Evaluator", "reconstruction_bleu", "score_samples"]
+__all__ = ["EvaluationWorld", "Evaluator", "Scored", "latent_space_metrics", "reconstruction_bleu", "score_samples"]
 
 
-def score_samples(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, device):
-    """The statistics vector (:mod:`parallel_latent.quality`'s layout, float64 on the host) and the
-    predicted ids of the samples [N, T], run through ``forward(ids, mask)`` (an AutoencoderOutput
-    with predictions) in batches of ``batch_size``, without autograd."""
+@dataclass
+class Scored:
+    """What :func:`score_samples` returns for N samples."""
+
+    stats: torch.Tensor  # quality's statistics vector, float64 on the host
+    predictions: torch.Tensor  # [N, T] predicted ids (the pad id at pad positions)
+    latents: torch.Tensor  # [N, num_latents, latent_dim] on the host
+    length_exact: int  # samples whose predicted length is exact (model.predict_length; else 0)
+
+
+def score_samples(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, device) -> Scored:
+    """The statistics, predicted ids and latents of the samples [N, T], run through ``forward(ids,
+    mask)`` (an AutoencoderOutput with predictions and latents) in batches of ``batch_size``,
+    without autograd."""
     stats = torch.zeros(NUM_STATS, dtype=torch.float64)
-    predictions = []
+    predictions, latents, length_exact = [], [], 0
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             rows = slice(start, start + batch_size)
@@ -46,8 +68,79 @@ def score_samples(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor
             stats[:SAMPLES] += output_totals(out).cpu()
             stats[SAMPLES] += ids.shape[0]
             predictions.append(out.predictions)
+            latents.append(out.latents.cpu())
+            if out.num_length_exact is not None:
+                length_exact += int(out.num_length_exact)
     predicted = torch.cat(predictions) if predictions else input_ids.new_empty((0, input_ids.shape[1]))
-    return stats, predicted
+    return Scored(stats, predicted, torch.cat(latents) if latents else torch.empty(0), length_exact)
+
+
+def decode_batches(decode, latents: torch.Tensor, attention_mask: torch.Tensor | None, batch_size: int, device):
+    """``decode(latents, mask)`` [S, T] ids of host latents in batches (``attention_mask`` None: the
+    predicted length), on the host."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, latents.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            mask = None if attention_mask is None else attention_mask[rows].to(device)
+            out.append(decode(latents[rows].to(device), mask).cpu())
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def noise_scores(tokenizer, input_ids, attention_mask, predictions, pad_token_id: int, predict_length: bool):
+    """(token accuracy over the real tokens, corpus BLEU) of ``predictions`` [S, T] of noised
+    latents: a hypothesis ends at its predicted length where the model predicts one, else at its mask."""
+    real = attention_mask.bool().cpu()
+    correct = ((predictions.cpu() == input_ids.cpu()) & real).sum().item()
+    accuracy = correct / max(real.sum().item(), 1)
+    ends = length_mask(predicted_lengths(predictions, pad_token_id), predictions.shape[1])
+    hypotheses = detokenize(tokenizer, predictions, ends if predict_length else attention_mask)
+    return accuracy, corpus_bleu(hypotheses, detokenize(tokenizer, input_ids, attention_mask))
+
+
+@dataclass
+class EvaluationWorld:
+    """Whom the evaluated samples are shared by: this process alone (the identity operations), or the
+    data-parallel ranks of a run, each holding a contiguous share (sums over the ranks, gathers in
+    rank order, a computation on rank 0 whose numbers every rank gets)."""
+
+    model_cfg: Any
+    feature_width: int
+    tokenizer: Any
+    sum: Callable[[torch.Tensor], torch.Tensor] = lambda values: values
+    gather: Callable[[torch.Tensor], torch.Tensor] = lambda values: values
+    on_main: Callable[[Callable[[], tuple]], tuple] = lambda compute: compute()
+
+
+def latent_space_metrics(
+    scored: Scored, decode, world: EvaluationWorld, input_ids, attention_mask, batch_size: int, device, first: int = 0
+) -> tuple[dict[str, float], LatentStats]:
+    """The latent evaluations (see :mod:`parallel_latent.latent_space`): size, per-feature
+    statistics and reconstruction from noised latents, with the model's ``decode(latents, mask)``.
+    ``scored``: this rank's share, samples ``first`` .. of the evaluated ``input_ids`` [S, T] /
+    ``attention_mask`` (all of them, on the host)."""
+    cfg = world.model_cfg
+    moments = LatentMoments.from_tensor(world.sum(LatentMoments.of(scored.latents).as_tensor()))
+    samples = input_ids.shape[0]
+    stats = moments.stats(samples)
+    rms = moments.global_rms()
+    metrics = {**latent_size_metrics(cfg, world.feature_width), **stats.metrics()}
+    share = slice(first, first + scored.latents.shape[0])
+    for level in NOISE_LEVELS:
+        latents = noised(scored.latents, first, level, rms, NOISE_SEED)
+        mask = None if cfg.predict_length else attention_mask[share]
+        predictions = world.gather(decode_batches(decode, latents, mask, batch_size, device))
+        accuracy, bleu = world.on_main(
+            lambda p=predictions: noise_scores(
+                world.tokenizer, input_ids, attention_mask, p, cfg.pad_token_id, cfg.predict_length
+            )
+        )
+        metrics[f"eval_token_accuracy_noise_{level}"] = accuracy
+        metrics[f"eval_bleu_noise_{level}"] = bleu
+    if cfg.predict_length:
+        exact = world.sum(torch.tensor([float(scored.length_exact)], dtype=torch.float64)).item()
+        metrics["eval_length_accuracy"] = exact / max(samples, 1)
+    return metrics, stats
 
 
 def reconstruction_bleu(records: list[dict]) -> float:
@@ -78,31 +171,81 @@ class Evaluator:
         reconstruction against its input as the model saw it (its first ``max_length`` tokens): the
         predicted ids are gathered over DP, rank 0 scores them with sacrebleu and broadcasts the score."""
         run, state = self.run, self.state
-        limit = self.cfg.training.eval_batches * self.micro_batch * state.dp_size
-        total = min(len(run.eval_set), limit) // state.dp_size * state.dp_size
+        total, first = self._subset()
         if total == 0:
             return None
-        share = total // state.dp_size
-        mine = get_batch(run.eval_set, list(range(state.dp_rank * share, (state.dp_rank + 1) * share)))
+        held_out = get_batch(run.eval_set, list(range(total)))
         run.engine.eval()
         try:
-            stats, predictions = score_samples(
-                lambda ids, mask: run.engine(ids, mask, return_predictions=True),
-                mine["input_ids"], mine["attention_mask"], self.micro_batch, run.engine.device,
-            )  # fmt: skip
+            scored = self._score_my_share(total, first)
+            with gathered(run.model.parameters()):
+                latent_metrics, self.run.model.latent_stats = latent_space_metrics(
+                    scored, run.model.decode, self._world(), held_out["input_ids"], held_out["attention_mask"],
+                    self.micro_batch, run.engine.device, first,
+                )  # fmt: skip
         finally:
             run.engine.train()
-        totals = reduce_stats(stats, run.engine.device, state.tp_size)
-        predicted = self._gather_over_dp(predictions)
+        self.run.model.latent_stats.step = step
+        totals = reduce_stats(scored.stats, run.engine.device, state.tp_size)
+        predicted = self._gather_over_dp(scored.predictions)
         bleu = self._score_reconstructions(total, predicted, step)
-        held_out = get_batch(run.eval_set, list(range(total)))
         metrics = reconstruction_metrics(*totals.tolist())
         return {
             **{f"eval_{name}": value for name, value in metrics.items()},
             "eval_bleu": bleu,
             "eval_samples": int(totals[SAMPLES].item()),
             "eval_position_accuracy": position_accuracy(held_out["input_ids"], held_out["attention_mask"], predicted),
+            **latent_metrics,
         }
+
+    def _subset(self) -> tuple[int, int]:
+        """(samples evaluated, the first of this DP rank's equal share of them)."""
+        dp_size = self.state.dp_size
+        limit = self.cfg.training.eval_batches * self.micro_batch * dp_size
+        total = min(len(self.run.eval_set), limit) // dp_size * dp_size
+        return total, self.state.dp_rank * (total // dp_size)
+
+    def _score_my_share(self, total: int, first: int) -> Scored:
+        engine = self.run.engine
+        mine = get_batch(self.run.eval_set, list(range(first, first + total // self.state.dp_size)))
+        return score_samples(
+            lambda ids, mask: engine(ids, mask, return_predictions=True, return_latents=True),
+            mine["input_ids"], mine["attention_mask"], self.micro_batch, engine.device,
+        )  # fmt: skip
+
+    def latent_stats_at(self, step: int) -> LatentStats | None:
+        """The latents' statistics of the weights at ``step`` (collective), which a checkpoint of
+        ``step`` records: this step's evaluation's, else measured now on the evaluation's samples."""
+        model = self.run.model
+        if model.latent_stats is not None and model.latent_stats.step == step:
+            return model.latent_stats
+        total, first = self._subset()
+        if total == 0:
+            return None
+        self.run.engine.eval()
+        try:
+            latents = self._score_my_share(total, first).latents
+        finally:
+            self.run.engine.train()
+        moments = self._world().sum(LatentMoments.of(latents).as_tensor())
+        model.latent_stats = LatentMoments.from_tensor(moments).stats(total, step)
+        return model.latent_stats
+
+    def _world(self) -> EvaluationWorld:
+        """This run's data-parallel ranks, each holding its share of the evaluated samples."""
+        run, device = self.run, self.run.engine.device
+
+        def on_main(compute: Callable[[], tuple]) -> tuple:
+            values = torch.tensor(compute() if run.is_main else (0.0, 0.0), dtype=torch.float64, device=device)
+            dist.broadcast(values, src=0)
+            return tuple(values.tolist())
+
+        return EvaluationWorld(
+            run.model.model_cfg, run.model.feature_model.width, run.tokenizer,
+            sum=lambda values: reduce_stats(values, device, self.state.tp_size),
+            gather=lambda values: self._gather_over_dp(values.to(device)).cpu(),
+            on_main=on_main,
+        )  # fmt: skip
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every DP rank's equally sized ``tensor``, concatenated in DP-rank order (every rank)."""

@@ -1,6 +1,7 @@
 """Held-out evaluation of a loaded autoencoder in one process: loss, token accuracy, exact match
-and BLEU of its reconstructions, on token ids, on texts, or on the held-out split of the run it was
-loaded from (what ``parallel-latent evaluate`` and ``save-pretrained`` print and record)."""
+and BLEU of its reconstructions and the latent evaluations (size, statistics, noise), on token
+ids, on texts, or on the held-out split of the run it was loaded from (what ``parallel-latent
+evaluate`` and ``save-pretrained`` print and record)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from parallel_latent.checkpoint import PortableCheckpoint
 from parallel_latent.config import config_from_dict
 from parallel_latent.data import build_datasets, get_batch, tokenize_samples
 from parallel_latent.errors import UsageError
-from parallel_latent.evaluation import reconstruction_bleu, score_samples
+from parallel_latent.evaluation import EvaluationWorld, latent_space_metrics, reconstruction_bleu, score_samples
 from parallel_latent.model import eval_mode
 from parallel_latent.quality import TOKENS, reconstruction_metrics, reconstruction_records
 
@@ -24,18 +25,27 @@ def evaluate_ids(
     trainer's evaluation loop (:func:`parallel_latent.evaluation.score_samples`)."""
     model = autoencoder.model
     with eval_mode(model):
-        totals, predicted = score_samples(
-            lambda ids, mask: model(ids, mask, return_predictions=True),
+        scored = score_samples(
+            lambda ids, mask: model(ids, mask, return_predictions=True, return_latents=True),
             input_ids, attention_mask, batch_size, autoencoder.device,
         )  # fmt: skip
-    records = reconstruction_records(autoencoder.tokenizer, input_ids, attention_mask, predicted.cpu())
-    n = input_ids.shape[0]
+        world = EvaluationWorld(model.model_cfg, model.feature_model.width, autoencoder.tokenizer)
+        n = input_ids.shape[0]
+        latent_metrics = {}
+        if n:
+            latent_metrics, _ = latent_space_metrics(
+                scored, model.decode, world, input_ids, attention_mask, batch_size, autoencoder.device
+            )
+    records = reconstruction_records(autoencoder.tokenizer, input_ids, attention_mask, scored.predictions.cpu())
+    totals = scored.stats
     return {
         "samples": n,
         "tokens": int(totals[TOKENS]),
         "truncated": int(truncated),
         **reconstruction_metrics(*totals.tolist()),
         "bleu": reconstruction_bleu(records) if n else None,
+        # The trainer's names without its eval_ prefix: floats_per_token, bleu_noise_0.1, latent_std_min, ...
+        **{name.removeprefix("eval_"): value for name, value in latent_metrics.items()},
     }
 
 

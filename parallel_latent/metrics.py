@@ -67,11 +67,12 @@ def model_flops_per_sample(
     tokenizer's vocabulary, f = feature_model.n_embd, and n = feature_model.n_layer - 2 GPT-2
     blocks actually run (hidden state -3):
 
-    * one Perceiver block (queries: T positions, keys/values: the T context positions
-      concatenated with the T stream positions, so 2T):
-      q and output projections 2 * 2*T*d^2, k and v projections 2 * 2*(2T)*d^2,
-      scores and weighted sum 2 * 2*T*(2T)*d, MLP 2 * 2*T*d*(r*d)
-      = (12 + 4r) * T * d^2 + 8 * T^2 * d;
+    * one Perceiver block of Q queries over C context rows (keys/values: the context concatenated
+      with the stream, C + Q): q and output projections 2 * 2*Q*d^2, k and v projections
+      2 * 2*(C + Q)*d^2, scores and weighted sum 2 * 2*Q*(C + Q)*d, MLP 2 * 2*Q*d*(r*d); an
+      encoder block has Q = N latents (``model.num_latents``, T by default) and C = T, a decoder
+      block Q = T and C = N; at N = T that is (12 + 4r) * T * d^2 + 8 * T^2 * d;
+    * the bottleneck (``model.latent_dim`` = k < d): 2 * N*d*k on each side;
     * the query MLP (d -> r*d -> d): 4r * T * d^2 when it runs per position (training with
       dropout: each query draws its own mask); otherwise it runs once per micro-batch on the one
       mask vector, 4r * d^2 / micro_batch_size per sample;
@@ -89,19 +90,27 @@ def model_flops_per_sample(
     """
     model, feature = cfg.model, cfg.feature_model
     d, t, r = model.d_model, model.max_length, model.mlp_ratio
-    blocks = model.n_encoder_layers + model.n_decoder_layers
+    n, k = model.latent_count, model.latent_width
     f = feature.n_embd if feature_width is None else feature_width
     gpt2_blocks = max(0, feature.n_layer - 2) if feature_blocks is None else feature_blocks
     query_rows = t if model.dropout > 0 else 1 / max(1, cfg.training.micro_batch_size)
+
+    def block_linear(queries: int, context: int) -> int:
+        return (4 + 4 * r) * queries * d * d + 4 * (context + queries) * d * d
+
+    linear = model.n_encoder_layers * block_linear(n, t) + model.n_decoder_layers * block_linear(t, n)
+    attention = (model.n_encoder_layers * n + model.n_decoder_layers * t) * 4 * (t + n) * d
     parts = {
-        "perceiver_linear": float(blocks * (12 + 4 * r) * t * d * d),
-        "perceiver_attention": float(blocks * 8 * t * t * d),
+        "perceiver_linear": float(linear),
+        "perceiver_attention": float(attention),
+        "bottleneck": float(4 * n * d * k if model.has_bottleneck else 0),
         "query_mlp": float(4 * r * query_rows * d * d),
         "head": float(2 * t * d * model.vocab_size),
         "gpt2_linear": float(gpt2_blocks * 24 * t * f * f),
         "gpt2_attention": float(gpt2_blocks * 4 * t * t * f),
     }
-    perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["query_mlp"] + parts["head"]
+    perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["bottleneck"]
+    perceiver += parts["query_mlp"] + parts["head"]
     gpt2 = parts["gpt2_linear"] + parts["gpt2_attention"]
     head_weight_frozen = getattr(model, "head", "normal") == "tied" and feature.frozen
     if feature.frozen:

@@ -75,6 +75,19 @@ METRICS = [  # (key in an evaluation record, model-index metric type, display na
     ("exact_match", "exact_match", "Exact match"),
     ("bleu", "bleu", "BLEU"),
 ]
+# The latent evaluations (parallel_latent.latent_space), by their names without the trainer's eval_
+# prefix, as the card's second table shows them.
+LATENT_METRICS = (
+    "floats_per_token", "compression", "length_accuracy",
+    "bleu_noise_0.1", "bleu_noise_0.3", "bleu_noise_0.5",
+    "token_accuracy_noise_0.1", "token_accuracy_noise_0.3", "token_accuracy_noise_0.5",
+    "latent_mean_abs", "latent_std_min", "latent_std_median", "latent_std_max", "latent_top10_variance_share",
+)  # fmt: skip
+
+
+def latent_figures(result: dict, prefix: str = "") -> dict:
+    """The latent evaluations that ``result`` holds (names with ``prefix``), by their card names."""
+    return {name: result[prefix + name] for name in LATENT_METRICS if prefix + name in result}
 
 
 # --------------------------------------------------------------------------- #
@@ -113,6 +126,7 @@ def _evaluation_from_metrics(run_dir: Path, step: int) -> dict | None:
         "token_accuracy": record.get("eval_token_accuracy"),
         "exact_match": record.get("eval_exact_match"),
         "bleu": record.get("eval_bleu"),
+        **latent_figures(record, "eval_"),
     }
 
 
@@ -233,6 +247,13 @@ def build_model_card(config: dict, record: TrainingRecord, name: str, repo_id: s
             "Token accuracy: the argmax is the input token; exact match: every token of a sample right; "
             "BLEU: sacrebleu's corpus BLEU (13a, 0-100) of the reconstructions against the inputs."
         )
+        latent = latent_figures(evaluation)
+        if latent:
+            evaluated += (
+                "\n\nThe latent space (Gaussian noise of 0.1 / 0.3 / 0.5 times the latents' root-mean-square, "
+                "then decoded; the per-feature mean and standard deviation are in config.json's latent_stats):\n\n"
+                + _table([(name.replace("_", " "), _format(value, 4)) for name, value in latent.items()])
+            )
     else:
         evaluated = (
             "No held-out evaluation of these weights was recorded; "
@@ -253,10 +274,16 @@ def build_model_card(config: dict, record: TrainingRecord, name: str, repo_id: s
             ("seed", training.get("seed")),
         ]
     )
+    # 0 (or a checkpoint from before the keys) means one latent per position, of the blocks' width.
+    num_latents = model.get("num_latents") or model.get("max_length")
+    latent_dim = model.get("latent_dim") or model.get("d_model")
     model_table = _table(
         [
-            ("latents per text (T)", model.get("max_length")),
-            ("latent width (d)", model.get("d_model")),
+            ("tokens per text (T)", model.get("max_length")),
+            ("latents per text (N)", num_latents),
+            ("features per latent (k)", latent_dim),
+            ("block width (d)", model.get("d_model")),
+            ("predicts the length (decodes without a mask)", bool(model.get("predict_length"))),
             ("encoder / decoder blocks", f"{model.get('n_encoder_layers')} / {model.get('n_decoder_layers')}"),
             ("attention heads", model.get("n_heads")),
             ("vocabulary head", model.get("head")),
@@ -269,14 +296,14 @@ def build_model_card(config: dict, record: TrainingRecord, name: str, repo_id: s
 # {name}
 
 A Perceiver text autoencoder over GPT-2 features, trained with parallel-latent: every text of up to
-{model.get("max_length")} tokens becomes {model.get("max_length")} latent vectors of {model.get("d_model")} features,
+{model.get("max_length")} tokens becomes {num_latents} latent vectors of {latent_dim} features,
 and back. For models that work on the latents (latent diffusion for language and the like).
 
 ```python
 from parallel_latent import TextAutoencoder
 
 autoencoder = TextAutoencoder.from_pretrained("{load_id}")
-latents = autoencoder.encode(["It is a truth universally acknowledged."])  # [N, T, d] and a mask
+latents = autoencoder.encode(["It is a truth universally acknowledged."])  # [1, N, k] and a mask
 texts = autoencoder.decode(latents)
 ```
 

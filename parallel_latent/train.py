@@ -12,7 +12,7 @@ Per optimizer step, every rank:
    every DP rank's samples: no collective is needed for it;
 2. for each micro-batch sets the dropout key (the optimizer step, and the position of the
    micro-batch in the step's global batch), runs forward, and back-propagates
-   ``loss_sum * dp_size * grad_accum / N``.
+   ``trained_loss_sum * dp_size * grad_accum / N`` (N: every position with ``model.predict_length``).
    DeepSpeed divides by ``grad_accum`` and averages over data-parallel ranks, so the gradient is
    that of the mean loss over all N tokens of the step: DP=2 equals DP=1 with the doubled
    micro-batch even when the ranks hold different numbers of padding positions;
@@ -224,6 +224,7 @@ class Trainer:
         be written raises CheckpointSaveError on every rank, which ends the run with its one line."""
         checkpoint = self.cfg.checkpoint
         self.progress.enter("save")
+        self.evaluator.latent_stats_at(self.step)  # the model's latent_stats: the checkpoint records them
         path = save_training_checkpoint(
             self.engine, checkpoints_dir(self.run_dir), self.step, self.state_dict(), model=self.model, cfg=self.cfg,
             tokenizer_facts=self.job.tokenizer_facts, keep_last=checkpoint.keep_last,
@@ -253,8 +254,7 @@ class Trainer:
             self.prefetcher = None
 
     def close(self) -> None:
-        """Stop the background reader and close the metrics (the one teardown; the trainer can be
-        stepped again: the reader restarts)."""
+        """Stop the background reader and close the metrics (the one teardown; the trainer can be stepped again)."""
         self.progress.enter("shutdown")
         self._stop_prefetcher()
         self.logger.close()
@@ -292,10 +292,11 @@ class Trainer:
         progress.enter("stop vote")
         stop = self._vote(stop_requested) if self._vote_due(self.step + 1) else False
         step_tokens = float(batches.global_tokens)
-        # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the
-        # dp_size data-parallel ranks; this weight undoes both and normalises by the step's
-        # global token count instead.
-        weight_per_token = state.dp_size * self.grad_accum / max(step_tokens, 1.0)
+        # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the dp_size
+        # data-parallel ranks; this weight undoes both and normalises by the step's global count of
+        # trained positions instead: the real tokens, or every position with model.predict_length.
+        trained = self.global_batch * self.cfg.model.max_length if self.cfg.model.predict_length else step_tokens
+        weight_per_token = state.dp_size * self.grad_accum / max(trained, 1.0)
         step_stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
         for micro_step, batch in enumerate(batches.micro_batches):
             input_ids, attention_mask = to_device(batch, self.device)
@@ -306,7 +307,7 @@ class Trainer:
             progress.enter("forward")
             out = engine(input_ids, attention_mask)
             progress.enter("backward")
-            engine.backward(out.loss_sum * weight_per_token)
+            engine.backward(out.trained_loss_sum * weight_per_token)
             progress.enter("optimizer")
             engine.step()
             # In place on the device: no indexed assignment (it would build a tensor from Python data).

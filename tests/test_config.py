@@ -240,6 +240,33 @@ def test_generic_validator_optional_and_tuple_fields():
             "model.mask_token_id=50257 must be in [0, model.vocab_size=100)",
         ),
         ({"feature_model": {"n_layer": 1}}, "feature_model.n_layer=1 must be >= 2"),
+        ({"model": {"num_latents": -1}}, "model.num_latents=-1 must be >= 0"),
+        (
+            {"model": {"max_length": 16, "num_latents": 17}},
+            "model.num_latents=17 exceeds model.max_length=16: at most one latent per position",
+        ),
+        (
+            {"model": {"latent_dim": 65}},
+            "model.latent_dim=65 exceeds model.d_model=64: a bottleneck narrows",
+        ),
+        (
+            {"model": {"max_length": 32, "num_latents": 6}},
+            "model.num_latents=6: a latent covers up to 6 of the model.max_length=32 positions, more than "
+            "model.n_heads=4 (each position starts in a head of its own: raise num_latents or n_heads)",
+        ),
+        (
+            {"model": {"max_length": 32, "num_latents": 16, "encoder_context_positions": False}},
+            "model.num_latents=16 < model.max_length=32 needs model.encoder_context_positions: true "
+            "(the encoder's latents start reading their own positions)",
+        ),
+        (
+            {
+                "model": {"max_length": 32, "num_latents": 10},
+                "parallel": {"sequence_parallel": True, "tensor_parallel": 4},
+            },
+            "parallel.sequence_parallel: model.num_latents=10 is not divisible by parallel.tensor_parallel=4 "
+            "(each rank holds num_latents / tensor_parallel latents)",
+        ),
     ],
 )
 def test_impossible_combinations_are_one_line_errors(data, expected):
@@ -526,3 +553,22 @@ def test_on_and_off_choices_survive_yaml_booleans_in_overrides_and_files(written
     path.write_text(f"parallel:\n  zero_overlap_comm: {word}\noptimizer:\n  fused: {word}\n")
     cfg = load_config(path)
     assert (cfg.parallel.zero_overlap_comm, cfg.optimizer.fused) == (word, word)
+
+
+def test_latent_keys_at_their_default_are_the_model_of_zero():
+    """num_latents = max_length and latent_dim = d_model describe the model of 0 (no compression):
+    a checkpoint written either way loads into the other; checkpoints written before the keys
+    existed (the v1 fixture) mean 0 and no predicted length."""
+    zero = ModelConfig(max_length=16, d_model=64)
+    spelled = dataclasses.replace(zero, num_latents=16, latent_dim=64)
+    assert zero.difference(dataclasses.asdict(spelled)) is None
+    assert spelled.difference(dataclasses.asdict(zero)) is None
+    old = {
+        k: v for k, v in dataclasses.asdict(zero).items() if k not in ("num_latents", "latent_dim", "predict_length")
+    }
+    assert spelled.difference(old) is None
+    compressed = dataclasses.replace(zero, num_latents=8)
+    assert compressed.difference(old) == "model.num_latents is 0 in the checkpoint but 8 in the model"
+    assert dataclasses.replace(zero, predict_length=True).difference(old) == (
+        "model.predict_length is False in the checkpoint but True in the model"
+    )

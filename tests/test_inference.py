@@ -95,6 +95,33 @@ def test_evaluate_reports_bleu_of_reconstructions_against_what_the_model_saw(che
     assert got["bleu"] == corpus_bleu(autoencoder.reconstruct(texts), seen)
 
 
+def test_interpolate_ends_at_the_two_reconstructions(checkpoint, capsys):
+    """The line between two texts' latents: its endpoints are exactly their reconstructions (each
+    decoded with its own mask), and the command prints one line per point."""
+    directory, model, tokenizer = checkpoint
+    autoencoder = TextAutoencoder(model, tokenizer)
+    first, second = TEXTS[0], TEXTS[1]
+    line = autoencoder.interpolate(first, second, steps=4)
+    assert len(line) == 4 and [line[0], line[-1]] == autoencoder.reconstruct([first, second])
+    assert autoencoder.interpolate(first, second, steps=2) == autoencoder.reconstruct([first, second])
+    assert main(["interpolate", "--checkpoint", str(directory), first, second, "--steps", "4"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"{i / 3:.3f}  {text}" for i, text in enumerate(line)]
+    assert main(["interpolate", "--checkpoint", str(directory), first, second, "--steps", "1"]) == 2
+    assert "at least 2" in capsys.readouterr().err
+
+
+def test_evaluate_reports_the_latent_evaluations_and_a_mask_is_needed_without_predict_length(checkpoint):
+    _, model, tokenizer = checkpoint
+    result = evaluate_texts(TextAutoencoder(model, tokenizer), TEXTS)
+    assert result["floats_per_token"] == 32.0 and result["compression"] == 1.0
+    assert {"bleu_noise_0.1", "token_accuracy_noise_0.5", "latent_std_median"} <= set(result)
+    assert "length_accuracy" not in result  # no predicted length
+    latents = TextAutoencoder(model, tokenizer).encode(TEXTS).latents
+    with pytest.raises(ValueError, match="attention_mask"):
+        TextAutoencoder(model, tokenizer).decode(latents)
+
+
 # --------------------------------------------------------------------------- #
 # The Python text API at TP=2: every rank of the group calls it with the same texts.
 # --------------------------------------------------------------------------- #
@@ -131,7 +158,9 @@ def test_text_api_round_trip_in_one_process_and_at_tp2(checkpoint, pool2):
     assert latents.truncated.tolist() == [False, False, False]
     assert single.decode(latents) == single.reconstruct(TEXTS)
     with torch.no_grad():
-        logits = single.model.decoder(latents.latents)[..., : single.model.model_cfg.vocab_size]
+        logits = single.model.decoder(latents.latents, latents.attention_mask.shape[1])[
+            ..., : single.model.model_cfg.vocab_size
+        ]
     cfg = single.model.model_cfg
     k = autoencoder_reduction_length(cfg, 3 * cfg.max_length, 2)
     latents_bound = order_bound(k, terms_scale(max_abs([latents.latents]), k))

@@ -285,6 +285,28 @@ def test_bf16_export_equals_bf16_encode_bit_for_bit(setup, tmp_path):
     assert json.loads((out / INDEX_FILE).read_text())["latents"]["stored_as"].startswith("uint16")
 
 
+def test_a_compressed_model_exports_its_own_latent_shape(setup, tmp_path):
+    """Fewer, narrower latents (model.num_latents, model.latent_dim): the export is the model's
+    own encode, [N, k] per sample, bit for bit."""
+    tokenizer = load_tokenizer(Config().tokenizer)
+    model_cfg = ModelConfig(
+        d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=12, dropout=0.0,
+        num_latents=6, latent_dim=8, predict_length=True,
+    )  # fmt: skip
+    cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=FeatureModelConfig(n_layer=3, n_head=2, n_embd=32)),
+                                tokenizer_facts(tokenizer))  # fmt: skip
+    save_portable(build_model(cfg), tmp_path / "ckpt", cfg, tokenizer_facts(tokenizer), step=0)
+    out = tmp_path / "compressed"
+    assert main([*command(setup, out)[:2], str(tmp_path / "ckpt"), *command(setup, out)[3:]]) == 0
+    exported = open_latents(out)[:]["latents"]
+    assert exported.shape == (LINES, 6, 8)
+    autoencoder = TextAutoencoder.from_checkpoint(tmp_path / "ckpt")
+    texts = setup["texts"]
+    want = torch.cat([autoencoder.encode(texts[i : i + 8]).latents for i in range(0, len(texts), 8)])
+    assert torch.equal(exported, want)
+    assert json.loads((out / INDEX_FILE).read_text())["latents"]["shape"] == [6, 8]
+
+
 def one_line_error(capsys, args: list[str], status: int = 2) -> str:
     assert main(args) == status
     lines = capsys.readouterr().err.strip().splitlines()

@@ -3,8 +3,11 @@ no checkpoint; a stop by a signal still writes one. A real Trainer in this proce
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from parallel_latent.checkpoint.layout import INFO_FILE
 from tests.trainer_runs import TINY, TINY_CONFIG
 
 
@@ -40,3 +43,8 @@ def test_no_final_checkpoint_at_max_steps_but_one_on_a_signal(trainer_without_fi
     assert stopped.stopped_by == "signal"  # the flag is agreed on a few steps later: any step
     latest = (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{stopped.step:08d}"
+    # No evaluation ran (training.eval_every=0): the checkpoint still records the latents'
+    # statistics of its own step, measured at the save on the evaluation's samples.
+    info = json.loads((tmp_path / "stopped" / "checkpoints" / latest / INFO_FILE).read_text())
+    stats = info["model_record"]["latent_stats"]
+    assert stats["step"] == stopped.step and len(stats["std"]) == 32 and min(stats["std"]) > 0

@@ -152,6 +152,28 @@ def test_single_process_trains_evaluates_and_checkpoints(run_a):
     assert (run_a / "config.yaml").is_file() and (run_a / "deepspeed_config.json").is_file()
 
 
+def test_every_evaluation_measures_the_latent_space_and_every_checkpoint_records_its_statistics(run_a):
+    """metrics.jsonl carries the latent evaluations under their names; the checkpoint (and the
+    model loaded from it) carries the per-feature statistics of its own step, one per feature."""
+    from parallel_latent.api import TextAutoencoder
+    from parallel_latent.latent_space import NOISE_LEVELS
+    from parallel_latent.metrics import read_metrics
+
+    last = [r for r in read_metrics(run_a / "metrics.jsonl") if r["kind"] == "eval"][-1]
+    width = 32  # TINY_MODEL's d_model: no bottleneck, one latent per position
+    assert last["eval_floats_per_token"] == width and last["eval_compression"] == 1.0
+    for level in NOISE_LEVELS:
+        assert 0.0 <= last[f"eval_token_accuracy_noise_{level}"] <= 1.0 and f"eval_bleu_noise_{level}" in last
+    assert 0 < last["eval_latent_std_min"] <= last["eval_latent_std_median"] <= last["eval_latent_std_max"]
+    assert 0.1 <= last["eval_latent_top10_variance_share"] <= 1.0 and "eval_length_accuracy" not in last
+    manifest = json.loads((run_a / "checkpoints" / f"step_{STEPS:08d}" / "model" / "manifest.json").read_text())
+    stats = manifest["latent_stats"]
+    assert stats["step"] == STEPS and len(stats["mean"]) == len(stats["std"]) == width
+    assert stats["samples"] == last["eval_samples"]
+    loaded = TextAutoencoder.from_checkpoint(run_a).latent_stats
+    assert loaded.std.tolist() == stats["std"] and min(stats["std"]) == pytest.approx(last["eval_latent_std_min"])
+
+
 def test_reconstruct_reads_what_training_saved(run_a):
     result = run(
         [
@@ -233,10 +255,12 @@ def test_save_pretrained_of_a_run_carries_its_held_out_evaluation(run_a, tmp_pat
         "bleu": round(last["eval_bleu"], 4),
     }
     assert json.loads((out / "config.json").read_text())["training"]["steps"] == STEPS
+    assert "| floats per token | 32.0000 |" in card.text and "| bleu noise 0.5 |" in card.text
     texts = ["It is a truth universally acknowledged.", "Mr. Darcy bowed."]
     shared, original = TextAutoencoder.from_pretrained(out), TextAutoencoder.from_checkpoint(run_a)
     assert torch.equal(shared.encode(texts).latents, original.encode(texts).latents)
     assert shared.reconstruct(texts) == original.reconstruct(texts)
+    assert torch.equal(shared.latent_stats.mean, original.latent_stats.mean)  # config.json and the manifest
 
 
 @pytest.fixture(scope="module")

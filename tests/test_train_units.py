@@ -175,9 +175,11 @@ def test_weight_decay_only_on_matrices():
 
 
 @pytest.mark.parametrize(
-    ("head", "head_rows", "dropout"), [("normal", 1024, 0.1), ("tied", 1000, 0.1), ("tied", 1000, 0.0)]
-)
-def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, dropout):
+    ("head", "head_rows", "dropout", "latents"),
+    [("normal", 1024, 0.1, {}), ("tied", 1000, 0.1, {}), ("tied", 1000, 0.0, {}),
+     ("tied", 1000, 0.1, {"num_latents": 4, "latent_dim": 8})],
+)  # fmt: skip
+def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, dropout, latents):
     """The docstring formula counts the linear-layer FLOPs that torch's FlopCounterMode measures
     on the real model (TP=1, train mode: with dropout the query MLP runs on [B, T, d], without it
     once on the mask vector).  The counter does not see the fused CPU attention kernel; the normal
@@ -199,6 +201,7 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, d
                 "pad_token_id": 999,
                 "dropout": dropout,
                 "head": head,
+                **latents,
             },
             "feature_model": {"n_layer": 4, "n_head": 4, "n_embd": 32},
             "training": {"micro_batch_size": 3},
@@ -211,6 +214,7 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, d
         model(ids, torch.ones_like(ids))
     parts = model_flops_per_sample(cfg)
     linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * head_rows / 1000 + parts["gpt2_linear"]
+    linear += parts["bottleneck"]
     assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
     # A head tied to the frozen table computes no weight gradient: its backward is one forward's work.
     tied_frozen = parts["head"] if head == "tied" else 0.0

@@ -32,7 +32,7 @@ CONSOLIDATED_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # What a consolidated directory's config.json repeats from the manifest.
 CONFIG_KEYS = ("model_class", "model_config", "feature_model_config", "feature_model_architecture")
-CONFIG_KEYS += ("tokenizer", "config", "step")
+CONFIG_KEYS += ("tokenizer", "config", "step", "latent_stats")
 
 
 def plain(value: Any) -> Any:

@@ -1,12 +1,14 @@
-"""The inference subcommands of ``parallel-latent``: reconstruct, encode, decode, evaluate.
+"""The inference subcommands of ``parallel-latent``: reconstruct, encode, decode, interpolate, evaluate.
 
 Each runs in one process on any checkpoint the trainer or ``parallel-latent export`` wrote (a run
 directory, a checkpoints directory, a training checkpoint or a portable/consolidated directory), on
 a ``save-pretrained`` directory, or on a Hugging Face hub repository id, whatever TP degree it was
 saved at, through :class:`parallel_latent.api.TextAutoencoder`.
 
-Latents travel as a safetensors file holding ``latents`` [N, T, d] (float32) and
-``attention_mask`` [N, T] (int64): the decoder needs the mask to know where each text ends.
+Latents travel as a safetensors file holding ``latents`` [B, N, k] (float32) and
+``attention_mask`` [B, T] (int64): the decoder needs the mask to know where each text ends, unless
+the model was trained with ``model.predict_length`` (then ``attention_mask`` may be left out, as for
+latents a diffusion model sampled).
 """
 
 from __future__ import annotations
@@ -73,10 +75,25 @@ def cmd_decode(args: argparse.Namespace) -> int:
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as error:
         raise UsageError(f"{path}: not a readable latents file ({error})") from None
-    if "latents" not in tensors or "attention_mask" not in tensors:
-        raise UsageError(f"{path}: needs tensors 'latents' and 'attention_mask' (written by encode)")
-    for text in _load(args).decode(tensors["latents"], tensors["attention_mask"]):
+    if "latents" not in tensors:
+        raise UsageError(f"{path}: needs a tensor 'latents' (and 'attention_mask', as encode writes them)")
+    autoencoder = _load(args)
+    if "attention_mask" not in tensors and not autoencoder.model.model_cfg.predict_length:
+        raise UsageError(f"{path}: no 'attention_mask', and {args.checkpoint} does not predict lengths")
+    try:
+        texts = autoencoder.decode(tensors["latents"], tensors.get("attention_mask"))
+    except ValueError as error:
+        raise UsageError(f"{path}: {error}") from None
+    for text in texts:
         print(text)
+    return 0
+
+
+def cmd_interpolate(args: argparse.Namespace) -> int:
+    if args.steps < 2:
+        raise UsageError(f"interpolate: --steps {args.steps}: at least 2 (the two endpoints)")
+    for index, text in enumerate(_load(args).interpolate(args.first, args.second, args.steps)):
+        print(f"{index / (args.steps - 1):.3f}  {text}")
     return 0
 
 
@@ -118,6 +135,15 @@ def add_subcommands(sub) -> None:
     decode.add_argument("--checkpoint", required=True, help=checkpoint_help)
     decode.add_argument("latents", help="the .safetensors file written by encode")
     decode.set_defaults(handler=cmd_decode)
+
+    interpolate = sub.add_parser(
+        "interpolate", help="decode the latents on the straight line between two texts' latents"
+    )
+    interpolate.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    interpolate.add_argument("first", help="the text at 0")
+    interpolate.add_argument("second", help="the text at 1")
+    interpolate.add_argument("--steps", type=int, default=5, help="points on the line, endpoints included")
+    interpolate.set_defaults(handler=cmd_interpolate)
 
     evaluate = sub.add_parser("evaluate", help="loss, token accuracy, exact match and BLEU of a checkpoint")
     evaluate.add_argument("--checkpoint", required=True, help=checkpoint_help)

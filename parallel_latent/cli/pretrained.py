@@ -22,7 +22,11 @@ def save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: st
         print(f"no held-out evaluation recorded at step {record.steps}: evaluating on the held-out split", flush=True)
         result = evaluate_held_out(autoencoder)
         keys = ("samples", "loss", *(key for key, _, _ in pretrained.METRICS))
-        record.evaluation = {"step": record.steps, **{key: result[key] for key in keys}}
+        record.evaluation = {
+            "step": record.steps,
+            **{key: result[key] for key in keys},
+            **pretrained.latent_figures(result),
+        }
     return pretrained.save_pretrained(autoencoder, out, record=record, repo_id=repo_id)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
+from parallel_latent.latent_space import LatentStats
 from parallel_latent.parallel import (
     CompiledWithFallback,
     CompileOutcome,
@@ -38,8 +39,8 @@ IGNORE_INDEX = -100
 
 @dataclass
 class AutoencoderOutput:
-    loss: torch.Tensor  # mean cross-entropy over this rank's non-pad tokens
-    loss_sum: torch.Tensor  # summed over them
+    loss: torch.Tensor  # mean cross-entropy over the positions trained (non-pad; all with predict_length)
+    loss_sum: torch.Tensor  # cross-entropy summed over this rank's non-pad tokens (what is reported)
     num_tokens: torch.Tensor  # int: non-pad tokens
     num_correct: torch.Tensor  # int: tokens whose argmax is the input token
     token_accuracy: torch.Tensor  # num_correct / num_tokens
@@ -47,6 +48,23 @@ class AutoencoderOutput:
     num_exact: torch.Tensor  # int: such sequences
     latents: torch.Tensor | None = None
     predictions: torch.Tensor | None = None  # [B, T] argmax ids, the pad id at pad positions
+    # Summed over the positions trained: loss_sum, plus the pad positions with model.predict_length.
+    trained_loss_sum: torch.Tensor | None = None
+    # With model.predict_length and predictions: sequences whose predicted length (the first
+    # predicted pad, see predicted_lengths) is their real length.
+    num_length_exact: torch.Tensor | None = None
+
+
+def predicted_lengths(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """[B] where each row's text ends: the position of its first pad token, or its length if none."""
+    is_pad = ids == pad_token_id
+    first = is_pad.int().argmax(dim=1)
+    return torch.where(is_pad.any(dim=1), first, torch.full_like(first, ids.shape[1]))
+
+
+def length_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, length] attention mask of right-padded rows of ``lengths`` tokens."""
+    return (torch.arange(length, device=lengths.device) < lengths[:, None]).long()
 
 
 class LatentAutoencoder(nn.Module):
@@ -105,6 +123,9 @@ class LatentAutoencoder(nn.Module):
                 options=options,
             )
         mark_replicated(self)
+        # The latents' per-feature statistics at the last evaluation (the trainer's evaluator sets
+        # them, a loader reads them back): every checkpoint records them for downstream models.
+        self.latent_stats: LatentStats | None = None
 
     def checkpoint_record(self) -> dict:
         """What a checkpoint records about this model beyond its tensors: enough to rebuild it
@@ -114,6 +135,7 @@ class LatentAutoencoder(nn.Module):
             "model_config": dataclasses.asdict(self.model_cfg),
             "feature_model_config": dataclasses.asdict(self.feature_cfg),
             "feature_model_architecture": self.feature_model.architecture(),
+            "latent_stats": None if self.latent_stats is None else self.latent_stats.to_dict(),
         }
 
     def checkpoint_mismatch(self, record: dict) -> str | None:
@@ -133,6 +155,16 @@ class LatentAutoencoder(nn.Module):
                 "(sequence parallelism): pad to model.max_length"
             )
 
+    def _check_latents(self, latents: torch.Tensor, length: int) -> None:
+        """Latents [B, N, k] of this model for ``length`` positions (N = length when a latent is a position)."""
+        cfg = self.model_cfg
+        count = length if not cfg.compresses_positions else cfg.latent_count
+        if latents.dim() != 3 or tuple(latents.shape[1:]) != (count, cfg.latent_width):
+            raise ValueError(
+                f"latents of shape {tuple(latents.shape)} do not fit this model ([B, {count}, {cfg.latent_width}] "
+                f"for {length} positions)"
+            )
+
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The feature model's output [B, T, f], every row on every rank (computed once per TP
         group when the pass is split)."""
@@ -149,19 +181,27 @@ class LatentAutoencoder(nn.Module):
         return gather_from_sequence_parallel_region(latents, self.tp_group) if self.sequence_parallel else latents
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Latents [B, T, d] of ``input_ids`` [B, T] (differentiable; wrap in no_grad for inference)."""
+        """Latents [B, N, k] of ``input_ids`` [B, T] (N = T and k = d_model by default; see
+        ``model.num_latents`` and ``model.latent_dim``; differentiable: wrap in no_grad for inference)."""
         return self._whole(self._encode_local(input_ids, attention_mask))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [B, T]: argmax over the full vocabulary; the pad id where ``attention_mask`` is 0."""
-        self._check_length(latents.shape[1])
+        """Token ids [B, T]: argmax over the full vocabulary; the pad id where ``attention_mask`` is 0.
+        T is the mask's length; without a mask (a model with ``predict_length`` only) the decoder
+        reads ``max_length`` positions and each row ends at its first predicted pad."""
+        cfg = self.model_cfg
+        if attention_mask is None and not cfg.predict_length:
+            raise ValueError("decoding without an attention mask needs a model trained with model.predict_length")
+        length = cfg.max_length if attention_mask is None else attention_mask.shape[1]
+        self._check_length(length)
+        self._check_latents(latents, length)
         if self.sequence_parallel:
             latents = split_along_sequence(latents, self.tp_group)
-        ids = vocab_parallel_argmax(self.decoder(latents), self.model_cfg.vocab_size, self.tp_group)
-        if attention_mask is not None:
-            ids = ids.masked_fill(attention_mask == 0, self.model_cfg.pad_token_id)
-        return ids
+        ids = vocab_parallel_argmax(self.decoder(latents, length), cfg.vocab_size, self.tp_group)
+        if attention_mask is None:
+            attention_mask = length_mask(predicted_lengths(ids, cfg.pad_token_id), length)
+        return ids.masked_fill(attention_mask == 0, cfg.pad_token_id)
 
     def forward(
         self,
@@ -170,25 +210,39 @@ class LatentAutoencoder(nn.Module):
         return_latents: bool = False,
         return_predictions: bool = False,
     ) -> AutoencoderOutput:
+        cfg = self.model_cfg
         latents = self._encode_local(input_ids, attention_mask)
-        logits = self.decoder(latents)  # this rank's vocabulary slice, never gathered
+        logits = self.decoder(latents, input_ids.shape[1])  # this rank's vocabulary slice, never gathered
         is_token = attention_mask.bool()
-        target = input_ids.masked_fill(~is_token, IGNORE_INDEX)  # every non-pad position is a target
+        if cfg.predict_length:  # every position is a target: a token, or the pad past the end
+            target = input_ids.masked_fill(~is_token, cfg.pad_token_id)
+        else:  # every non-pad position is a target
+            target = input_ids.masked_fill(~is_token, IGNORE_INDEX)
         token_loss, correct = vocab_parallel_cross_entropy(
-            logits, target, self.model_cfg.vocab_size, self.tp_group, IGNORE_INDEX, kernels=self.loss_kernels
+            logits, target, cfg.vocab_size, self.tp_group, IGNORE_INDEX, kernels=self.loss_kernels
         )
+        # The reported numbers stay those of the real tokens, whatever is trained.
         num_tokens = is_token.sum()
-        loss_sum = token_loss.sum()
+        correct = correct & is_token
+        if cfg.predict_length:
+            loss_sum, trained_sum = token_loss.masked_fill(~is_token, 0.0).sum(), token_loss.sum()
+            trained = torch.tensor(max(target.numel(), 1), device=target.device)
+        else:
+            loss_sum = trained_sum = token_loss.sum()
+            trained = num_tokens.clamp(min=1)
         num_correct = correct.sum()
         num_exact = (correct | ~is_token).all(dim=1).sum()
         denominator = num_tokens.clamp(min=1)
-        predictions = None
+        predictions = num_length_exact = None
         if return_predictions:  # what decode() returns, from the same logits (two [B, T] reductions)
             with torch.no_grad():
-                predictions = vocab_parallel_argmax(logits.detach(), self.model_cfg.vocab_size, self.tp_group)
-            predictions = predictions.masked_fill(~is_token, self.model_cfg.pad_token_id)
+                predictions = vocab_parallel_argmax(logits.detach(), cfg.vocab_size, self.tp_group)
+                if cfg.predict_length:
+                    lengths = predicted_lengths(predictions, cfg.pad_token_id)
+                    num_length_exact = (lengths == is_token.sum(dim=1)).sum()
+            predictions = predictions.masked_fill(~is_token, cfg.pad_token_id)
         return AutoencoderOutput(
-            loss=loss_sum / denominator,
+            loss=trained_sum / trained,
             loss_sum=loss_sum,
             num_tokens=num_tokens,
             num_correct=num_correct,
@@ -197,6 +251,8 @@ class LatentAutoencoder(nn.Module):
             num_exact=num_exact,
             latents=self._whole(latents) if return_latents else None,
             predictions=predictions,
+            trained_loss_sum=trained_sum,
+            num_length_exact=num_length_exact,
         )
 
 

@@ -64,6 +64,86 @@ def _position_table(length: int, width: int, std: float) -> nn.Parameter:
     return table
 
 
+def latent_of_position(num_positions: int, num_latents: int) -> torch.Tensor:
+    """[T] the latent that position t starts in: floor(t * N / T), contiguous runs of T/N positions
+    (as even as N and T allow, at most ceil(T / N) each)."""
+    return torch.arange(num_positions) * num_latents // num_positions
+
+
+def _offsets(num_positions: int, num_latents: int) -> torch.Tensor:
+    """[T] each position's place in its latent's run of positions (0, 1, ...)."""
+    latent = latent_of_position(num_positions, num_latents)
+    first = torch.searchsorted(latent, torch.arange(num_latents))
+    return torch.arange(num_positions) - first[latent]
+
+
+def _head_of_feature(cfg: ModelConfig) -> torch.Tensor:
+    """[d] the head whose block of features each feature is (head h: features h*d/H .. (h+1)*d/H)."""
+    return torch.arange(cfg.d_model) // (cfg.d_model // cfg.n_heads)
+
+
+def _offset_of_head(cfg: ModelConfig) -> torch.Tensor:
+    """[H] the place in a latent's run of positions that head h reads (heads split evenly over the
+    ceil(T / N) places; config validation keeps n_heads >= ceil(T / N))."""
+    places = -(-cfg.max_length // cfg.latent_count)
+    return torch.arange(cfg.n_heads) * places // cfg.n_heads
+
+
+def _unit_rows(length: int, cfg: ModelConfig) -> torch.Tensor:
+    """[length, d] position rows of unit root-mean-square whose blocks of d/H features (one per
+    head) are orthogonal across rows where a block is wide enough (length <= d/H): a per-head
+    lookup then scores another row at exactly 0, not at the noise of two random vectors (relative
+    size sqrt(H / d), large for a head of 8 or 16 features)."""
+    rows = torch.empty(length, cfg.d_model)
+    normal_init(LOOKUP_POSITION_STD)(rows)
+    head_dim = cfg.d_model // cfg.n_heads
+    if length <= head_dim:
+        for start in range(0, cfg.d_model, head_dim):
+            q, _ = torch.linalg.qr(rows[:, start : start + head_dim].T.double())  # [head_dim, length]
+            rows[:, start : start + head_dim] = (q.T * math.sqrt(head_dim)).float()
+    return rows
+
+
+def _compressed_encoder_positions(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter]:
+    """(the latents' position table [N, d], the features' [T, d]) of an encoder with fewer latents
+    than positions. The features' rows are drawn; in head h's block of features the row of latent
+    j is the row of the position at place ``_offset_of_head(h)`` of its run. With every block
+    starting as a per-head lookup (``_start_as_head_lookup``), head h of latent j then reads exactly
+    that position: the latent's heads share out its positions, each position's features arrive in
+    heads of their own (not summed with the others' in one head's value), and which latent holds
+    which position is fixed before the first step, not learned."""
+    positions = _unit_rows(cfg.max_length, cfg)
+    latent = latent_of_position(cfg.max_length, cfg.latent_count)
+    first = torch.searchsorted(latent, torch.arange(cfg.latent_count))
+    size = torch.bincount(latent, minlength=cfg.latent_count)
+    place = _offset_of_head(cfg)[_head_of_feature(cfg)]  # [d]
+    rows = first[:, None] + place[None, :] % size[:, None]  # [N, d]: the position each feature copies
+    latent_rows = positions.gather(0, rows)
+    return nn.Parameter(latent_rows), nn.Parameter(positions)
+
+
+def _compressed_decoder_positions(cfg: ModelConfig) -> tuple[nn.Parameter, nn.Parameter]:
+    """(the latents' position table [N, d], the queries' [T, d]) of a decoder with fewer latents
+    than positions: the latents' rows are drawn; in the block of features of each head that reads
+    place o of a run, the query of a position at place o carries its latent's row, every other
+    query a row of its own. So query t reads its latent in the heads of its place, and itself in
+    the others (``_start_as_head_lookup``)."""
+    latent_rows = _unit_rows(cfg.latent_count, cfg)
+    own = _unit_rows(cfg.max_length, cfg)
+    latent = latent_of_position(cfg.max_length, cfg.latent_count)
+    place = _offset_of_head(cfg)[_head_of_feature(cfg)]  # [d]
+    mine = _offsets(cfg.max_length, cfg.latent_count)[:, None] == place[None, :]  # [T, d]
+    return nn.Parameter(latent_rows), nn.Parameter(torch.where(mine, latent_rows[latent], own))
+
+
+def _replicated_linear(fan_in: int, fan_out: int) -> nn.Linear:
+    """A small projection every TP rank holds whole (the bottleneck): weights of variance 1/fan_in, so
+    unit-scale inputs give unit-scale outputs; no bias (a LayerNorm follows or a position row is added)."""
+    linear = nn.Linear(fan_in, fan_out, bias=False)
+    normal_init(1.0 / math.sqrt(fan_in))(linear.weight.data)
+    return linear
+
+
 def _local_rows(length: int, tp_group, sequence_parallel: bool) -> slice:
     """The positions this rank holds between the regions: all, or its 1/tp under sequence parallelism."""
     if not sequence_parallel:
@@ -177,6 +257,32 @@ def _start_as_position_lookup(block: PerceiverBlock, cfg: ModelConfig) -> None:
         block.ln_context.weight.fill_(LOOKUP_CONTEXT_GAIN)
 
 
+def _start_as_head_lookup(block: PerceiverBlock, cfg: ModelConfig, tp_group) -> None:
+    """A block whose attention starts as a position lookup in each head separately (fewer latents
+    than positions): the query and key projections start equal and block-diagonal, head h reading
+    only its own block of d/H features through an orthogonal matrix times s, so that head h scores
+    a query against a key by their blocks' dot product alone, s^2 / sqrt(d/H) x_h . y_h, where the
+    position tables give each head its own position (see ``_compressed_encoder_positions``). s
+    makes the self score LOOKUP_SELF_SCORE (a block of unit-scale features has x_h . x_h = d/H).
+    Orthogonal, not random: the d/H x d/H random block of a narrow head is far from a multiple of
+    an orthogonal one and would blur the lookup. Each orthogonal block is the QR factor of the
+    block drawn for that head, on this rank's heads: the same as doing it to the master weight."""
+    head_dim = cfg.d_model // cfg.n_heads
+    scale = math.sqrt(LOOKUP_SELF_SCORE / math.sqrt(head_dim))
+    weight = block.attn.query.weight  # [d / tp, d]: this rank's output features (its heads)
+    first_head = group_rank(tp_group) * (weight.shape[0] // head_dim)
+    with torch.no_grad():
+        start_as = torch.zeros_like(weight)
+        for local in range(weight.shape[0] // head_dim):
+            rows = slice(local * head_dim, (local + 1) * head_dim)
+            columns = slice((first_head + local) * head_dim, (first_head + local + 1) * head_dim)
+            orthogonal, _ = torch.linalg.qr(weight[rows, columns].double())
+            start_as[rows, columns] = (scale * orthogonal).to(weight.dtype)
+        weight.copy_(start_as)
+        block.attn.key.weight.copy_(weight)
+        block.ln_context.weight.fill_(LOOKUP_CONTEXT_GAIN)
+
+
 def _start_reading_uniformly(block: PerceiverBlock) -> None:
     """An encoder block whose latents start reading every position alike: the query projection
     starts at zero (its bias already does), so every score starts equal. The initialisation of
@@ -187,7 +293,10 @@ def _start_reading_uniformly(block: PerceiverBlock) -> None:
 
 
 class PerceiverEncoder(nn.Module):
-    """T learned latents (plus their own position table) read the GPT-2 features: [B, T, d].
+    """T learned latents (plus their own position table) read the GPT-2 features: [B, T, d]; or,
+    with ``model.num_latents`` N < T, N latents with a position table of their own, each starting
+    as the reader of a run of T/N adjacent positions (``_compressed_encoder_positions``); with
+    ``model.latent_dim`` k < d, a d -> k projection and a LayerNorm without gain or bias last.
 
     Ends with a LayerNorm: the pre-LN residual stream is unnormalised and grows with depth; a final
     norm (GPT-2's ``ln_f``) gives the latents a per-position bounded scale that the decoder, and
@@ -208,26 +317,44 @@ class PerceiverEncoder(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
         self.context_positions = cfg.encoder_context_positions
-        self.latents = _position_table(cfg.max_length, cfg.d_model, cfg.init_std)
+        # One latent per position (the default): a latent's row in ``positions`` is its position's.
+        self.one_per_position = not cfg.compresses_positions
+        self.latents = _position_table(cfg.latent_count, cfg.d_model, cfg.init_std)
         # With context positions the latents' query is mostly their position row (as the decoder's
         # queries are), so that it finds the same row in the context.
         position_std = LOOKUP_POSITION_STD if self.context_positions else cfg.init_std
-        self.positions = _position_table(cfg.max_length, cfg.d_model, position_std)
+        if self.one_per_position:  # one table: latent t's row is position t's
+            self.positions = _position_table(cfg.latent_count, cfg.d_model, position_std)
+        else:  # the latents' own table, and the features' of T rows
+            self.latent_positions, self.positions = _compressed_encoder_positions(cfg)
         self.stack = PerceiverStack(cfg, cfg.n_encoder_layers, rng, tp_group, options)
         for block in self.stack.blocks:
-            if self.context_positions:
+            if not self.one_per_position:
+                _start_as_head_lookup(block, cfg, tp_group)
+            elif self.context_positions:
                 _start_as_position_lookup(block, cfg)
             else:
                 _start_reading_uniformly(block)
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.to_latent = _replicated_linear(cfg.d_model, cfg.latent_width) if cfg.has_bottleneck else None
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.latents, self.positions, self.ln_f)
+            if not self.one_per_position:
+                _mark_sequence_parallel(tp_group, self.latent_positions)
+            if self.to_latent is not None:
+                _mark_sequence_parallel(tp_group, self.to_latent)
 
     def forward(self, features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Latents of this rank's positions (all of them unless sequence parallel)."""
+        """Latents [B, N, k] (this rank's N/tp of them under sequence parallelism). N is the
+        input's length in the default model (one latent per position), ``num_latents`` otherwise."""
         batch, length, _ = features.shape
         rows = _local_rows(length, self.tp_group, self.sequence_parallel)
-        x = (self.latents[rows] + self.positions[rows]).expand(batch, -1, -1)
+        if self.one_per_position:
+            x = self.latents[rows] + self.positions[rows]
+        else:
+            latent_rows = _local_rows(self.latents.shape[0], self.tp_group, self.sequence_parallel)
+            x = self.latents[latent_rows] + self.latent_positions[latent_rows]
+        x = x.expand(batch, -1, -1)
         if self.sequence_parallel:  # the features are whole on every rank: keep this rank's positions
             if features.requires_grad:  # a trained feature model needs every position's gradient
                 features = scatter_to_sequence_parallel_region(features, self.tp_group)
@@ -236,7 +363,14 @@ class PerceiverEncoder(nn.Module):
         if self.context_positions:
             # Normalised first: the position is half of each key's variance at any feature scale.
             features = F.layer_norm(features, features.shape[-1:]) + self.positions[rows]
-        return self.ln_f(self.stack(x, features, attention_mask))
+        latents = self.ln_f(self.stack(x, features, attention_mask))
+        if self.to_latent is None:
+            return latents
+        # The fixed scale of narrow latents: a LayerNorm without gain or bias, so every latent has
+        # mean 0 and root-mean-square 1 over its k features, whatever the weights learn; a model
+        # trained on them (and the noise of the latent evaluations) can rely on that scale.
+        latents = self.to_latent(latents)
+        return F.layer_norm(latents, latents.shape[-1:])
 
 
 def token_table_scale(table: torch.Tensor) -> float:
@@ -285,7 +419,9 @@ def build_head(
 
 
 class LatentDecoder(nn.Module):
-    """Latents [B, T, d] -> this rank's slice of the vocabulary logits [B, T, V_padded / tp].
+    """Latents [B, N, k] -> this rank's slice of the vocabulary logits [B, T, V_padded / tp] (N = T
+    and k = d unless ``model.num_latents`` / ``model.latent_dim`` compress; a k -> d projection
+    first, and with N < T a second position table for the latents: ``_compressed_decoder_positions``).
 
     Every position is a query made from the mask vector: mask -> query MLP -> x scale -> + positions.
     The latents get the same positions; the queries attend to cat(latents, queries) through the
@@ -322,7 +458,11 @@ class LatentDecoder(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.tp_group, self.sequence_parallel = tp_group, options.sequence_parallel
-        self.positions = _position_table(cfg.max_length, d, LOOKUP_POSITION_STD)
+        self.one_per_position = not cfg.compresses_positions
+        if self.one_per_position:  # one table: latent t's row is query t's
+            self.positions = _position_table(cfg.latent_count, d, LOOKUP_POSITION_STD)
+        else:  # the latents' table, and the queries' of T rows
+            self.latent_positions, self.positions = _compressed_decoder_positions(cfg)
         mask_vector = mask_vector.detach().clone().float()
         if train_mask_vector:  # the feature model trains, so does the vector copied from it
             self.mask_vector = nn.Parameter(mask_vector)
@@ -337,11 +477,19 @@ class LatentDecoder(nn.Module):
         self.query_scale = nn.Parameter(torch.ones(1))
         self.stack = PerceiverStack(cfg, cfg.n_decoder_layers, rng, tp_group, options)
         for block in self.stack.blocks:
-            _start_as_position_lookup(block, cfg)
+            if self.one_per_position:
+                _start_as_position_lookup(block, cfg)
+            else:
+                _start_as_head_lookup(block, cfg, tp_group)
         self.ln_f = nn.LayerNorm(d)
         self.head = build_head(cfg, token_embedding, tp_group, options)
+        self.from_latent = _replicated_linear(cfg.latent_width, d) if cfg.has_bottleneck else None
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
+            if not self.one_per_position:
+                _mark_sequence_parallel(tp_group, self.latent_positions)
+            if self.from_latent is not None:
+                _mark_sequence_parallel(tp_group, self.from_latent)
             if isinstance(self.head, TiedVocabParallelHead):
                 _mark_sequence_parallel(tp_group, self.head.log_scale)  # applied on this rank's positions
 
@@ -363,11 +511,15 @@ class LatentDecoder(nn.Module):
             queries = query.expand(batch, local, -1)
         return queries + self.positions[rows]
 
-    def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V_padded / tp] from latents [B, T, d] (this rank's T/tp positions of them
-        under sequence parallelism; the logits always cover every position)."""
+    def forward(self, latents: torch.Tensor, length: int) -> torch.Tensor:
+        """Logits [B, length, V_padded / tp] of ``length`` positions (the attention mask's, or the
+        most a predicted length can be) from latents [B, N, k] (this rank's N/tp of them under
+        sequence parallelism; the logits always cover every position)."""
         batch, local, _ = latents.shape
-        length = local * (group_size(self.tp_group) if self.sequence_parallel else 1)
-        positions = self.positions[_local_rows(length, self.tp_group, self.sequence_parallel)]
+        count = local * (group_size(self.tp_group) if self.sequence_parallel else 1)
+        rows = _local_rows(count, self.tp_group, self.sequence_parallel)
+        positions = self.positions[rows] if self.one_per_position else self.latent_positions[rows]
+        if self.from_latent is not None:
+            latents = self.from_latent(latents)
         x = self.stack(self.queries(batch, length), latents + positions)
         return self.head(self.ln_f(x))

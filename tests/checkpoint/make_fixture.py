@@ -103,7 +103,7 @@ def decoded_ids(model) -> tuple[list[list[int]], float]:
     model.eval()
     with torch.no_grad():
         latents = model.encode(ids, mask)
-        logits = model.decoder(latents)
+        logits = model.decoder(latents, ids.shape[1])
         group = model.tp_group
         if group is not None and torch.distributed.get_world_size(group) > 1:
             parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(group))]

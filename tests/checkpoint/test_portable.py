@@ -298,7 +298,7 @@ def outputs(model: LatentAutoencoder):
     model.eval()
     ids, mask = tiny_batch()
     out = model(ids, mask, return_latents=True)
-    logits = model.decoder(out.latents)
+    logits = model.decoder(out.latents, ids.shape[1])
     group = model.tp_group
     if group is not None and torch.distributed.get_world_size(group) > 1:
         parts = [torch.empty_like(logits) for _ in range(torch.distributed.get_world_size(group))]

@@ -20,7 +20,8 @@ from parallel_latent.config import (
     config_from_dict,
 )
 from parallel_latent.model import LatentAutoencoder, build_model
-from parallel_latent.model.perceiver import token_table_scale
+from parallel_latent.model.autoencoder import predicted_lengths
+from parallel_latent.model.perceiver import latent_of_position, token_table_scale
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
@@ -90,7 +91,7 @@ def test_forward_api_and_loss_against_torch(model):
     assert out.latents.shape == (B, T, D)
     assert torch.equal(out.latents, model.encode(ids, mask))
 
-    logits = model.decoder(out.latents)[..., :VOCAB]  # TP=1 holds every (padded) vocabulary column
+    logits = model.decoder(out.latents, T)[..., :VOCAB]  # TP=1 holds every (padded) vocabulary column
     real = mask.bool()
     want_sum = F.cross_entropy(logits[real], ids[real], reduction="sum")
     assert out.num_tokens.item() == real.sum().item() and out.num_tokens.dtype == torch.int64
@@ -127,7 +128,7 @@ def test_decode_returns_ids_with_pad_where_masked(model):
     decoded = model.decode(latents, mask)
     assert decoded.shape == (B, T) and decoded.dtype == torch.int64
     assert (decoded[mask == 0] == PAD).all()
-    assert torch.equal(decoded[mask == 1], model.decoder(latents)[..., :VOCAB].argmax(-1)[mask == 1])
+    assert torch.equal(decoded[mask == 1], model.decoder(latents, T)[..., :VOCAB].argmax(-1)[mask == 1])
     with pytest.raises(ValueError, match=r"exceeds model\.max_length=8"):
         model.encode(torch.zeros(1, T + 1, dtype=torch.long), torch.ones(1, T + 1, dtype=torch.long))
 
@@ -220,10 +221,12 @@ def test_construction_is_deterministic_flagged_and_leaves_the_caller_rng_alone()
     assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2))
 
 
-def first_block_attention(block, heads: int, stream: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+def first_block_attention(
+    block, heads: int, stream: torch.Tensor, context: torch.Tensor, per_head: bool = False
+) -> torch.Tensor:
     """A Perceiver block's attention probabilities [T queries, S context rows + T stream positions]
     for ``stream`` [N, T, d] and ``context`` [N, S, d] (unmasked), averaged over samples and heads
-    (computed here from the weights)."""
+    ([H, T, S + T] with ``per_head``; computed here from the weights)."""
     batch, _, width = stream.shape
     with torch.no_grad():
         keys_in = torch.cat([block.ln_context(context), block.ln_query(stream)], dim=1)
@@ -231,7 +234,8 @@ def first_block_attention(block, heads: int, stream: torch.Tensor, context: torc
         k = F.linear(keys_in, block.attn.key.weight)
         q, k = (t.view(batch, -1, heads, width // heads).transpose(1, 2) for t in (q, k))
         scores = q @ k.transpose(-1, -2) / math.sqrt(width // heads)
-        return scores.softmax(dim=-1).mean(dim=(0, 1))
+        probabilities = scores.softmax(dim=-1).mean(dim=0)
+        return probabilities if per_head else probabilities.mean(dim=0)
 
 
 def first_decoder_attention(model: LatentAutoencoder, latents: torch.Tensor) -> torch.Tensor:
@@ -324,6 +328,69 @@ def test_no_two_positions_end_a_short_run_reading_one_latent(width):
         if reads != list(range(T)) or accuracy.min() <= 0.9:
             merged[seed] = f"query t reads latent {reads}, accuracy {[round(a, 2) for a in accuracy.tolist()]}"
     assert not merged, f"width {width}: {merged}"
+
+
+@pytest.mark.parametrize(("num_latents", "width", "seed"), [(4, 2 * D, 0), (2, 2 * D, 1), (3, 2 * D, 2), (4, 4 * D, 3)])
+def test_fewer_latents_start_as_per_head_lookups(num_latents, width, seed):
+    """With N < T latents, latent j owns the run of positions ``latent_of_position`` gives it, and
+    each head reads one place of that run: encoder head h of latent j starts reading the position at
+    place o(h) of its run, far above every other position; decoder query t starts reading its own
+    latent in the heads of its place. Which latent holds which position is fixed before training.
+    At 16 and 32 features per head (tiny.yaml's and small.yaml's): with 8 the features' own
+    variance in a head's block blurs the lookup (still right on average, not at every head)."""
+    model_cfg, feature_cfg = tiny_configs(dropout=0.0, d_model=width, num_latents=num_latents, latent_dim=8)
+    model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, n_embd=width), seed=seed)
+    heads, latent = model_cfg.n_heads, latent_of_position(T, num_latents)
+    first = torch.searchsorted(latent, torch.arange(num_latents))
+    size = torch.bincount(latent)
+    place = torch.arange(heads) * int(size.max()) // heads  # the place of a run that head h reads
+    encoder, decoder = model.encoder, model.decoder
+    ids = torch.randint(0, MASK, (64, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        features = model.features(ids, torch.ones_like(ids))
+    stream = (encoder.latents + encoder.latent_positions).expand(64, -1, -1)
+    context = F.layer_norm(features, features.shape[-1:]) + encoder.positions
+    reads = first_block_attention(encoder.stack.blocks[0], heads, stream, context, per_head=True)[:, :, :T]
+    for j in range(num_latents):
+        for h in range(heads):
+            want = int(first[j] + place[h] % size[j])
+            others = torch.cat([reads[h, j, :want], reads[h, j, want + 1 :]])
+            assert reads[h, j].argmax() == want and reads[h, j, want] >= 3 * others.max(), (j, h, reads[h, j])
+    latents = F.layer_norm(torch.randn(64, num_latents, 8, generator=torch.Generator().manual_seed(2)), (8,))
+    keys = decoder.from_latent(latents) + decoder.latent_positions
+    read = first_block_attention(decoder.stack.blocks[0], heads, decoder.queries(64, T), keys, per_head=True)
+    offset = torch.arange(T) - first[latent]
+    for t in range(T):
+        for h in (h for h in range(heads) if place[h] == offset[t]):
+            assert read[h, t, :num_latents].argmax() == latent[t], (t, h, read[h, t])
+            assert read[h, t, latent[t]] >= 0.5, (t, h, read[h, t])
+
+
+def test_a_trained_model_decodes_without_a_mask_to_the_right_length():
+    """model.predict_length: the pad past the end is learned like a token, so decode(latents) with
+    no mask returns each row cut at its own length (the tiny batch's lengths run from 2 to T)."""
+    torch.manual_seed(0)
+    model = LatentAutoencoder(*tiny_configs(dropout=0.0, num_latents=4, latent_dim=16, predict_length=True), seed=1)
+    ids, mask = tiny_batch(batch=8, seed=3)
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=3e-3, weight_decay=0.0)
+    decoded = None
+    for step in range(1, 401):
+        model.train()
+        model(ids, mask).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % 20 == 0:
+            model.eval()
+            with torch.no_grad():
+                decoded = model.decode(model.encode(ids, mask))  # no mask
+            if torch.equal(decoded, ids):
+                break
+    assert torch.equal(predicted_lengths(decoded, PAD), mask.sum(dim=1)), (decoded, mask.sum(dim=1))
+    assert torch.equal(decoded, ids)  # the tokens too, pads after each end
+    out = model(ids, mask, return_predictions=True)
+    assert out.num_length_exact.item() == ids.shape[0]
+    with pytest.raises(ValueError, match="predict_length"):
+        LatentAutoencoder(*tiny_configs(), seed=1).decode(torch.zeros(1, T, D))
 
 
 def test_build_model_from_config_takes_the_training_seed():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.model import LatentAutoencoder
-from parallel_latent.parallel import initialize_model_parallel, split_along_sequence
+from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel, split_along_sequence
 from tests.model.test_autoencoder import (
     VOCAB,
     B,
@@ -67,23 +67,31 @@ def _logits(model, latents, group):
     if model.sequence_parallel:  # the decoder reads this rank's positions
         latents = split_along_sequence(latents, group)
     with torch.no_grad():
-        logits = model.decoder(latents)
+        logits = model.decoder(latents, T)
     return gather_full(logits, SPLIT_ON_LAST_DIM, group)[..., :VOCAB]
 
 
-def head_configs(dropout: float, head: str = "tied", frozen: bool = True):
-    model_cfg, feature_cfg = tiny_configs(dropout, head=head)
+# Fewer and narrower latents than positions and width, and the length learned: T=8 positions in
+# N=4 latents of k=8 features.
+COMPRESSED = {"num_latents": 4, "latent_dim": 8, "predict_length": True}
+N_COMPRESSED, K_COMPRESSED = COMPRESSED["num_latents"], COMPRESSED["latent_dim"]
+
+
+def head_configs(dropout: float, head: str = "tied", frozen: bool = True, **model_overrides):
+    model_cfg, feature_cfg = tiny_configs(dropout, head=head, **model_overrides)
     return model_cfg, dataclasses.replace(feature_cfg, frozen=frozen)
 
 
-def compare_with_tp1(tp: int, dropout: float, head: str = "tied", frozen: bool = True, **options) -> dict:
+def compare_with_tp1(
+    tp: int, dropout: float, head: str = "tied", frozen: bool = True, model_overrides: dict | None = None, **options
+) -> dict:
     """{quantity: (difference from TP=1, its bound)}, plus exact properties. ``options``: the TP
-    model's parallel options (split_feature_model, tp_options)."""
+    model's parallel options (split_feature_model, tp_options); ``model_overrides``: ModelConfig keys."""
     state = initialize_model_parallel(tp)
     group, k = state.tp_group, reduction_length_of_model(tp)
     if not frozen:  # gradients also run back through the GPT-2 block kept (attention, MLP) to the table
         k += 2 * (D + 4 * D + 2 * T) + VOCAB
-    configs = head_configs(dropout, head, frozen)
+    configs = head_configs(dropout, head, frozen, **(model_overrides or {}))
     ref = LatentAutoencoder(*configs, seed=1).train()
     par = LatentAutoencoder(*configs, tp_group=group, seed=1, **options).train()
     result = {"weights_at_init": max(max_param_diff(ref, par, group).values())}
@@ -163,9 +171,19 @@ def test_head_options_at_tp_equal_tp1(pool4, head, frozen, tp):
     assert_equals_tp1(pool4.run(compare_with_tp1, tp, 0.1, head, frozen), f"tp={tp} head={head} frozen={frozen}")
 
 
-def count_block_collectives(tp: int, **options) -> tuple[list, list]:
+@pytest.mark.parametrize(("tp", "sequence_parallel"), [(2, False), (4, False), (2, True), (4, True)])
+def test_compressed_model_at_tp_equals_tp1(pool4, tp, sequence_parallel):
+    """Fewer latents than positions, a bottleneck on each side and the learned length, dropout on:
+    with and without sequence parallelism (1 latent per rank at TP=4)."""
+    options = {"tp_options": TensorParallelOptions(sequence_parallel=True)} if sequence_parallel else {}
+    results = pool4.run(compare_with_tp1, tp, 0.1, model_overrides=COMPRESSED, **options)
+    assert_equals_tp1(results, f"compressed tp={tp} sp={sequence_parallel}")
+
+
+def count_block_collectives(tp: int, model_overrides: dict | None = None, **options) -> tuple[list, list]:
     state = initialize_model_parallel(tp)
-    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=1, **options).train()
+    configs = tiny_configs(dropout=0.0, **(model_overrides or {}))
+    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=1, **options).train()
     ids, mask = tiny_batch()
     return collectives_of(lambda: model(ids, mask).loss)
 
@@ -343,3 +361,19 @@ def test_tied_head_is_stored_once_and_loads_at_another_tp(pool4, tmp_path):
     assert abs(got_loss - want_loss) <= bound and torch.equal(got_ids, want_ids)
     for (loss, ids), log_scale in pool4.run(load_tied_task, 4, str(directory)):
         assert log_scale == 0.75 and abs(loss - want_loss) <= bound and torch.equal(ids, want_ids)
+
+
+def test_the_compressed_model_adds_no_collective(pool4):
+    """With N latents of k features: the encoder's blocks reduce its N latents, the decoder's the
+    T queries, attention's backward cat(context, stream) of T + N rows either way; the bottleneck
+    projections are replicated and cost nothing (under sequence parallelism their gradients are
+    summed once each: tests/model/test_tp_switches.py)."""
+    layers = tiny_configs()[0].n_encoder_layers, tiny_configs()[0].n_decoder_layers
+    n = N_COMPRESSED
+    forward, backward = pool4.run(count_block_collectives, 2, COMPRESSED, split_feature_model=False)[0]
+    assert all(name == "all_reduce" for name, _, _ in forward + backward)
+    # The loss's [B, T] reductions, and predict_length's argmax is not in a training step.
+    want_forward = [B * n * D] * 2 * layers[0] + [B * T * D] * 2 * layers[1] + [D] + [B * T] * 2 + [2 * B * T]
+    assert Counter(numel for _, numel, _ in forward) == Counter(want_forward)
+    want_backward = [B * n * D] * layers[0] + [B * T * D] * (layers[1] + 1) + [B * (T + n) * D] * sum(layers)
+    assert Counter(numel for _, numel, _ in backward) == Counter(want_backward)

@@ -10,21 +10,22 @@ from collections import Counter
 import pytest
 import torch
 
-from parallel_latent.checkpoint import load_portable, save_portable
+from parallel_latent.checkpoint import CheckpointError, load_portable, save_portable
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
 from parallel_latent.parallel.mappings import split_along_sequence
-from tests.model.test_autoencoder import B, D, T, reduction_length_of_model, tiny_batch, tiny_configs
-from tests.model.test_autoencoder_tp import assert_equals_tp1, compare_with_tp1
+from tests.model.test_autoencoder import VOCAB, B, D, T, reduction_length_of_model, tiny_batch, tiny_configs
+from tests.model.test_autoencoder_tp import COMPRESSED, assert_equals_tp1, compare_with_tp1
 from tests.tp_compare import collectives_of, gather_full, max_abs, order_bound, terms_scale
 
 GATHER, SCATTER = "all_gather_single", "reduce_scatter_single"
 SP = TensorParallelOptions(sequence_parallel=True)
 
 
-def collectives(tp: int, **options) -> dict:
+def collectives(tp: int, model_overrides: dict | None = None, **options) -> dict:
     state = initialize_model_parallel(tp)
-    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=1, **options).train()
+    configs = tiny_configs(dropout=0.0, **(model_overrides or {}))
+    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=1, **options).train()
     ids, mask = tiny_batch()
     forward, backward = collectives_of(lambda: model(ids, mask).loss)
     sequence_parallel_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
@@ -32,6 +33,8 @@ def collectives(tp: int, **options) -> dict:
         "forward": [(name, numel) for name, numel, _ in forward],
         "backward": [(name, numel) for name, numel, _ in backward],
         "sp_params": sorted(p.numel() for p in sequence_parallel_params if p.requires_grad),
+        "sp_names": sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),
+        "sp_sizes": {n: p.numel() for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)},
         "blocks": len(model.encoder.stack.blocks) + len(model.decoder.stack.blocks),
     }
 
@@ -98,10 +101,32 @@ def test_sequence_parallel_with_a_trained_feature_model_equals_tp1(pool4):
     assert_equals_tp1(pool4.run(compare_with_tp1, 2, 0.1, "tied", False, tp_options=SP), "SP trained features")
 
 
-def save_task(tp: int, directory: str, sequence_parallel: bool) -> tuple:
+def test_the_compressed_model_under_sequence_parallelism_adds_four_small_gradient_sums(pool4):
+    """Fewer, narrower latents (tests/model/test_autoencoder_tp.py's COMPRESSED) under sequence
+    parallelism: the blocks' collectives are the default model's kind, and the parameters used on
+    this rank's latents add one gradient all-reduce each: per side the latents' second position
+    table and the bottleneck projection (N x d and d x k elements), nothing of activation size."""
+    default = pool4.run(collectives, 2, tp_options=SP)[0]
+    compressed = pool4.run(collectives, 2, COMPRESSED, tp_options=SP)[0]
+    added = sorted(set(compressed["sp_names"]) - set(default["sp_names"]))
+    assert added == [
+        "decoder.from_latent.weight", "decoder.latent_positions", "encoder.latent_positions", "encoder.to_latent.weight",
+    ]  # fmt: skip
+    assert set(default["sp_names"]) <= set(compressed["sp_names"])
+    reduced = sorted(numel for name, numel in compressed["backward"] if name == "all_reduce")
+    assert reduced == sorted([*compressed["sp_params"], D])
+    n, k = COMPRESSED["num_latents"], COMPRESSED["latent_dim"]
+    sizes = {name: compressed["sp_sizes"][name] for name in added}
+    assert sizes == {name: n * D if name.endswith("positions") else D * k for name in added}
+    kinds = {name for name, _ in compressed["forward"] + compressed["backward"]}
+    assert kinds == {name for name, _ in default["forward"] + default["backward"]}
+
+
+def save_task(tp: int, directory: str, sequence_parallel: bool, model_overrides: dict | None = None) -> tuple:
     state = initialize_model_parallel(tp)
     options = TensorParallelOptions(sequence_parallel=sequence_parallel)
-    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=4, tp_options=options)
+    configs = tiny_configs(dropout=0.0, **(model_overrides or {}))
+    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=4, tp_options=options)
     with torch.no_grad():  # move every parameter off its init, so a load has something to restore
         for param in model.parameters():
             param.add_(0.01 * torch.sin(torch.arange(param.numel(), dtype=param.dtype)).view_as(param))
@@ -109,10 +134,11 @@ def save_task(tp: int, directory: str, sequence_parallel: bool) -> tuple:
     return _outputs(model, state.tp_group)
 
 
-def load_task(tp: int, directory: str, sequence_parallel: bool) -> tuple:
+def load_task(tp: int, directory: str, sequence_parallel: bool, model_overrides: dict | None = None) -> tuple:
     state = initialize_model_parallel(tp)
     options = TensorParallelOptions(sequence_parallel=sequence_parallel)
-    model = LatentAutoencoder(*tiny_configs(dropout=0.0), tp_group=state.tp_group, seed=9, tp_options=options)
+    configs = tiny_configs(dropout=0.0, **(model_overrides or {}))
+    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=9, tp_options=options)
     load_portable(directory, model)
     return _outputs(model, state.tp_group)
 
@@ -127,7 +153,7 @@ def _outputs(model, group) -> tuple:
     with torch.no_grad():
         out = model(ids, mask, return_latents=True)  # the latents of every position
         local = split_along_sequence(out.latents, group) if model.sequence_parallel else out.latents
-        logits = gather_full(model.decoder(local), _SplitOnLastDim, group)
+        logits = gather_full(model.decoder(local, ids.shape[1]), _SplitOnLastDim, group)
     return out.loss.item(), out.latents, logits
 
 
@@ -141,3 +167,20 @@ def test_a_checkpoint_loads_with_and_without_sequence_parallelism(pool4, tmp_pat
     for name, w, g in zip(("loss", "latents", "logits"), want, got, strict=True):
         w, g = torch.as_tensor(w), torch.as_tensor(g)
         assert (w - g).abs().max().item() <= order_bound(k, terms_scale(max_abs([w]), k)), name
+
+
+def test_a_compressed_checkpoint_saved_at_tp2_loads_at_tp4_and_in_one_process(pool4, tmp_path):
+    """The portable checkpoint of fewer, narrower latents loads at another TP degree (and with
+    sequence parallelism) to the same numbers; a model of other latent keys is refused in one line."""
+    want = pool4.run(save_task, 2, str(tmp_path / "ckpt"), False, COMPRESSED)[0]
+    k = reduction_length_of_model(4)
+    for tp, sequence_parallel in ((4, True), (1, False)):
+        got = pool4.run(load_task, tp, str(tmp_path / "ckpt"), sequence_parallel, COMPRESSED)[0]
+        for name, w, g in zip(("loss", "latents", "logits"), want, got, strict=True):
+            w, g = torch.as_tensor(w), torch.as_tensor(g)
+            if name == "logits":  # the vocabulary is padded per TP degree
+                w, g = w[..., :VOCAB], g[..., :VOCAB]
+            assert (w - g).abs().max().item() <= order_bound(k, terms_scale(max_abs([w]), k)), (tp, name)
+    other = LatentAutoencoder(*tiny_configs(dropout=0.0, **{**COMPRESSED, "num_latents": 2}), seed=9)
+    with pytest.raises(CheckpointError, match="model.num_latents is 4 in the checkpoint but 2 in the model"):
+        load_portable(str(tmp_path / "ckpt"), other)
