@@ -403,6 +403,13 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
     )
     if not cfg.feature_model.pretrained:
         lines.append(random_features_notice(cfg.feature_model))
+    model = cfg.model
+    if model.compresses_positions or model.has_bottleneck or model.predict_length:
+        floats = model.latent_count * model.latent_width
+        lines.append(
+            f"latents: {model.latent_count} x {model.latent_width} per sample ({floats / model.max_length:g} floats "
+            f"per token), length {'predicted' if model.predict_length else 'from the attention mask'}"
+        )
     if s.tp_size > 1:
         lines.append(f"tensor parallelism: {tp_options_line(cfg, run.model)}")
     if run.device_kind == "cpu":

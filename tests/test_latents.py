@@ -293,8 +293,8 @@ def test_a_compressed_model_exports_its_own_latent_shape(setup, tmp_path):
         d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=12, dropout=0.0,
         num_latents=6, latent_dim=8, predict_length=True,
     )  # fmt: skip
-    cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=FeatureModelConfig(n_layer=3, n_head=2, n_embd=32)),
-                                tokenizer_facts(tokenizer))  # fmt: skip
+    features = FeatureModelConfig(n_layer=3, n_head=2, n_embd=32)
+    cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=features), tokenizer_facts(tokenizer))
     save_portable(build_model(cfg), tmp_path / "ckpt", cfg, tokenizer_facts(tokenizer), step=0)
     out = tmp_path / "compressed"
     assert main([*command(setup, out)[:2], str(tmp_path / "ckpt"), *command(setup, out)[3:]]) == 0
@@ -396,6 +396,40 @@ def test_a_full_disk_ends_with_one_line_and_exit_4_and_the_rerun_completes(setup
 # --------------------------------------------------------------------------- #
 # Real processes (--nproc 2 under torchrun, gloo).
 # --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of 64 KiB (tmpfs: about two of the module's 26 KB shards): writes past it
+    fail with ENOSPC. Mounting needs root with CAP_SYS_ADMIN (a container may refuse it: the test is
+    then skipped, saying so; the RLIMIT_FSIZE test above covers the same path without privileges)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True, check=False
+    ) if shutil.which("mount") else None  # fmt: skip
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({(mounted.stderr.strip() if mounted else 'no mount command')})")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_real_full_disk_under_nproc_2_ends_with_one_line_and_exit_4_and_the_rerun_completes(
+    setup, one_process, small_disk, tmp_path
+):
+    """Both ranks write shards onto a disk that fills up: the job ends with one line and exit 4,
+    nothing a reader would take for a shard is left, and once there is room the same command
+    finishes with the bytes of an export that never failed."""
+    out = small_disk / "out"
+    result = cli([*command(setup, out), "--nproc", "2"])
+    assert result.returncode == 4, describe(result)
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith("parallel-latent: error:")]
+    assert len(lines) == 1 and "No space left on device" in lines[0], result.stderr
+    assert not (out / INDEX_FILE).exists()
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    rerun = cli([*command(setup, out), "--nproc", "2"])
+    assert rerun.returncode == 0, describe(rerun)
+    assert directory_bytes(out) == directory_bytes(one_process)
 
 
 @pytest.mark.slow
