@@ -33,6 +33,7 @@ def poison(nan_steps: set[int]) -> None:
             step = model.dropout_rng.step + 1  # the trainer sets the (0-based) optimizer step first
             if model.training and step in nan_steps:
                 out.loss_sum = out.loss_sum * float("nan")
+                out.trained_loss_sum = out.trained_loss_sum * float("nan")  # what backward uses
                 out.loss = out.loss * float("nan")
             return out
 
