@@ -25,6 +25,13 @@ from common import REPO, format_value
 
 RESULTS = REPO / "docs" / "benchmarks"
 PAGE = REPO / "docs" / "benchmarks.md"
+# tiny.yaml's 16 tokens in 8 latents of 32 features (16 floats a token), one process.
+TINY_COMPRESSED = [
+    "model.num_latents=8",
+    "model.latent_dim=32",
+    "model.predict_length=true",
+    "parallel.tensor_parallel=1",
+]
 
 # name -> (what it measures, the command after `python`; --json is added). In page order.
 BENCHMARKS: dict[str, tuple[str, list[str]]] = {
@@ -69,9 +76,27 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "Held-out reconstruction of configs/small.yaml over three seeds",
         ["benchmarks/bench_quality.py", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
     ),
+    "quality_tiny_compressed": (
+        "configs/tiny.yaml with 8 latents of 32 features for its 16 tokens (16 floats per token), one process, "
+        "over seeds 1-10, with the per-position accuracy: the lookup start with fewer latents than positions",
+        [
+            "benchmarks/bench_quality.py",
+            "--config",
+            "configs/tiny.yaml",
+            "--nproc",
+            "1",
+            *TINY_COMPRESSED,  # before --seeds, which would take them for seeds
+            "--seeds",
+            *(str(s) for s in range(1, 11)),
+        ],
+    ),
     "quality_compressed": (
         "Held-out reconstruction of configs/compressed.yaml (32 floats per token) over three seeds",
         ["benchmarks/bench_quality.py", "--config", "configs/compressed.yaml", "--seeds", "1", "2", "1234"],
+    ),
+    "quality_compressed_16": (
+        "configs/compressed.yaml at 16 floats per token (latents of 16 features), one seed",
+        ["benchmarks/bench_quality.py", "--config", "configs/compressed.yaml", "model.latent_dim=16", "--seeds", "1"],
     ),
 }
 GPU = "gpu"

@@ -38,6 +38,7 @@ QUICK_FIGURES = {
         "tiny.yaml seed 1: token accuracy",
         "tiny.yaml worst seed bleu",
         "tiny.yaml slowest seed",
+        "tiny.yaml worst position over the seeds",
         "tiny.yaml held-out tokens never in the training split",
     ],
 }

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from parallel_latent.api import TextAutoencoder
 from parallel_latent.checkpoint import save_portable
@@ -38,6 +39,7 @@ from parallel_latent.latents import (
     PAUSE_IN_SHARD_ENV,
     PAUSE_MARKER,
     WORK_DIR,
+    ExportError,
     _rows_of_files,
     open_latents,
     plan_export,
@@ -171,7 +173,7 @@ def test_index_records_checksums_ranges_and_statistics(setup, one_process):
     assert [(s["first"], s["count"]) for s in index["shards"]] == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
     for shard in index["shards"]:
         data = (one_process / shard["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"] and len(data) == shard["bytes"]
+        assert xxhash.xxh3_128(data).hexdigest() == shard["xxh3_128"] and len(data) == shard["bytes"]
     assert index["latents"] == {"shape": [12, 32], "dtype": "float32", "stored_as": "float32"}
     assert index["identity"]["batch_size"] == 8 and index["model"]["step"] == 3
     everything = open_latents(one_process)[:]
@@ -186,6 +188,23 @@ def test_index_records_checksums_ranges_and_statistics(setup, one_process):
     assert index["num_tokens"] == int(everything["num_tokens"].sum())
     corpus = str(setup["corpus"].resolve())
     assert index["corpus"]["files"] == [{"file": corpus, "format": "text", "first_row": 0, "rows": LINES}]
+
+
+def test_a_version_1_export_still_opens(one_process, tmp_path):
+    """Version 1 differs only in its checksums (SHA-256): its shards read as they did."""
+    old = tmp_path / "v1"
+    shutil.copytree(one_process, old)
+    index = json.loads((old / INDEX_FILE).read_text())
+    index["version"] = 1
+    for shard in index["shards"]:
+        del shard["xxh3_128"]
+        shard["sha256"] = hashlib.sha256((old / shard["file"]).read_bytes()).hexdigest()
+    (old / INDEX_FILE).write_text(json.dumps(index))
+    assert torch.equal(open_latents(old)[:]["latents"], open_latents(one_process)[:]["latents"])
+    index["version"] = 3
+    (old / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ExportError, match="version 1 or 2"):
+        open_latents(old)
 
 
 def test_index_says_which_file_each_row_comes_from(setup, tmp_path):

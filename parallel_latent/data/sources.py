@@ -50,6 +50,7 @@ FORMAT_SUFFIXES = {
 }
 SNIFF_BYTES = 8192
 COUNT_BATCH = 10_000
+STREAM_CHUNK_BYTES = 1 << 20
 
 
 def bundled_corpus_path() -> Path:
@@ -427,6 +428,11 @@ def _load_file_group(
         # The text builder names its features only once it has read a file (never, streaming).
         features = datasets.Features({"text": datasets.Value("string")})
         options, column, unit = {"sample_by": sample_unit, "features": features}, "text", sample_unit
+        if streaming:
+            # The builder reads a chunk of text at a time (lines and paragraphs are completed across
+            # chunks, so the rows do not depend on its size); its 10 MB default held some 120 MB of
+            # strings and Arrow while a file was counted.
+            options["chunksize"] = STREAM_CHUNK_BYTES
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 

@@ -109,3 +109,17 @@ def test_a_source_that_cannot_be_read_as_prepared_has_no_counts(tmp_path):
     assert samples_per_file(source) is None
     saved, _ = write_saved_dict(tmp_path)
     assert samples_per_file(resolve_source(str(saved)), split="no-such-split") is None
+
+
+@pytest.mark.parametrize("unit", ["line", "paragraph"])
+def test_text_counts_do_not_depend_on_the_chunks_the_file_is_streamed_in(unit, tmp_path, monkeypatch):
+    """Counting streams a text file in chunks of STREAM_CHUNK_BYTES; a chunk boundary inside a CRLF,
+    between the two newlines of a paragraph break or inside a UTF-8 character changes nothing."""
+    from parallel_latent.data import sources
+
+    path = tmp_path / "a.txt"
+    path.write_bytes(TEXT + TEXT.replace(b"\n", b"\r\n"))
+    expected = [len(read_samples(path, format="text", sample_unit=unit))]
+    for chunk in (1, 2, 3, 5, 8, 13):
+        monkeypatch.setattr(sources, "STREAM_CHUNK_BYTES", chunk)
+        assert samples_per_file(resolve_source(str(path)), sample_unit=unit) == expected, chunk
