@@ -39,6 +39,7 @@ from parallel_latent.parallel import (
     scaled_init,
     scatter_to_sequence_parallel_region,
     split_along_sequence,
+    with_gradients_summed_together,
 )
 from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
 from parallel_latent.parallel.utils import SINGLE_PROCESS
@@ -160,6 +161,21 @@ def _mark_sequence_parallel(tp_group, *modules_or_params) -> None:
     for item in modules_or_params:
         for param in item.parameters() if isinstance(item, nn.Module) else [item]:
             mark_sequence_parallel(param, tp_group)
+
+
+def _latent_side(params: list[nn.Parameter], tp_group, sequence_parallel: bool) -> list[torch.Tensor]:
+    """The parameters a side uses on its latents only (the compressed model's: the latents' own
+    position table, the bottleneck projection), as its forward uses them: under sequence
+    parallelism through one gradient all-reduce for all of them, so that the bottleneck costs at
+    most one small collective per side (they are marked ``summed_by_caller`` at construction)."""
+    if not sequence_parallel or len(params) < 2:
+        return params
+    return with_gradients_summed_together(params, tp_group)
+
+
+def _mark_latent_side(tp_group, params: list[nn.Parameter]) -> None:
+    for param in params:
+        mark_sequence_parallel(param, tp_group, summed_by_caller=len(params) > 1)
 
 
 class PerceiverBlock(nn.Module):
@@ -338,22 +354,26 @@ class PerceiverEncoder(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.to_latent = _replicated_linear(cfg.d_model, cfg.latent_width) if cfg.has_bottleneck else None
         if self.sequence_parallel:
-            _mark_sequence_parallel(tp_group, self.latents, self.positions, self.ln_f)
-            if not self.one_per_position:
-                _mark_sequence_parallel(tp_group, self.latent_positions)
-            if self.to_latent is not None:
-                _mark_sequence_parallel(tp_group, self.to_latent)
+            _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
+            _mark_latent_side(tp_group, self._latent_side_params())
+
+    def _latent_side_params(self) -> list[nn.Parameter]:
+        """What this side uses on its latents only: the learned latents, their own position table
+        (fewer latents than positions) and the bottleneck projection (narrower latents)."""
+        own = [self.latents] if self.one_per_position else [self.latents, self.latent_positions]
+        return own + ([self.to_latent.weight] if self.to_latent is not None else [])
 
     def forward(self, features: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Latents [B, N, k] (this rank's N/tp of them under sequence parallelism). N is the
         input's length in the default model (one latent per position), ``num_latents`` otherwise."""
         batch, length, _ = features.shape
         rows = _local_rows(length, self.tp_group, self.sequence_parallel)
+        own = _latent_side(self._latent_side_params(), self.tp_group, self.sequence_parallel)
         if self.one_per_position:
-            x = self.latents[rows] + self.positions[rows]
+            x = own[0][rows] + self.positions[rows]
         else:
             latent_rows = _local_rows(self.latents.shape[0], self.tp_group, self.sequence_parallel)
-            x = self.latents[latent_rows] + self.latent_positions[latent_rows]
+            x = own[0][latent_rows] + own[1][latent_rows]
         x = x.expand(batch, -1, -1)
         if self.sequence_parallel:  # the features are whole on every rank: keep this rank's positions
             if features.requires_grad:  # a trained feature model needs every position's gradient
@@ -369,7 +389,7 @@ class PerceiverEncoder(nn.Module):
         # The fixed scale of narrow latents: a LayerNorm without gain or bias, so every latent has
         # mean 0 and root-mean-square 1 over its k features, whatever the weights learn; a model
         # trained on them (and the noise of the latent evaluations) can rely on that scale.
-        latents = self.to_latent(latents)
+        latents = F.linear(latents, own[-1])
         return F.layer_norm(latents, latents.shape[-1:])
 
 
@@ -486,12 +506,16 @@ class LatentDecoder(nn.Module):
         self.from_latent = _replicated_linear(cfg.latent_width, d) if cfg.has_bottleneck else None
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
-            if not self.one_per_position:
-                _mark_sequence_parallel(tp_group, self.latent_positions)
-            if self.from_latent is not None:
-                _mark_sequence_parallel(tp_group, self.from_latent)
+            _mark_latent_side(tp_group, self._latent_side_params())
             if isinstance(self.head, TiedVocabParallelHead):
                 _mark_sequence_parallel(tp_group, self.head.log_scale)  # applied on this rank's positions
+
+    def _latent_side_params(self) -> list[nn.Parameter]:
+        """What this side uses on the latents only: their own position table (fewer latents than
+        positions; otherwise ``positions`` serves queries and latents alike) and the projection back
+        from narrower latents."""
+        own = [] if self.one_per_position else [self.latent_positions]
+        return own + ([self.from_latent.weight] if self.from_latent is not None else [])
 
     def queries(self, batch: int, length: int) -> torch.Tensor:
         """The prepared queries [B, T, d] (this rank's positions of them under sequence parallelism,
@@ -518,8 +542,9 @@ class LatentDecoder(nn.Module):
         batch, local, _ = latents.shape
         count = local * (group_size(self.tp_group) if self.sequence_parallel else 1)
         rows = _local_rows(count, self.tp_group, self.sequence_parallel)
-        positions = self.positions[rows] if self.one_per_position else self.latent_positions[rows]
+        own = _latent_side(self._latent_side_params(), self.tp_group, self.sequence_parallel)
+        positions = self.positions[rows] if self.one_per_position else own[0][rows]
         if self.from_latent is not None:
-            latents = self.from_latent(latents)
+            latents = F.linear(latents, own[-1])
         x = self.stack(self.queries(batch, length), latents + positions)
         return self.head(self.ln_f(x))

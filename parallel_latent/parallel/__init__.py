@@ -21,6 +21,7 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     split_along_sequence,
     split_batch_and_gather,
+    with_gradients_summed_together,
 )
 from .mlp import ParallelMLP
 from .state import (
@@ -79,4 +80,5 @@ __all__ = [
     "split_batch_and_gather",
     "vocab_parallel_argmax",
     "vocab_parallel_cross_entropy",
+    "with_gradients_summed_together",
 ]

@@ -159,6 +159,20 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group)
 
 
+def with_gradients_summed_together(params: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """``params`` (replicated over ``group``, used on this rank's positions only: sequence
+    parallelism) as tensors of the same values whose gradients are summed over the group in **one**
+    all-reduce of a flat buffer, before they reach the parameters, instead of one per parameter
+    (:func:`.utils.mark_sequence_parallel`'s hooks). For small parameters used together, where each
+    all-reduce costs its latency, not its bytes. Mark them with ``mark_sequence_parallel(...,
+    summed_by_caller=True)``; the flat copy costs one small copy of them per forward."""
+    if group_size(group) == 1:
+        return list(params)
+    flat = copy_to_tp_region(torch.cat([param.reshape(-1) for param in params]), group)
+    pieces = flat.split([param.numel() for param in params])
+    return [piece.view_as(param) for piece, param in zip(pieces, params, strict=True)]
+
+
 @torch.no_grad()
 def split_batch_and_gather(fn, inputs: tuple[torch.Tensor, ...], group) -> torch.Tensor:
     """``fn(*inputs)`` for a batch that every rank of ``group`` holds, computed once: each rank runs

@@ -46,15 +46,18 @@ def mark_replicated(module: torch.nn.Module) -> None:
             set_tensor_parallel_attributes(param, False, None)
 
 
-def mark_sequence_parallel(param: torch.nn.Parameter, group) -> None:
+def mark_sequence_parallel(param: torch.nn.Parameter, group, summed_by_caller: bool = False) -> None:
     """``param`` is replicated over the TP group but used on each rank's positions only (a
     LayerNorm or bias between the regions, under sequence parallelism): each rank's gradient is a
     partial sum over its positions. A hook sums the incoming gradient over the group before it is
     accumulated, so the optimizer (and ZeRO's reduction, which reads the accumulated gradient at any
     stage) sees the whole gradient, the same on every rank. One small all-reduce per such parameter
-    per backward."""
+    per backward. ``summed_by_caller``: no hook, the model uses the parameter through
+    :func:`.mappings.with_gradients_summed_together` (one all-reduce for several)."""
     param.sequence_parallel = True
-    if group_size(group) == 1 or getattr(param, "_sequence_parallel_hook", None) is not None:
+    if summed_by_caller:
+        param.sequence_parallel_summed_together = True
+    if summed_by_caller or group_size(group) == 1 or getattr(param, "_sequence_parallel_hook", None) is not None:
         return
 
     def sum_over_group(grad: torch.Tensor) -> torch.Tensor:

@@ -101,22 +101,31 @@ def test_sequence_parallel_with_a_trained_feature_model_equals_tp1(pool4):
     assert_equals_tp1(pool4.run(compare_with_tp1, 2, 0.1, "tied", False, tp_options=SP), "SP trained features")
 
 
-def test_the_compressed_model_under_sequence_parallelism_adds_four_small_gradient_sums(pool4):
+def test_the_compressed_model_under_sequence_parallelism_adds_one_small_gradient_sum_per_side(pool4):
     """Fewer, narrower latents (tests/model/test_autoencoder_tp.py's COMPRESSED) under sequence
-    parallelism: the blocks' collectives are the default model's kind, and the parameters used on
-    this rank's latents add one gradient all-reduce each: per side the latents' second position
-    table and the bottleneck projection (N x d and d x k elements), nothing of activation size."""
+    parallelism: the blocks' collectives are the default model's kind, and the parameters each side
+    uses on this rank's latents only (the latents' second position table, the bottleneck
+    projection; the encoder's learned latents) have their gradients summed in one all-reduce per
+    side. The encoder's replaces the one the default model spends on its latents; the decoder's is
+    the one collective its bottleneck adds. Nothing of activation size."""
     default = pool4.run(collectives, 2, tp_options=SP)[0]
     compressed = pool4.run(collectives, 2, COMPRESSED, tp_options=SP)[0]
     added = sorted(set(compressed["sp_names"]) - set(default["sp_names"]))
-    sides = ("decoder.from_latent.weight", "decoder.latent_positions")
-    assert added == [*sides, "encoder.latent_positions", "encoder.to_latent.weight"]
+    assert added == ["decoder.from_latent.weight", "decoder.latent_positions", "encoder.latent_positions",
+                     "encoder.to_latent.weight"]  # fmt: skip
     assert set(default["sp_names"]) <= set(compressed["sp_names"])
+    n, k, sizes = COMPRESSED["num_latents"], COMPRESSED["latent_dim"], compressed["sp_sizes"]
+    expected_sizes = {name: n * D if name.endswith("positions") else D * k for name in added}
+    assert {name: sizes[name] for name in added} == expected_sizes
+    together = {
+        "encoder": ["encoder.latents", "encoder.latent_positions", "encoder.to_latent.weight"],
+        "decoder": ["decoder.latent_positions", "decoder.from_latent.weight"],
+    }
+    one_each = [sizes[name] for name in compressed["sp_names"] if not any(name in side for side in together.values())]
     reduced = sorted(numel for name, numel in compressed["backward"] if name == "all_reduce")
-    assert reduced == sorted([*compressed["sp_params"], D])
-    n, k = COMPRESSED["num_latents"], COMPRESSED["latent_dim"]
-    sizes = {name: compressed["sp_sizes"][name] for name in added}
-    assert sizes == {name: n * D if name.endswith("positions") else D * k for name in added}
+    assert reduced == sorted([*one_each, *(sum(sizes[name] for name in side) for side in together.values()), D])
+    default_reduced = [numel for name, numel in default["backward"] if name == "all_reduce"]
+    assert len(reduced) == len(default_reduced) + 1
     kinds = {name for name, _ in compressed["forward"] + compressed["backward"]}
     assert kinds == {name for name, _ in default["forward"] + default["backward"]}
 

@@ -16,6 +16,7 @@ from parallel_latent.parallel import (
     VocabParallelHead,
     initialize_model_parallel,
     vocab_parallel_cross_entropy,
+    with_gradients_summed_together,
 )
 from tests.tp_compare import collectives_of, count_collectives
 
@@ -150,3 +151,41 @@ def test_loss_adds_only_bt_sized_reductions(pool4):
     ]
     # Backward: only the head's region entry (the gradient of the hidden state).
     assert res["backward"] == [("all_reduce", B * T * D, "SUM")]
+
+
+def summed_together(tp: int) -> dict:
+    """Three replicated parameters used on this rank's share of the positions: their gradients
+    through one flat all-reduce, against each rank's partial gradients summed by hand."""
+    state = initialize_model_parallel(tp)
+    group, rank = state.tp_group, dist.get_rank(state.tp_group)
+    torch.manual_seed(3)  # the same parameters and data on every rank
+    table, weight, bias = torch.randn(T, D), torch.randn(D, S), torch.randn(S)
+    x = torch.randn(T, D)
+    rows = slice(rank * T // tp, (rank + 1) * T // tp)
+
+    def loss_of(params):
+        table_, weight_, bias_ = params
+        return ((x[rows] + table_[rows]) @ weight_ + bias_).square().sum()
+
+    params = [p.clone().requires_grad_() for p in (table, weight, bias)]
+    forward, backward = collectives_of(lambda: loss_of(with_gradients_summed_together(params, group)))
+    partial = [p.clone().requires_grad_() for p in (table, weight, bias)]
+    loss_of(partial).backward()
+    excess = []
+    for p, part in zip(params, partial, strict=True):
+        whole, magnitude = part.grad.clone(), part.grad.abs()
+        dist.all_reduce(whole, group=group)
+        dist.all_reduce(magnitude, group=group)
+        # The same tp terms per element, perhaps added in another order (gloo picks its algorithm
+        # by buffer size): at most (tp - 1) roundings of at most the sum of their magnitudes.
+        bound = (tp - 1) * torch.finfo(torch.float32).eps * magnitude
+        excess.append(((p.grad - whole).abs() - bound).max().item())
+    return {"forward": forward, "backward": backward, "excess": excess}
+
+
+def test_gradients_summed_together_cost_one_all_reduce_and_equal_the_sum_of_the_parts(pool4):
+    for tp in (2, 4):
+        res = pool4.run(summed_together, tp)[0]
+        assert res["forward"] == []
+        assert res["backward"] == [("all_reduce", T * D + D * S + S, "SUM")], tp
+        assert all(excess <= 0 for excess in res["excess"]), (tp, res["excess"])
