@@ -183,6 +183,7 @@ def body(args, report: Report) -> None:
         if args.throughput_lines != args.lines:
             write_corpus(timed, args.throughput_lines)
         large_samples = len(prepare(checkpoint, large, cache, args.shard_size))
+        prepare(checkpoint, BUNDLED, cache, args.shard_size)
 
         print(f"\n1. throughput, {args.throughput_lines:,} lines, export.batch_size=64:", flush=True)
         speed = bench_throughput(checkpoint, timed, cache, work, args.repeats, args.shard_size)
