@@ -22,7 +22,7 @@
 
     python benchmarks/bench_export.py                 # 200k lines (minutes on 2 cores)
     python benchmarks/bench_export.py --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
-    python benchmarks/bench_export.py --quick         # minutes: 20k lines, one round
+    python benchmarks/bench_export.py --quick         # a minute: 10k lines, one round
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
 
 def body(args, report: Report) -> None:
     if args.quick:
-        args.lines, args.throughput_lines, args.repeats, args.shard_size = 20_000, 5_000, 1, 2048
+        args.lines, args.throughput_lines, args.repeats, args.shard_size = 10_000, 5_000, 1, 1024
     args.throughput_lines = args.throughput_lines or args.lines
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-export-"))
     work.mkdir(parents=True, exist_ok=True)
