@@ -3,10 +3,10 @@
 1. **Throughput**: :func:`parallel_latent.latents.export_latents` (encode, Arrow shards written on a
    background thread, checksums, statistics, index) against a bare loop of the model's ``encode``
    over the same batches of the same prepared copy, in this process, alternated ``--repeats``
-   times (best of each), on the large corpus (``--throughput-lines`` sets a smaller one). Goal:
-   export / bare >= 0.9 samples per second (the writing overlaps the model). The writer's work
-   (Arrow, checksum, statistics, the write) is CPU work: it overlaps a model on an accelerator, but
-   on a CPU whose cores the model's threads already fill it can only take turns with it.
+   times (best of each), on the large corpus. Goal: export / bare >= 0.9 samples per second (the
+   writing overlaps the model). The writer's work (Arrow, checksum, statistics, the write) is CPU
+   work: it overlaps a model on an accelerator, but on a CPU whose cores the model's threads
+   already fill it can only take turns with it.
 
 2. **Memory**: ``parallel-latent encode-corpus`` (one process) on the bundled corpus (4,874 lines)
    and on a ``--lines``-line corpus (the bundled corpus repeated), each prepared beforehand (the
@@ -82,6 +82,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
     import torch
 
     from parallel_latent.api import TextAutoencoder
+    from parallel_latent.data import open_for_training
     from parallel_latent.latents import export_latents, plan_export
     from parallel_latent.model import eval_mode
     from parallel_latent.parallel import init_distributed
@@ -89,7 +90,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
     plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
     init_distributed(1, "gloo")
     autoencoder = TextAutoencoder.from_checkpoint(plan.directory)
-    data = prepare(checkpoint, corpus, cache, shard_size)
+    data = open_for_training(plan.cfg, autoencoder.tokenizer, announce=False)
     batch_size, model = plan.export.batch_size, autoencoder.model
 
     def bare() -> float:
@@ -170,23 +171,20 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
 
 def body(args, report: Report) -> None:
     if args.quick:
-        args.lines, args.throughput_lines, args.repeats, args.shard_size = 10_000, 5_000, 1, 1024
-    args.throughput_lines = args.throughput_lines or args.lines
+        args.lines, args.repeats, args.shard_size = 10_000, 1, 1024
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-export-"))
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
     try:
         print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
         checkpoint = make_checkpoint(work / "checkpoint")
-        large, timed = work / f"corpus-{args.lines}.txt", work / f"corpus-{args.throughput_lines}.txt"
+        large = work / f"corpus-{args.lines}.txt"
         write_corpus(large, args.lines)
-        if args.throughput_lines != args.lines:
-            write_corpus(timed, args.throughput_lines)
         large_samples = len(prepare(checkpoint, large, cache, args.shard_size))
         prepare(checkpoint, BUNDLED, cache, args.shard_size)
 
-        print(f"\n1. throughput, {args.throughput_lines:,} lines, export.batch_size=64:", flush=True)
-        speed = bench_throughput(checkpoint, timed, cache, work, args.repeats, args.shard_size)
+        print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
+        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size)
         print(
             f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} samples/s "
             f"({speed['samples']:,} samples)",
@@ -239,7 +237,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=200_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
-    parser.add_argument("--throughput-lines", type=int, default=0, help="the throughput part's corpus (0: --lines)")
     parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
     parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
     add_common_arguments(parser)

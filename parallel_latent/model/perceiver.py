@@ -164,18 +164,16 @@ def _mark_sequence_parallel(tp_group, *modules_or_params) -> None:
 
 
 def _latent_side(params: list[nn.Parameter], tp_group, sequence_parallel: bool) -> list[torch.Tensor]:
-    """The parameters a side uses on its latents only (the compressed model's: the latents' own
-    position table, the bottleneck projection), as its forward uses them: under sequence
+    """The parameters a side uses on its latents only (the learned latents, the compressed model's
+    latent position table and bottleneck projection), as its forward uses them: under sequence
     parallelism through one gradient all-reduce for all of them, so that the bottleneck costs at
     most one small collective per side (they are marked ``summed_by_caller`` at construction)."""
-    if not sequence_parallel or len(params) < 2:
-        return params
-    return with_gradients_summed_together(params, tp_group)
+    return with_gradients_summed_together(params, tp_group) if sequence_parallel else params
 
 
 def _mark_latent_side(tp_group, params: list[nn.Parameter]) -> None:
     for param in params:
-        mark_sequence_parallel(param, tp_group, summed_by_caller=len(params) > 1)
+        mark_sequence_parallel(param, tp_group, summed_by_caller=True)
 
 
 class PerceiverBlock(nn.Module):

@@ -166,7 +166,7 @@ def with_gradients_summed_together(params: list[torch.Tensor], group) -> list[to
     (:func:`.utils.mark_sequence_parallel`'s hooks). For small parameters used together, where each
     all-reduce costs its latency, not its bytes. Mark them with ``mark_sequence_parallel(...,
     summed_by_caller=True)``; the flat copy costs one small copy of them per forward."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or not params:
         return list(params)
     flat = copy_to_tp_region(torch.cat([param.reshape(-1) for param in params]), group)
     pieces = flat.split([param.numel() for param in params])

@@ -55,8 +55,6 @@ def mark_sequence_parallel(param: torch.nn.Parameter, group, summed_by_caller: b
     per backward. ``summed_by_caller``: no hook, the model uses the parameter through
     :func:`.mappings.with_gradients_summed_together` (one all-reduce for several)."""
     param.sequence_parallel = True
-    if summed_by_caller:
-        param.sequence_parallel_summed_together = True
     if summed_by_caller or group_size(group) == 1 or getattr(param, "_sequence_parallel_hook", None) is not None:
         return
 
