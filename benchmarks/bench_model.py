@@ -228,7 +228,7 @@ def model_vs_plain(args, report: Report) -> None:
 
 
 def features_vs_full(args, report: Report) -> None:
-    from tests.tp_compare import gpt2_reduction_length, order_bound, terms_scale
+    from tests.helpers.tp_compare import gpt2_reduction_length, order_bound, terms_scale
 
     cfg = FeatureModelConfig(n_layer=args.feature_layers_full, n_head=12, n_embd=args.feature_width)
     torch.manual_seed(0)
@@ -273,8 +273,8 @@ def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
 
 def step_ops(args, report: Report) -> None:
     from parallel_latent.parallel import DropoutRNG, ParallelDropout
-    from parallel_latent.parallel.random import _threshold, keep_mask_core, layer_key
-    from tests.op_counter import OpCounter
+    from parallel_latent.parallel.dropout import _threshold, keep_mask_core, layer_key
+    from tests.helpers.op_counter import OpCounter
 
     gen = torch.Generator().manual_seed(0)
     for dropout in (0.1, 0.0):

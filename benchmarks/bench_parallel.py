@@ -171,7 +171,7 @@ def _run(world: int, tasks: list, args) -> list:
     """Each of ``tasks`` in turn, on ``world`` gloo processes started once; rank 0's results."""
     import torch.multiprocessing as mp
 
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -204,7 +204,7 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
     # What splitting saves in the real configuration: the replicated frozen pass's share of a rank's
     # model FLOPs in configs/gpt2.yaml, from the formula MFU uses (the trainable part divides by TP).
     from parallel_latent.config import load_config
-    from parallel_latent.metrics import model_flops_per_sample
+    from parallel_latent.training.flops import model_flops_per_sample
 
     flops = model_flops_per_sample(load_config(REPO / "configs" / "gpt2.yaml"))
     frozen, trainable = flops["frozen_forward"], flops["train"] - flops["frozen_forward"]
@@ -292,9 +292,9 @@ def _timed(args) -> dict:
     import torch.distributed as dist
 
     from parallel_latent.config import Config
-    from parallel_latent.metrics import model_flops_per_sample
     from parallel_latent.model import LatentAutoencoder
     from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
+    from parallel_latent.training.flops import model_flops_per_sample
 
     state = initialize_model_parallel(2)
     model_cfg, feature_cfg = _configs(128, 32, 1, 1, args.switch_gpt2_layers, 512)  # a deep frozen GPT-2

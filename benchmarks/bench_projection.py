@@ -4,9 +4,9 @@ FLOPs, bytes read and written and the kernels it costs, then a roofline with pin
 each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch 256 / 32, and
 ``training.compile`` at dropout 0.1, micro-batch 256).
 
-Pinned rules (issue 27), so that figures stay comparable from change to change:
+Pinned rules, so that figures stay comparable from change to change:
 
-* MFU against 989 TFLOP/s dense bf16, with ``metrics.py``'s model FLOPs (the traced matmul FLOPs
+* MFU against 989 TFLOP/s dense bf16, with ``training/flops.py``'s model FLOPs (the traced matmul FLOPs
   equal them within 1%: a test);
 * a matmul takes max(FLOPs / 700 TFLOP/s above 20 GFLOP, or / 593 TFLOP/s below; bytes / 4.0 TB/s);
   every other kernel bytes / 4.0 TB/s; 5 us per kernel launch (eager; none inside a CUDA graph);
@@ -233,7 +233,7 @@ def meta_model(cfg, tracer: StepTracer):
     """The model of ``cfg`` on the meta device in bf16, its compiled regions as CUDA would run them."""
     from parallel_latent.model import build_model, perceiver
     from parallel_latent.parallel import LossKernels
-    from parallel_latent.parallel.random import dropout_core
+    from parallel_latent.parallel.dropout import dropout_core
 
     compile_blocks = cfg.training.compile  # (traced as regions below: compiling on meta fails)
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
@@ -312,8 +312,8 @@ def trace_optimizer_step(quick: bool) -> StepTracer:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
     from parallel_latent.parallel import destroy_distributed
-    from parallel_latent.startup import start_run
-    from parallel_latent.train import Trainer
+    from parallel_latent.training.startup import start_run
+    from parallel_latent.training.trainer import Trainer
 
     tracer = StepTracer()
     tracer.phase = "optimizer"
@@ -448,7 +448,7 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
 
 
 def model_flops(cfg) -> float:
-    from parallel_latent.metrics import model_flops_per_sample
+    from parallel_latent.training.flops import model_flops_per_sample
 
     return model_flops_per_sample(cfg)["train"] * cfg.training.micro_batch_size
 

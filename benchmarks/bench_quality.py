@@ -129,7 +129,7 @@ def body(args, report: Report) -> None:
     for label, values in summary.items():
         print(f"{label:>8} {values['token_accuracy']:>10.4f} {values['exact_match']:>8.4f} {values['bleu']:>7.2f} "
               f"{values['wall_s']:>7.0f}")  # fmt: skip
-    # Two positions sharing a latent show as a pair near 0.5 here (README, "Reconstruction quality"); a
+    # Two positions sharing a latent show as a pair near 0.5 here (docs/quality.md); a
     # start that ties quality to the seed shows as a position far below the others at some seeds only.
     if all(r["position_accuracy"] for r in rows):
         print("\nper-position held-out token accuracy ('-': no held-out token there)")

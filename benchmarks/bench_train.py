@@ -68,10 +68,10 @@ def bench_step_time(args) -> dict:
     import torch
 
     from parallel_latent.data import ShardedBatchSampler, get_batch
-    from parallel_latent.engine import build_lr_scheduler, parameter_groups
     from parallel_latent.model import build_model
-    from parallel_latent.startup import start_run
-    from parallel_latent.train import Trainer
+    from parallel_latent.training.engine import build_lr_scheduler, parameter_groups
+    from parallel_latent.training.startup import start_run
+    from parallel_latent.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         cfg = load([*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"], run_dir)
@@ -200,8 +200,8 @@ def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
     import torch.distributed as dist
 
-    from parallel_latent.startup import start_run
-    from parallel_latent.train import Trainer
+    from parallel_latent.training.startup import start_run
+    from parallel_latent.training.trainer import Trainer
 
     cfg = load(overrides, run_dir)
     trainer = Trainer(start_run(cfg, source="bench"))

@@ -8,13 +8,13 @@
 #   NPROC=8 benchmarks/gpu.sh parallel.tensor_parallel=2
 #   MICRO_BATCHES="256" DROPOUTS="0.1" benchmarks/gpu.sh   # one setting
 #   benchmarks/gpu.sh --json docs/benchmarks/gpu.json  # the figures for docs/benchmarks.md
-#   benchmarks/gpu.sh --wheelhouse DIR                 # a node without network (benchmarks/wheelhouse.sh)
+#   benchmarks/gpu.sh --wheelhouse DIR                 # a node without network (tools/wheelhouse.sh)
 #   ALLOW_CPU=1 DEADLINE_S=40 benchmarks/gpu.sh --quick    # the CPU test of this script
 #
 # The interpreter is the first of $PYTHON, python3, python in which torch imports. --wheelhouse DIR
 # installs the packages the interpreter lacks from DIR alone (pip --isolated --no-index: no index,
 # config file or PIP_* variable can add a source) into a fresh prefix, put on the path of the runs.
-# Before any run, every import the runs need is checked (benchmarks/check_imports.py): what is
+# Before any run, every import the runs need is checked (tools/check_imports.py): what is
 # missing is named in one line, and nothing runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,5 +64,5 @@ PYTHON=$(interpreter)
 prefix=""
 trap '[[ -z "$prefix" ]] || rm -rf "$prefix"' EXIT
 [[ -z "$wheelhouse" ]] || install_wheelhouse "$wheelhouse"
-"$PYTHON" benchmarks/check_imports.py
+"$PYTHON" tools/check_imports.py
 "$PYTHON" benchmarks/bench_gpu.py ${args[@]+"${args[@]}"}

@@ -30,14 +30,13 @@ from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
-from parallel_latent.engine import resolve_device
 from parallel_latent.latent_space import LatentStats
 from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
-from parallel_latent.parallel import init_distributed
+from parallel_latent.parallel import device_kind, init_distributed
 from parallel_latent.quality import detokenize
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
@@ -236,10 +235,10 @@ def encode_corpus(
     Collective: under a launcher every rank calls it (world = TP x DP); in one process it runs at
     TP=1 without a launcher. Rerun on a directory it left unfinished, it continues."""
     plan = plan_export(checkpoint, data, overrides)
-    device_kind = resolve_device(plan.cfg)
+    on_cuda = device_kind(plan.cfg.training.device, "training.device") == "cuda"
     state = init_distributed(plan.tensor_parallel, plan.cfg.parallel.backend)
     autoencoder = TextAutoencoder.from_checkpoint(
-        plan.directory, tp_group=state.tp_group, device=state.device if device_kind == "cuda" else None
+        plan.directory, tp_group=state.tp_group, device=state.device if on_cuda else None
     )
     if plan.export.precision == "bf16":
         autoencoder.model.to(torch.bfloat16)

@@ -1,5 +1,7 @@
 """Host-side coordination between the ranks of a job: who does a piece of work first, whether a
-directory is one file system for all ranks, agreeing on a value.
+directory is one file system for all ranks, agreeing on a value: rank 0 decides and every rank gets
+its answer or its one-line error (:func:`decided_by_main`), or every rank checks and all raise the
+first failure (:func:`checked_by_all`, :func:`first_failure`).
 
 Everything here runs over the control group of :mod:`parallel_latent.parallel.state` (gloo, CPU
 tensors), so it never waits on a GPU stream and tolerates long waits (a corpus being tokenized by
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel_latent.errors import BadInput
 from parallel_latent.parallel import state
 
 __all__ = [
@@ -26,8 +29,11 @@ __all__ = [
     "all_ranks_agree",
     "barrier",
     "broadcast_value",
+    "checked_by_all",
     "control_group",
+    "decided_by_main",
     "directory_is_shared",
+    "first_failure",
     "is_local_main",
     "is_main",
     "main_first",
@@ -81,6 +87,39 @@ def all_ranks_agree(flag: bool) -> bool:
     vote = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=control_group())
     return bool(vote.item())
+
+
+def first_failure(message: str | None) -> str | None:
+    """The first (by rank) of every rank's ``message``, on every rank; None if no rank has one."""
+    return next((m for m in all_gather_value(message) if m), None)
+
+
+def decided_by_main(function, *args, errors: type | tuple[type, ...] = BadInput) -> Any:
+    """``function(*args)`` run on global rank 0 alone; its value on every rank, or the one-line
+    error of one of ``errors`` it raised there, raised on every rank alike."""
+    value = error = None
+    if is_main():
+        try:
+            value = function(*args)
+        except errors as caught:
+            error = (type(caught), str(caught))
+    value, error = broadcast_value((value, error))
+    if error is not None:
+        raise error[0](error[1])
+    return value
+
+
+def checked_by_all(function, *args, errors: type | tuple[type, ...] = BadInput) -> Any:
+    """``function(*args)`` run on every rank; its value, unless one of ``errors`` was raised on some
+    rank: then every rank raises the first such error (by rank), so none goes on alone."""
+    try:
+        value, error = function(*args), None
+    except errors as caught:
+        value, error = None, (type(caught), str(caught))
+    first = next((e for e in all_gather_value(error) if e is not None), None)
+    if first is not None:
+        raise first[0](first[1])
+    return value
 
 
 @contextlib.contextmanager

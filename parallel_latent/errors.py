@@ -27,7 +27,7 @@ class ExitStatus(enum.IntEnum):
     BAD_INPUT = 2  # met by every rank alike, before anything is written
     NONFINITE = 3  # stopped after too many consecutive non-finite steps
     SAVE_FAILED = 4  # a checkpoint could not be written; the last complete one is intact
-    HANG = 5  # a rank stalled: the hang watchdog ended the job (parallel_latent.watchdog)
+    HANG = 5  # a rank stalled: the hang watchdog ended the job (parallel_latent.training.watchdog)
     INTERRUPTED = 130  # Ctrl-C of a command that does not checkpoint (the shell's 128 + SIGINT)
 
 

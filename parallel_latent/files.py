@@ -1,17 +1,39 @@
-"""Durable files: fsync, publish a directory by one atomic rename, replace a small file atomically.
+"""Durable files: fsync, publish a file or a directory by one atomic rename, stage a directory that is
+published whole or not at all, replace a small file atomically, read a JSONL log, and hold an
+exclusive lock on a file.
 
-Used by the checkpoints (:mod:`parallel_latent.checkpoint.layout`) and the prepared corpus copies
-(:mod:`parallel_latent.data.prepare`): whatever a reader finds under its final name is complete,
-and stays so after a crash of the machine.
+Used by the checkpoints, the prepared corpus copies, the latent export, the run directory's lock and
+the hang watchdog: whatever a reader finds under its final name is complete, and stays so after a
+crash of the machine. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import json
 import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["fsync", "inside", "publish", "replace_file"]
+__all__ = [
+    "LEASE_EXPIRES_S",
+    "LEASE_RENEW_S",
+    "ExclusiveLock",
+    "Staged",
+    "discard",
+    "fsync",
+    "inside",
+    "publish",
+    "read_jsonl",
+    "replace_file",
+]
 
 
 def inside(directory: Path, name: str, what: str) -> Path:
@@ -50,15 +72,185 @@ def replace_file(path: Path, text: str) -> None:
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Make every file under ``staging`` durable (here and nowhere else), then rename it to the new
-    ``final`` in one atomic step."""
-    # safetensors creates its files 0600; checkpoints and exports are read by other users of a
-    # shared file system, so every file gets the mode the umask gives this directory's files.
-    mode = staging.stat().st_mode & 0o666
-    for root, _, files in os.walk(staging):
-        for name in files:
-            os.chmod(Path(root, name), mode)
-            fsync(Path(root, name))
-        fsync(Path(root))
+    """Make ``staging`` (a file, or every file under a directory) durable, here and nowhere else, then
+    rename it to the new ``final`` in one atomic step."""
+    if staging.is_dir():
+        # safetensors creates its files 0600; checkpoints and exports are read by other users of a
+        # shared file system, so every file gets the mode the umask gives this directory's files.
+        mode = staging.stat().st_mode & 0o666
+        for root, _, names in os.walk(staging):
+            for name in names:
+                os.chmod(Path(root, name), mode)
+                fsync(Path(root, name))
+            fsync(Path(root))
+    else:
+        fsync(staging)
     os.rename(staging, final)
     fsync(final.parent)
+
+
+def discard(path: Path) -> None:
+    """Remove whatever is left of a staging file or directory."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class Staged:
+    """A new, empty staging directory for ``final`` (``staging``, by default ``.<name>.partial``
+    beside it): filled inside ``with``, then :meth:`publish`\\ ed by one rename; it is removed if the
+    block raises or the publish fails. Creating it raises what the file system says (a file in the
+    way of the output is the caller's error)."""
+
+    def __init__(self, final: Path, staging: Path | None = None):
+        self.final = Path(final)
+        self.path = Path(staging) if staging is not None else self.final.with_name(f".{self.final.name}.partial")
+        discard(self.path)
+        self.path.mkdir(parents=True)
+
+    def publish(self) -> None:
+        try:
+            publish(self.path, self.final)
+        except BaseException:
+            discard(self.path)
+            raise
+
+    def __enter__(self) -> Staged:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is not None:
+            discard(self.path)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file written by appends (a torn last line, from a killed writer, is
+    ignored)."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+# --------------------------------------------------------------------------- #
+# An exclusive lock on a file.
+# --------------------------------------------------------------------------- #
+
+LEASE_RENEW_S = 10.0
+LEASE_EXPIRES_S = 60.0
+# What a file system without flock says (some network file systems).
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class ExclusiveLock:
+    """An exclusive lock on the file ``path``, held by this process until :meth:`release`.
+
+    It is an ``flock``, which the kernel (or the NFS server, after its lease) releases when the
+    holder dies however it dies: a rerun after kill -9 never needs a manual unlock. Where the file
+    system has no ``flock``, the holder instead renews a lease in the file every
+    :data:`LEASE_RENEW_S` seconds, and a lease not renewed for :data:`LEASE_EXPIRES_S` is taken over.
+    The file records its holder (host, pid, start time) either way; ``on_takeover(previous)`` hears
+    of a holder that died holding it."""
+
+    def __init__(self, path: Path, use_flock: bool = True, on_takeover: Callable[[dict], None] | None = None) -> None:
+        self.path, self.use_flock, self.on_takeover = Path(path), use_flock, on_takeover
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "state": "held"}
+        self.created_file = False
+        self._fd: int | None = None
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def read_holder(self) -> dict:
+        with contextlib.suppress(OSError, ValueError):
+            holder = json.loads(self.path.read_text(encoding="utf-8") or "{}")
+            if isinstance(holder, dict):
+                return holder
+        return {}
+
+    def _write_holder(self) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(self.holder).encode(), 0)
+        os.fsync(self._fd)
+
+    def _flock(self, fd: int) -> bool:
+        """Whether the flock is taken (False: someone holds it); no flock here switches to the lease."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as error:
+            if error.errno not in NO_FLOCK:
+                raise
+            self.use_flock = False
+        return True
+
+    def try_acquire(self) -> dict | None:
+        """Take the lock now: None when taken, else the holder's record."""
+        self.created_file = self.created_file or not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            taken = not self.use_flock or self._flock(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if not taken:
+            os.close(fd)
+            return self.read_holder() or {"host": "?"}
+        previous = self.read_holder()
+        if not self.use_flock and previous.get("state") == "held":
+            renewed = previous.get("renewed", previous.get("started", 0))
+            if time.time() - float(renewed) < LEASE_EXPIRES_S:
+                os.close(fd)
+                return previous
+        self._fd = fd
+        if previous.get("state") == "held" and self.on_takeover is not None:
+            self.on_takeover(previous)
+        self.holder["renewed"] = time.time()
+        self._write_holder()
+        if not self.use_flock:
+            self._lease_thread = threading.Thread(target=self._renew, name="parallel-latent-lease", daemon=True)
+            self._lease_thread.start()
+        return None
+
+    def acquire(self, wait_s: float = 0.0) -> dict | None:
+        """Take the lock, waiting up to ``wait_s`` seconds (``math.inf``: as long as it takes) for a
+        holder to end: None when taken, else the holder's record."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while (holder := self.try_acquire()) is not None:
+            if time.monotonic() >= deadline:
+                return holder
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        return None
+
+    def _renew(self) -> None:
+        while not self._lease_stop.wait(LEASE_RENEW_S):
+            with contextlib.suppress(OSError):
+                self.holder["renewed"] = time.time()
+                self._write_holder()
+
+    def release(self, remove: bool = False) -> None:
+        """Give the lock up (its record says so); ``remove``: delete the file too if this lock made it."""
+        if self._fd is None:
+            return
+        self._lease_stop.set()
+        if self._lease_thread is not None:
+            self._lease_thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            self.holder["state"] = "released"
+            self._write_holder()
+        if remove and self.created_file:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # (releases the flock)
+        self._fd = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from parallel_latent.errors import BadInput
-from parallel_latent.metrics import read_metrics
+from parallel_latent.files import read_jsonl
 
 __all__ = ["PlotError", "plot_run"]
 
@@ -52,7 +52,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise PlotError(f"{run_dir}: no metrics.jsonl (is this a run directory?)")
-    records = read_metrics(metrics)
+    records = read_jsonl(metrics)
     if not records:
         raise PlotError(f"{metrics}: no metrics recorded yet")
     try:

@@ -19,7 +19,7 @@ atexit.register(shutil.rmtree, _DATA_CACHE, ignore_errors=True)
 @pytest.fixture(scope="module")
 def pool4():
     """Four gloo ranks shared by the tests of one module."""
-    from tests.distributed import DistributedPool
+    from tests.helpers.distributed import DistributedPool
 
     pool = DistributedPool(4)
     yield pool

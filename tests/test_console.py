@@ -1,6 +1,6 @@
 """What the terminal shows when training runs as several processes (parallel_latent/console.py),
 counted in lines of stderr of real jobs: `parallel-latent train --nproc 2` and plain torchrun, with
-faults injected into one rank by tests/worker_faults/sitecustomize.py."""
+faults injected into one rank by tests/helpers/worker_faults/sitecustomize.py."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer_runs import REPO, cli_command, describe, run, torchrun_command
+from tests.helpers.trainer_runs import REPO, cli_command, describe, run, torchrun_command
 
 pytestmark = pytest.mark.slow
 
 DP2 = ["parallel.tensor_parallel=1", "parallel.zero_stage=2"]  # DeepSpeed's ZeRO collectives at DP > 1
-FAULTS = str(REPO / "tests" / "worker_faults")
+FAULTS = str(REPO / "tests" / "helpers" / "worker_faults")
 
 
 def fault_env(fault: str, rank: int = 1, step: int = 2) -> dict:

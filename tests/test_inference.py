@@ -14,7 +14,7 @@ from parallel_latent.inference import evaluate_texts
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.quality import corpus_bleu, detokenize
-from tests.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
+from tests.helpers.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
 
@@ -129,7 +129,7 @@ def test_evaluate_reports_the_latent_evaluations_and_a_mask_is_needed_without_pr
 
 @pytest.fixture(scope="module")
 def pool2():
-    from tests.distributed import DistributedPool
+    from tests.helpers.distributed import DistributedPool
 
     pool = DistributedPool(2)
     yield pool

@@ -9,7 +9,7 @@ import math
 import torch
 
 from parallel_latent.config import ModelConfig
-from parallel_latent.evaluation import EvaluationWorld, latent_space_metrics, score_samples
+from parallel_latent.inference import EvaluationWorld, latent_space_metrics, score_samples
 from parallel_latent.latent_space import (
     NOISE_LEVELS,
     LatentMoments,
@@ -20,8 +20,8 @@ from parallel_latent.latent_space import (
 )
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.parallel import initialize_model_parallel
-from tests.model.test_autoencoder import tiny_batch, tiny_configs
-from tests.model.test_autoencoder_tp import COMPRESSED
+from tests.helpers.autoencoder_tp import COMPRESSED
+from tests.helpers.tiny_model import tiny_batch, tiny_configs
 
 EPS64 = torch.finfo(torch.float64).eps
 

@@ -1,11 +1,13 @@
 """Dependencies point one way: the tensor-parallel core knows no model, no checkpoint and no trainer;
 the model composes the core and does not know how it is stored or trained; the checkpoint code
-stores whatever model describes itself and knows no config, model, trainer or API; and inside the
-checkpoint package every module imports only those below it."""
+stores whatever model describes itself and knows no config, model, trainer or API; only the commands
+and the API import the training runtime; and inside the checkpoint package every module imports
+only those below it."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -34,34 +36,70 @@ def imported_modules(directory: Path) -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize(
-    ("subpackage", "forbidden"),
-    [
+# What each subpackage may not import: the tensor-parallel core knows no model, no checkpoint and no
+# trainer; the model composes the core; the checkpoint code stores whatever model describes itself;
+# the libraries below the commands never import the training runtime, the API or the commands.
+USERS = ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.training")
+SUBPACKAGE_DOES_NOT_IMPORT = [
+    (
+        "parallel",
         (
-            "parallel",
-            ("parallel_latent.model", "parallel_latent.checkpoint", "parallel_latent.train", "parallel_latent.data"),
+            "parallel_latent.model",
+            "parallel_latent.checkpoint",
+            "parallel_latent.data",
+            "parallel_latent.config",
+            "parallel_latent.latents",
+            "parallel_latent.pretrained",
+            "parallel_latent.inference",
+            "parallel_latent.deepspeed_patches",
+            *USERS,
         ),
+    ),
+    ("model", ("parallel_latent.checkpoint", "parallel_latent.latents", "parallel_latent.pretrained", *USERS)),
+    (
+        "checkpoint",
         (
-            "model",
-            ("parallel_latent.checkpoint", "parallel_latent.train", "parallel_latent.api", "parallel_latent.engine"),
+            "parallel_latent.model",
+            "parallel_latent.config",
+            "parallel_latent.data",
+            "parallel_latent.latents",
+            "parallel_latent.pretrained",
+            *USERS,
         ),
-        (
-            "checkpoint",
-            (
-                "parallel_latent.model",
-                "parallel_latent.config",
-                "parallel_latent.train",
-                "parallel_latent.api",
-                "parallel_latent.cli",
-            ),
-        ),
-        ("data", ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train")),
-    ],
-)
+    ),
+    ("data", ("parallel_latent.latents", "parallel_latent.pretrained", *USERS)),
+    ("latents", ("parallel_latent.inference", *USERS)),
+    ("pretrained", ("parallel_latent.inference", "parallel_latent.latents", *USERS)),
+]
+
+
+@pytest.mark.parametrize(("subpackage", "forbidden"), SUBPACKAGE_DOES_NOT_IMPORT)
 def test_subpackage_does_not_import(subpackage, forbidden):
     for path, names in imported_modules(PACKAGE / subpackage).items():
         bad = sorted(name for name in names if name.startswith(forbidden))
         assert not bad, f"parallel_latent/{path} imports {bad}"
+
+
+def test_only_the_commands_and_the_api_import_the_training_runtime():
+    for path, names in imported_modules(PACKAGE).items():
+        if path.startswith(("training/", "cli/")) or path == "api.py":
+            continue
+        bad = sorted(name for name in names if name.startswith("parallel_latent.training"))
+        assert not bad, f"parallel_latent/{path} imports {bad}"
+
+
+def test_the_config_and_the_deepspeed_patches_stand_on_the_error_vocabulary_alone():
+    """The config is read before anything heavy loads; the DeepSpeed patches sit below the trainer and
+    the checkpoint store that apply them."""
+    found = imported_modules(PACKAGE)
+    for path in [p for p in found if p.startswith("config/")] + ["deepspeed_patches.py"]:
+        own = sorted(n for n in found[path] if n.startswith("parallel_latent") and not n.startswith(
+            ("parallel_latent.errors", "parallel_latent.config")))  # fmt: skip
+        assert not own, f"parallel_latent/{path} imports {own}"
+
+
+def test_the_package_root_is_a_short_floor():
+    assert len(sorted(PACKAGE.glob("*.py"))) <= 12
 
 
 # The checkpoint package's modules, lowest first: each may import only modules before it.
@@ -92,24 +130,44 @@ def test_no_import_inside_a_function_of_the_checkpoint_package():
 
 # Library modules that the commands and the API use, and so may not import them back.
 LIBRARY_DOES_NOT_IMPORT = {
-    "pretrained.py": ("parallel_latent.api", "parallel_latent.cli", "parallel_latent.inference"),
     "inference.py": ("parallel_latent.api", "parallel_latent.cli"),
     "api.py": ("parallel_latent.cli", "parallel_latent.inference"),
-    "train.py": ("parallel_latent.cli", "parallel_latent.api"),
-    "startup.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.evaluation"),
-    "world.py": ("parallel_latent.cli", "parallel_latent.engine", "parallel_latent.startup", "parallel_latent.train"),
-    "evaluation.py": ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.train", "parallel_latent.startup"),
-    # The watchdog reads files and writes stacks: nothing of the job it watches, not even torch.
-    "watchdog.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
-    # The command line takes the run directory's lock before anything loads torch.
-    "run_lock.py": ("parallel_latent.cli", "parallel_latent.train", "parallel_latent.startup", "torch", "deepspeed"),
-    "latents.py": (
+    "training/trainer.py": ("parallel_latent.cli", "parallel_latent.api"),
+    "training/startup.py": (
         "parallel_latent.cli",
         "parallel_latent.api",
-        "parallel_latent.inference",
-        "parallel_latent.train",
-        "parallel_latent.startup",
+        "parallel_latent.training.trainer",
+        "parallel_latent.training.evaluation",
     ),
+    "training/world.py": (
+        "parallel_latent.cli",
+        "parallel_latent.training.engine",
+        "parallel_latent.training.startup",
+        "parallel_latent.training.trainer",
+    ),
+    "training/evaluation.py": (
+        "parallel_latent.cli",
+        "parallel_latent.api",
+        "parallel_latent.training.trainer",
+        "parallel_latent.training.startup",
+    ),
+    # The watchdog reads files and writes stacks: nothing of the job it watches, not even torch.
+    "training/watchdog.py": (
+        "parallel_latent.cli",
+        "parallel_latent.training.trainer",
+        "parallel_latent.training.startup",
+        "torch",
+        "deepspeed",
+    ),
+    # The command line takes the run directory's lock before anything loads torch.
+    "training/run_lock.py": (
+        "parallel_latent.cli",
+        "parallel_latent.training.trainer",
+        "parallel_latent.training.startup",
+        "torch",
+        "deepspeed",
+    ),
+    "files.py": ("torch", "deepspeed"),
 }
 
 
@@ -165,3 +223,76 @@ def test_no_module_imports_its_own_package_inside_a_function():
                         "parallel_latent"))) or (isinstance(inner, ast.Import) and any(
                         a.name.startswith("parallel_latent") for a in inner.names))  # fmt: skip
                     assert not own, f"parallel_latent/{relative}: {node.name} imports the package's own modules"
+
+
+def code_lines(lines: list[str], node: ast.AST) -> int:
+    """Lines of a function that hold code: not its docstring, not blank, not a comment alone."""
+    docstring = set()
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        docstring = set(range(first.lineno, first.end_lineno + 1))
+    return sum(
+        1
+        for number in range(node.lineno, node.end_lineno + 1)
+        if number not in docstring and lines[number - 1].strip() and not lines[number - 1].strip().startswith("#")
+    )
+
+
+def test_every_module_reads_in_a_sitting():
+    """No file over 600 lines, no function over 60 lines of code."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        assert len(lines) <= 600, f"parallel_latent/{path.relative_to(PACKAGE)} has {len(lines)} lines"
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = code_lines(lines, node)
+                assert count <= 60, (
+                    f"parallel_latent/{path.relative_to(PACKAGE)}: {node.name} has {count} lines of code"
+                )
+
+
+@pytest.mark.parametrize(
+    ("names", "home"),
+    [
+        (("fcntl.flock",), "files.py"),
+        (
+            (
+                "_model_parallel_all_reduce",
+                "checkpoint_engine",
+                "__compatible_ops__",
+                "_copy_recovery_script",
+                "get_grad_norm_direct =",
+                "unscale_and_clip_grads =",
+                "_lazy_init_hp_params_optimizer_state",
+                "_hp_optimizer_states_linked",
+                "_hp_mapping",
+                "_global_grad_norm",
+            ),
+            "deepspeed_patches.py",
+        ),
+    ],
+)
+def test_each_delicate_dependency_is_touched_in_one_module(names, home):
+    """One exclusive lock; every use of DeepSpeed's private API where its version range is checked."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE) == Path(home):
+            continue
+        text = path.read_text()
+        used = [name for name in names if re.search(rf"(?<!\w){re.escape(name)}", text)]
+        assert not used, f"parallel_latent/{path.relative_to(PACKAGE)} uses {used}, which belong in {home}"
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/; a test module is never imported by another."""
+    tests = PACKAGE.parent / "tests"
+    for path in sorted(tests.rglob("*.py")):
+        if "fixtures" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            bad = [n for n in names if n.startswith("tests.") and n.split(".")[-1].startswith("test_")]
+            assert not bad, f"{path.relative_to(tests.parent)} imports {bad}"

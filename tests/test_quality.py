@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from parallel_latent.quality import corpus_bleu, position_accuracy
-from tests.distributed import DistributedPool
-from tests.trainer_runs import TINY, TINY_CONFIG
+from tests.helpers.distributed import DistributedPool
+from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 
 PAIRS = [  # (reconstruction, input): lower case, no punctuation, so 13a tokenisation is str.split
     ("the cat sat on the mat", "the cat sat on the mat"),
@@ -78,7 +78,7 @@ def pool():
 
 def train_and_report(run_dir: str, cache_dir: str):
     from parallel_latent.config import load_config
-    from parallel_latent.train import train
+    from parallel_latent.training.trainer import train
 
     cfg = load_config(
         TINY_CONFIG,

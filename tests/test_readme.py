@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.trainer_runs import REPO
+from tests.helpers.trainer_runs import REPO
 
 
 def _bash_blocks(text: str) -> list[str]:

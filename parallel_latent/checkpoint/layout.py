@@ -22,14 +22,13 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from parallel_latent.coordination import all_gather_value, broadcast_value, is_main
+from parallel_latent.coordination import broadcast_value, first_failure, is_main
 from parallel_latent.errors import BadInput, ExitStatus, first_line
-from parallel_latent.files import publish, replace_file
+from parallel_latent.files import Staged, discard, publish, replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -190,25 +189,19 @@ def partial(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial")
 
 
-def discard(staging: Path) -> None:
-    shutil.rmtree(staging, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def staged(final: Path) -> Iterator[Path]:
-    """A new, empty staging directory, published as ``final`` when the block ends. For writers in one
-    process: on a failure it is removed, and a failed write raises :class:`CheckpointSaveError`."""
-    staging = partial(final)
-    discard(staging)
-    staging.mkdir(parents=True)  # a file in the way of the output path is the caller's error, as it is
+    """A new, empty staging directory (:class:`parallel_latent.files.Staged`), published as ``final``
+    when the block ends. For writers in one process: on a failure it is removed, and a failed write
+    raises :class:`CheckpointSaveError`."""
+    stage = Staged(final, partial(final))  # a file in the way of the output path is the caller's error, as it is
     try:
-        yield staging
-        publish(staging, final)
+        with stage:
+            yield stage.path
+            stage.publish()
     except CheckpointError:
-        discard(staging)
         raise
     except Exception as error:
-        discard(staging)
         raise CheckpointSaveError(f"{final}: not written: {error_reason(error)}") from error
 
 
@@ -223,7 +216,7 @@ def attempt(failures: list[str], write: Callable[[], Any]) -> None:
 
 
 def _agreed(failures: list[str]) -> str | None:
-    return next((f for f in all_gather_value(failures[0] if failures else None) if f), None)
+    return first_failure(failures[0] if failures else None)
 
 
 def save_collectively(staging: Path, write: Callable[[list[str]], None], finish: Callable[[], None]) -> str | None:

@@ -113,6 +113,20 @@ def _pause_before_publish(staging: Path, step: int) -> None:
         marker.unlink(missing_ok=True)
 
 
+def _client_state_record(engine, step: int, client_state: dict | None, tokenizer_facts: dict | None, cfg) -> dict:
+    """``client_state.json``: the trainer's state, the engine's counters, the LR schedule, the
+    tokenizer's facts and the config."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    return {
+        "step": step,
+        "client": plain(client_state or {}),
+        "engine": {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")},
+        "lr_scheduler": plain(scheduler.state_dict()) if scheduler is not None else None,
+        "tokenizer": plain(tokenizer_facts),
+        "config": plain(cfg) if cfg is not None else None,
+    }
+
+
 def save_training_checkpoint(
     engine,
     checkpoint_dir: str | Path,
@@ -146,16 +160,7 @@ def save_training_checkpoint(
         if export_portable:  # collective: every rank takes part, whatever happened to its own files
             failures += write_portable(model, staging / layout.PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
         if is_main():
-            scheduler = getattr(engine, "lr_scheduler", None)
-            counters = {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")}
-            state = {
-                "step": step,
-                "client": plain(client_state or {}),
-                "engine": counters,
-                "lr_scheduler": plain(scheduler.state_dict()) if scheduler is not None else None,
-                "tokenizer": plain(tokenizer_facts),
-                "config": plain(cfg) if cfg is not None else None,
-            }
+            state = _client_state_record(engine, step, client_state, tokenizer_facts, cfg)
             layout.attempt(failures, lambda: layout.write_json(staging / layout.CLIENT_STATE_FILE, state))
 
     def finish() -> None:

@@ -3,10 +3,10 @@ DeepSpeed's own files read without running pickled code.
 
 Inside a DeepSpeed engine a parameter is not simply ``param.data``: ZeRO-3 partitions it over DP
 (``param.ds_tensor`` is this rank's flat piece), ZeRO-1/2 and the bf16 optimizer keep fp32 masters and
-moments in flat partitions (reached through ``param._hp_mapping``), and only ZeRO-0 in fp32 hands the
+moments in flat partitions (a fragment mapping per parameter), and only ZeRO-0 in fp32 hands the
 parameters to the torch optimizer as they are. The functions here take or give the *whole* tensor of
-this TP rank. They rely on internals of DeepSpeed 0.19 (as :mod:`.universal` does), and
-:func:`import_deepspeed` refuses any other release.
+this TP rank. They rely on internals of DeepSpeed 0.19 (as :mod:`.universal` does), reached through
+:mod:`parallel_latent.deepspeed_patches`, and :func:`import_deepspeed` refuses any other release.
 """
 
 import contextlib
@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel_latent import deepspeed_patches
+
 from .layout import CheckpointError, attempt
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -28,8 +30,8 @@ def moments_of(kind: str) -> tuple[str, ...]:
     return ("momentum_buffer",) if "SGD" in kind else ADAM_MOMENTS
 
 
-# The DeepSpeed releases whose private checkpoint keys and classes this code reads (pyproject.toml).
-SUPPORTED_DEEPSPEED = (0, 19)
+# The DeepSpeed series whose private checkpoint keys and classes this code reads (pyproject.toml).
+SUPPORTED_DEEPSPEED = deepspeed_patches.SUPPORTED[0][:2]
 
 
 def import_deepspeed():
@@ -91,8 +93,7 @@ def adam_step(state: dict) -> int | None:
 
 def plain_param(engine, param: torch.Tensor) -> bool:
     """ZeRO-0 in fp32: the torch optimizer steps the model's own parameters."""
-    # _hp_mapping exists (possibly None) on every parameter that ZeRO-1/2 or the bf16 optimizer manages.
-    if is_zero3(param) or hasattr(param, "_hp_mapping"):
+    if is_zero3(param) or deepspeed_patches.has_zero_master(param):
         return False
     if engine.optimizer is base_optimizer(engine):
         return True
@@ -134,10 +135,7 @@ def ensure_optimizer_state(engine, step: int) -> None:
         device = flat.device if (group.get("capturable") or group.get("fused")) else "cpu"
         like = state["step"] if torch.is_tensor(state.get("step")) else torch.tensor(0.0, device=device)
         state["step"] = torch.tensor(float(step), dtype=like.dtype, device=like.device)
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:
-        engine.optimizer._hp_optimizer_states_linked = False
-        link()
+    deepspeed_patches.relink_optimizer_state(engine.optimizer)
 
 
 def _fp32_local(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -181,20 +179,12 @@ def safe_torch_load(path: str | Path, map_location=None):
         raise CheckpointError(f"{path}: refused to load with weights_only=True ({detail[:300]})") from None
 
 
-@contextlib.contextmanager
-def _replaced(target, **attributes):
-    originals = {name: getattr(target, name) for name in attributes}
-    vars(target).update(attributes)
-    try:
-        yield
-    finally:
-        vars(target).update(originals)
-
-
 def weights_only_loading(engine):
     """Route DeepSpeed's checkpoint reads through :func:`safe_torch_load` (its own engine calls
     ``torch.load(weights_only=False)``)."""
-    return _replaced(engine.checkpoint_engine, load=lambda path, map_location=None: safe_torch_load(path, map_location))
+    return deepspeed_patches.checkpoint_reads(
+        engine, lambda path, map_location=None: safe_torch_load(path, map_location)
+    )
 
 
 class _ErrnoFile(io.FileIO):
@@ -214,26 +204,20 @@ class _ErrnoFile(io.FileIO):
         return done
 
 
-@contextlib.contextmanager
+def _save_keeping_errno(state_dict, path: str, zipfile: bool) -> None:
+    """DeepSpeed's ``TorchCheckpointEngine.save``, with the OS's reason for a failed write kept."""
+    with _ErrnoFile(path, "wb") as handle:
+        try:
+            torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile)
+        except RuntimeError as error:
+            raise handle.error or error from None
+
+
 def recording_write_errors(engine, failures: list[str]):
     """Inside the block, a file DeepSpeed fails to write appends the reason to ``failures`` instead
     of raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at."""
-    checkpoint_engine = engine.checkpoint_engine
-    zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
-
-    def save(state_dict, path: str) -> None:  # TorchCheckpointEngine.save, with the OS's reason kept
-        with _ErrnoFile(path, "wb") as handle:
-            try:
-                torch.save(state_dict, handle, _use_new_zipfile_serialization=zipfile)
-            except RuntimeError as error:
-                raise handle.error or error from None
 
     def recorded(write):
         return lambda *args, **kwargs: attempt(failures, lambda: write(*args, **kwargs))
 
-    makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
-    with (
-        _replaced(checkpoint_engine, save=recorded(save), makedirs=recorded(makedirs)),
-        _replaced(engine, _copy_recovery_script=recorded(copy_scripts)),
-    ):
-        yield
+    return deepspeed_patches.checkpoint_writes(engine, _save_keeping_errno, recorded)

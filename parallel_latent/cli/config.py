@@ -10,13 +10,13 @@ from parallel_latent.errors import ExitStatus, UsageError
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from parallel_latent.config import EXPORT_SECTION, ExportConfig, schema_keys
+    from parallel_latent.config import EXPORT_SECTION, Config, ExportConfig, schema_keys
 
     if not args.list:
         raise UsageError("config: give --list (every key with its default and meaning)")
     rows = [
         (key, json.dumps(default), doc + (f" ({bound.must})" if bound else ""))
-        for key, default, doc, bound in schema_keys() + schema_keys(ExportConfig, EXPORT_SECTION)
+        for key, default, doc, bound in schema_keys(Config) + schema_keys(ExportConfig, EXPORT_SECTION)
     ]
     key_width, default_width = (max(len(row[column]) for row in rows) for column in (0, 1))
     for key, default, meaning in rows:

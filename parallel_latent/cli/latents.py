@@ -26,7 +26,7 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
     from parallel_latent.latents import WORK_DIR, index_summary, output_state, plan_export
-    from parallel_latent.world import dp_size
+    from parallel_latent.training.world import dp_size
 
     plan = plan_export(args.checkpoint, args.data, args.overrides)
     out = Path(args.out)

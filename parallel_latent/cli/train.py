@@ -107,10 +107,10 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir
     ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
     one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
 
-    ``lock``: the run directory's (:mod:`parallel_latent.run_lock`), held for the ranks, then released.
+    ``lock``: the run directory's (:mod:`parallel_latent.training.run_lock`), held for the ranks, then released.
     """
     from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
-    from parallel_latent.run_lock import HELD_BY_LAUNCHER_ENV
+    from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV
 
     log_dir, existed = open_worker_logs(run_dir)
     env = {**os.environ, WORKER_LOGS_ENV: str(log_dir.resolve())}
@@ -159,7 +159,7 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     """``train --nproc N``: the run directory's lock first (torch-free: a second job on it is
     refused in seconds, before any work), then the checks in this one process (bad input costs one
     line and no launch, and leaves nothing behind), then the ranks."""
-    from parallel_latent.run_lock import acquire_run_lock
+    from parallel_latent.training.run_lock import acquire_run_lock
 
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
@@ -167,7 +167,7 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     with contextlib.suppress(NotADirectoryError, FileExistsError):  # a file in the way: preflight says so
         lock = acquire_run_lock(run_dir, args.wait_for_lock)
     try:
-        from parallel_latent.startup import preflight
+        from parallel_latent.training.startup import preflight
 
         preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
         _check_local_devices(cfg, args.nproc)
@@ -210,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     _prefer_cpu_accelerator()
     from parallel_latent.console import quiet_repeated_notices
-    from parallel_latent.train import train
+    from parallel_latent.training.trainer import train
 
     quiet_repeated_notices()
     setattr(args, PER_RANK, True)
@@ -236,8 +236,8 @@ def report_rank_failure(error: Exception, status: ExitStatus) -> int:
 def _check_local_devices(cfg, nproc: int) -> None:
     """``--nproc N`` on a GPU host needs N GPUs: refused here, before any worker starts, instead of
     NCCL's "Duplicate GPU detected" after the whole start-up."""
-    from parallel_latent.engine import resolve_device
     from parallel_latent.parallel.state import check_processes_fit_devices
+    from parallel_latent.training.engine import resolve_device
 
     if resolve_device(cfg) == "cuda":
         import torch

@@ -26,6 +26,7 @@ import datetime
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -185,36 +186,18 @@ def _ensure_writable(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path, fingerprint: str) -> Iterator[bool]:
-    """An exclusive lock per fingerprint; yields whether locking works on this file system (flock
-    is a no-op error on some network file systems: then publishing by rename is the only guard)."""
-    import fcntl
-
+def _locked(directory: Path, fingerprint: str) -> Iterator[None]:
+    """An exclusive lock per fingerprint (:class:`parallel_latent.files.ExclusiveLock`: an flock, else
+    a renewed lease), held while this process prepares; the others wait for it."""
+    lock = files.ExclusiveLock(directory / f"{LOCK_PREFIX}{fingerprint}")
     try:
-        fd = os.open(directory / f"{LOCK_PREFIX}{fingerprint}", os.O_RDWR | os.O_CREAT, 0o664)
+        lock.acquire(math.inf)
     except OSError as error:
         raise DataError(f"{directory}: cannot write in the data cache directory ({os_reason(error)})") from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            locked = True
-        except OSError as error:
-            if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            locked = False
-        yield locked
+        yield
     finally:
-        os.close(fd)  # releases the lock
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        lock.release()
 
 
 def _temporary_name(fingerprint: str) -> str:
@@ -222,16 +205,10 @@ def _temporary_name(fingerprint: str) -> str:
     return f"{TMP_PREFIX}{fingerprint}-{host}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
-def _remove_stale_temporaries(directory: Path, fingerprint: str, locked: bool) -> None:
-    """Leftovers of preparers that died: with the lock held every ``.tmp-<fingerprint>-*`` is one;
-    without a working lock only those of dead processes on this host are known to be."""
-    here = socket.gethostname().replace("-", "_")
-    prefix = f"{TMP_PREFIX}{fingerprint}-"
-    for leftover in directory.glob(f"{prefix}*"):
-        host, _, rest = leftover.name[len(prefix) :].rpartition("-")[0].rpartition("-")
-        dead_here = host == here and rest.isdigit() and not _pid_alive(int(rest))
-        if locked or dead_here:
-            shutil.rmtree(leftover, ignore_errors=True)
+def _remove_stale_temporaries(directory: Path, fingerprint: str) -> None:
+    """Leftovers of preparers that died: with the lock held, every ``.tmp-<fingerprint>-*`` is one."""
+    for leftover in directory.glob(f"{TMP_PREFIX}{fingerprint}-*"):
+        files.discard(leftover)
 
 
 def _tokenize_batch(batch: dict[str, list], encoder: RowEncoder, unit: str) -> dict[str, np.ndarray]:
@@ -403,15 +380,14 @@ def _write_arrays(spec: PrepareSpec, tokenized: list, dtype: np.dtype, tmp: Path
     }
 
 
-def _publish(tmp: Path, target: Path) -> None:
-    """Every file of ``tmp`` made durable, then renamed to ``target`` (by :func:`files.publish`)."""
+def _publish(stage: files.Staged) -> None:
+    """The staged copy made durable and renamed to its target (:meth:`parallel_latent.files.Staged.publish`)."""
     try:
-        files.publish(tmp, target)
+        stage.publish()
     except OSError as error:
         if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-            raise DataError(f"{target}: cannot publish the prepared copy ({os_reason(error)})") from None
-        # Published meanwhile by a preparer that held no lock (no flock on this file system).
-        shutil.rmtree(tmp, ignore_errors=True)
+            raise DataError(f"{stage.final}: cannot publish the prepared copy ({os_reason(error)})") from None
+        # Published meanwhile by a preparer that did not hold the lock (its lease had expired).
 
 
 def _log(spec: PrepareSpec, meta: dict[str, Any]) -> None:
@@ -439,19 +415,14 @@ def prepare(spec: PrepareSpec, progress: bool = False) -> tuple[PreparedDataset,
         return found, False
     directory = spec.cache_dir
     _ensure_writable(directory)
-    with _locked(directory, spec.fingerprint) as locked:
+    with _locked(directory, spec.fingerprint):
         found = _open_if_present(spec)  # prepared by whoever held the lock before us
         if found is not None:
             return found, False
-        _remove_stale_temporaries(directory, spec.fingerprint, locked)
-        tmp = directory / _temporary_name(spec.fingerprint)
-        try:
-            tmp.mkdir()
-            meta = _build(spec, tmp, progress)
-            _publish(tmp, spec.target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _remove_stale_temporaries(directory, spec.fingerprint)
+        with files.Staged(spec.target, directory / _temporary_name(spec.fingerprint)) as stage:
+            meta = _build(spec, stage.path, progress)
+            _publish(stage)
         _log(spec, meta)
     return open_prepared(spec.target, spec, spec.fingerprint), True
 
@@ -461,22 +432,9 @@ def prepare(spec: PrepareSpec, progress: bool = False) -> tuple[PreparedDataset,
 # --------------------------------------------------------------------------- #
 
 
-def _raise_first(error: str | None) -> None:
-    """Collective: every rank raises the first error any rank had (by rank), or none does."""
-    errors = coordination.all_gather_value(error)
-    first = next((message for message in errors if message), None)
-    if first is not None:
-        raise DataError(first)
-
-
 def _agreed(function, *args):
     """``function(*args)`` on every rank; if it raised a DataError on any rank, all raise it."""
-    try:
-        value, error = function(*args), None
-    except DataError as caught:
-        value, error = None, str(caught)
-    _raise_first(error)
-    return value
+    return coordination.checked_by_all(function, *args, errors=DataError)
 
 
 def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> PreparedDataset:
@@ -509,12 +467,11 @@ def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> Prepar
             except Exception as caught:  # the others must not wait forever for this rank
                 failure = caught
                 error = f"{spec.source.location}: preparing failed: {type(caught).__name__}: {caught}".splitlines()[0]
-        try:
-            _raise_first(error)
-        except DataError:
+        first = coordination.first_failure(error)
+        if first is not None:
             if failure is not None:
                 raise failure from None  # this rank keeps the traceback of the unexpected error
-            raise
+            raise DataError(first)
         data = _agreed(open_prepared, Path(target), spec, fingerprint)
     reference = coordination.broadcast_value(data.content_digest)
     if not coordination.all_ranks_agree(data.content_digest == reference):

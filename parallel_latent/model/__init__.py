@@ -1,4 +1,4 @@
-"""The Perceiver text autoencoder over frozen GPT-2 features (DESIGN.md section 2)."""
+"""The Perceiver text autoencoder over frozen GPT-2 features."""
 
 from .autoencoder import AutoencoderOutput, LatentAutoencoder, build_model, eval_mode
 from .features import FeatureModel, load_gpt2, truncate_to_hidden_state

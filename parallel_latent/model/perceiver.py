@@ -299,9 +299,9 @@ def _start_as_head_lookup(block: PerceiverBlock, cfg: ModelConfig, tp_group) -> 
 
 def _start_reading_uniformly(block: PerceiverBlock) -> None:
     """An encoder block whose latents start reading every position alike: the query projection
-    starts at zero (its bias already does), so every score starts equal. The initialisation of
-    issue 19, kept for checkpoints written before ``model.encoder_context_positions`` (which latent
-    came to read which position was learned, and could go wrong: see LatentDecoder)."""
+    starts at zero (its bias already does), so every score starts equal. The start of
+    ``model.encoder_context_positions=false``, which checkpoints without that key mean (which latent
+    comes to read which position is then learned, and can go wrong: see LatentDecoder)."""
     with torch.no_grad():
         block.attn.query.weight.zero_()
 

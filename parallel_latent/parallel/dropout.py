@@ -3,7 +3,7 @@
 A stateful generator cannot give a TP=N run the masks of a TP=1 run: each rank would have to skip
 exactly the random numbers of the other ranks' slices. A counter-based hash can: every element
 computes its own keep/drop decision from its coordinates in the *full* (unsplit, un-sharded over
-DP) tensor. Consequences that the rules of DESIGN.md section 3 ask for fall out of it:
+DP) tensor. What makes TP=N the same model as TP=1 with dropout on falls out of it:
 
 * inside a TP region each rank draws exactly its slice of the TP=1 mask;
 * in replicated regions every rank of a TP group draws the same mask (same coordinates);

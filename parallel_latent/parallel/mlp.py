@@ -1,4 +1,4 @@
-"""The Megatron MLP of note 003: column-parallel h->4h, GELU and dropout on the slice,
+"""The Megatron MLP: column-parallel h->4h, GELU and dropout on the slice,
 row-parallel 4h->h, dropout on the replicated output. The pre-LayerNorm belongs to the caller.
 
 Under sequence parallelism (``options``, resolved for the group by the caller) the input and the
@@ -46,7 +46,7 @@ class ParallelMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Exact (erf) GELU, not the tanh approximation of note 003: DESIGN.md section 2.
+        # Exact (erf) GELU, not the tanh approximation Megatron's GPT-2 uses.
         hidden = F.gelu(self.dense_h_to_4h(x))
         hidden = self.hidden_dropout(hidden)
         return self.output_dropout(self.dense_4h_to_h(hidden))

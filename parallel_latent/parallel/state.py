@@ -171,6 +171,16 @@ def check_one_process_per_device(identity: str, control_group=None) -> None:
         owner[key] = rank
 
 
+def device_kind(wanted: str = "auto", setting: str = "device") -> str:
+    """``cpu`` or ``cuda`` for a device setting (``auto``: cuda when one is visible); BadInput (one
+    line naming ``setting``) for ``cuda`` when none is."""
+    if wanted == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"{setting}=cuda but no CUDA device is visible")
+    return wanted
+
+
 def _choose_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from parallel_latent.checkpoint import load_training_checkpoint, save_portable, save_training_checkpoint
 from parallel_latent.parallel import get_parallel_state
-from tests.checkpoint.engines import make_engine, train_step
+from tests.helpers.checkpoint_engines import make_engine, train_step
 
 COLLECTIVES = (
     "barrier",

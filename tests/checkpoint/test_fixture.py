@@ -1,4 +1,4 @@
-"""Checkpoints written by an earlier version of the code still load, at TP=1 and TP=2, to the same
+"""Checkpoints in the format of manifest version 1 load, at TP=1 and TP=2, to the same
 decoded ids. The files in fixtures/v1 were written once (see fixtures/README.md) and are never
 rewritten; the ids below were printed by the code that wrote them, not by the code under test."""
 
@@ -13,8 +13,8 @@ import torch
 from parallel_latent.api import load_autoencoder
 from parallel_latent.checkpoint import PortableCheckpoint, load_training_checkpoint
 from parallel_latent.checkpoint.universal import export_portable
-from tests.checkpoint.make_fixture import FIXTURE, fixture_batch, fixture_config
-from tests.distributed import DistributedPool
+from tests.helpers.distributed import DistributedPool
+from tests.helpers.make_fixture import FIXTURE, fixture_batch, fixture_config
 
 # The decoded ids of fixture_batch(), recorded from the writing code (both models were trained to
 # reconstruct it: the smallest argmax margins were 0.97 and 1.69, far above any summation-order
@@ -49,9 +49,9 @@ def portable_task(tp: int, path: str):
 
 
 def training_task(tp: int, checkpoints: str):
-    from parallel_latent.engine import initialize_engine
     from parallel_latent.model import build_model
     from parallel_latent.parallel import initialize_model_parallel
+    from parallel_latent.training.engine import initialize_engine
 
     cfg = fixture_config("normal")
     cfg.parallel.tensor_parallel = tp

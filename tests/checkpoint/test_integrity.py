@@ -11,7 +11,7 @@ import pytest
 
 from parallel_latent.checkpoint import checkpoint_damage, resumable
 from parallel_latent.checkpoint.integrity import file_record
-from tests.trainer_runs import cli_command, describe, run, torchrun_command, train_records
+from tests.helpers.trainer_runs import cli_command, describe, run, torchrun_command, train_records
 
 FIXTURE_RUN = Path(__file__).parent / "fixtures" / "v1" / "run"
 STEPS, HALF = 20, 10

@@ -26,8 +26,8 @@ from parallel_latent.checkpoint import (
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import initialize_model_parallel
-from tests.checkpoint.stack import VOCAB, Stack, batch, gathered_state
-from tests.tp_compare import argmax_agrees, autoencoder_reduction_length, max_abs, order_bound, terms_scale
+from tests.helpers.checkpoint_stack import VOCAB, Stack, batch, gathered_state
+from tests.helpers.tp_compare import argmax_agrees, autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 # Loading at another TP degree sums the row-parallel products in another order: the logits of the
 # Stack go through q/k/v (D), scores (D/HEADS), softmax and weighted sum over T, the output

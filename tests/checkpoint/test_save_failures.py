@@ -31,10 +31,10 @@ from parallel_latent.checkpoint import (
     save_training_checkpoint,
 )
 from parallel_latent.checkpoint.training import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
-from tests.checkpoint.engines import make_engine, train_step
-from tests.checkpoint.make_fixture import FIXTURE
-from tests.distributed import DistributedPool
-from tests.trainer_runs import REPO, cli_command, describe, rank_env, rank_pids, run
+from tests.helpers.checkpoint_engines import make_engine, train_step
+from tests.helpers.distributed import DistributedPool
+from tests.helpers.make_fixture import FIXTURE
+from tests.helpers.trainer_runs import REPO, cli_command, describe, rank_env, rank_pids, run
 
 RUN_RECIPE = ["parallel.tensor_parallel=2", "training.max_steps=4", "checkpoint.save_every=2"]
 

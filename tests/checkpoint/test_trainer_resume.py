@@ -6,7 +6,6 @@ Then the same checkpoint resumes at another layout (TP=4 x DP=1, ZeRO-3) with Ad
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,16 @@ import torch
 
 from parallel_latent.checkpoint import PortableCheckpoint
 from parallel_latent.config import load_config
-from tests.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
-from tests.trainer_runs import TINY, TINY_CONFIG, describe, run, torchrun_command, train_records
+from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
+from tests.helpers.trainer_runs import (
+    TINY,
+    TINY_CONFIG,
+    by_step,
+    copy_checkpoint,
+    describe,
+    run,
+    torchrun_command,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +39,9 @@ RECIPE = [
 ]
 
 
-def copy_checkpoint(source_run: Path, step: int, run_dir: Path) -> None:
-    """A run directory that holds only ``source_run``'s checkpoint of ``step`` (and no metrics)."""
-    tag = f"step_{step:08d}"
-    shutil.copytree(source_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
-    (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
-
-
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     checkpoint = PortableCheckpoint(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model")
     return {name: checkpoint.read_full(name) for name in checkpoint.tensors}
-
-
-def by_step(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in train_records(run_dir)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -102,7 +98,7 @@ def test_resume_at_another_layout_keeps_adam_state(straight_run, tmp_path):
         assert got[step]["lr"] == want[step]["lr"], step
     # Step 11 runs the carried-over weights on the same batch with the same dropout masks (keyed on
     # global coordinates): its loss is the straight run's up to the fp32 summation order of another
-    # TP split. Later steps are not compared: Adam magnifies that order's noise (tests/tp_compare.py);
+    # TP split. Later steps are not compared: Adam magnifies that order's noise (tests/helpers/tp_compare.py);
     # that the moments are carried over and used is checked in tests/checkpoint/test_training.py.
     model_cfg = load_config(TINY_CONFIG, [*TINY, "model.vocab_size=50259"]).model
     n = autoencoder_reduction_length(model_cfg, tokens=8 * model_cfg.max_length, tp=4)

@@ -25,8 +25,16 @@ from parallel_latent.checkpoint import (
 from parallel_latent.checkpoint.shards import PortableCheckpoint
 from parallel_latent.checkpoint.training import PAUSE_MARKER
 from parallel_latent.checkpoint.zero_access import import_deepspeed
-from tests.checkpoint.engines import ADAM_EPS, BETAS, WEIGHT_DECAY, full_state, get_step, make_engine, train_step
-from tests.tp_compare import max_abs, order_bound, terms_scale, unit_roundoff
+from tests.helpers.checkpoint_engines import (
+    ADAM_EPS,
+    BETAS,
+    WEIGHT_DECAY,
+    full_state,
+    get_step,
+    make_engine,
+    train_step,
+)
+from tests.helpers.tp_compare import max_abs, order_bound, terms_scale, unit_roundoff
 
 REPO = Path(__file__).resolve().parents[2]
 # The Stack's longest reduction to a weight gradient: q/k/v (D), scores (D/HEADS), softmax and
@@ -158,7 +166,7 @@ def test_keep_last_and_latest(pool4, tmp_path):
 def test_kill_9_before_publish_keeps_previous_latest(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.checkpoint.save_and_die", str(tmp_path)],
+        [sys.executable, "-m", "tests.helpers.save_and_die", str(tmp_path)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -180,7 +188,7 @@ def test_kill_9_before_publish_keeps_previous_latest(tmp_path):
     with pytest.raises(CheckpointError, match="unfinished save"):
         load_training_checkpoint(None, tmp_path / ".tmp-step_00000002")
     loaded = subprocess.run(
-        [sys.executable, "-m", "tests.checkpoint.save_and_die", str(tmp_path), "--load"],
+        [sys.executable, "-m", "tests.helpers.save_and_die", str(tmp_path), "--load"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -205,7 +213,7 @@ def assert_resharded_resume(pool4, directory: Path, source, tp: int, stage: int)
 
     The weights after that step are not compared with the straight run's: Adam divides each
     gradient by sqrt(v) + eps, which can turn the fp32 summation-order difference of a gradient
-    that is ~0 into a visible update difference (tests/tp_compare.py). Two checks that cannot be
+    that is ~0 into a visible update difference (tests/helpers/tp_compare.py). Two checks that cannot be
     fooled by that, and together say the step used the carried-over state:
 
     * the moments after the step equal the straight run's up to the gradient's summation-order

@@ -25,8 +25,8 @@ from parallel_latent.data.prepared import PREPARED_MARKER, PreparedDataset
 from parallel_latent.data.sources import read_samples
 from parallel_latent.data.tokenize import tokenizer_identity
 from parallel_latent.errors import ExitStatus
-from tests.data.helpers import assert_same_rows, data_config, reference_rows, tokenizer
-from tests.trainer_runs import REPO, TINY_CONFIG, rank_env
+from tests.helpers.data import assert_same_rows, data_config, reference_rows, tokenizer
+from tests.helpers.trainer_runs import REPO, TINY_CONFIG, rank_env
 
 # Lines that exercise the reader's rules: stripping, blank lines, CRLF, the other str.splitlines
 # boundaries, texts that CSV readers like to turn into NaN, quoting, a sample longer than T.

@@ -16,8 +16,8 @@ import pytest
 
 from parallel_latent.data import DataError, build_datasets
 from parallel_latent.data.prepare import LOG_NAME
-from tests.data.helpers import data_config, tokenizer
-from tests.distributed import DistributedPool
+from tests.helpers.data import data_config, tokenizer
+from tests.helpers.distributed import DistributedPool
 
 WORLD = 4
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from parallel_latent.data.prepare import LOG_NAME
-from tests.trainer_runs import REPO, describe, run, torchrun_command, train_records
+from tests.helpers.trainer_runs import REPO, describe, run, torchrun_command, train_records
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 
 from parallel_latent.data import make_spec, prepare
 from parallel_latent.data.sources import read_samples, resolve_source, samples_per_file
-from tests.data.helpers import assert_same_rows, data_config, reference_rows, tokenizer
+from tests.helpers.data import assert_same_rows, data_config, reference_rows, tokenizer
 
 # What the readers' rules are about: blank and whitespace-only lines between paragraphs, CRLF and a
 # lone CR, the other str.splitlines boundaries; empty, missing and multi-line texts in records.

@@ -14,8 +14,6 @@ from parallel_latent.api import TextAutoencoder
 from parallel_latent.config import (
     Config,
     ConfigError,
-    FeatureModelConfig,
-    ModelConfig,
     TokenizerConfig,
     config_from_dict,
 )
@@ -23,60 +21,19 @@ from parallel_latent.model import LatentAutoencoder, build_model
 from parallel_latent.model.autoencoder import predicted_lengths
 from parallel_latent.model.perceiver import latent_of_position, token_table_scale
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
-from tests.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
-
-B, T, D, VOCAB, MASK, PAD = 4, 8, 32, 300, 298, 299
-
-
-def tiny_configs(dropout: float = 0.1, **model_overrides) -> tuple[ModelConfig, FeatureModelConfig]:
-    """The test model: d=32, 4 heads, 2+2 Perceiver blocks, T=8, a 3-layer random GPT-2, and a
-    small tokenizer-free vocabulary (ids 298 and 299 play mask and pad)."""
-    model_cfg = ModelConfig(
-        d_model=D,
-        n_heads=4,
-        n_encoder_layers=2,
-        n_decoder_layers=2,
-        mlp_ratio=4,
-        max_length=T,
-        dropout=dropout,
-        vocab_size=VOCAB,
-        mask_token_id=MASK,
-        pad_token_id=PAD,
-    )
-    model_cfg = dataclasses.replace(model_cfg, **model_overrides)
-    return model_cfg, FeatureModelConfig(n_layer=3, n_head=4, n_embd=D, n_positions=64)
-
-
-def tiny_batch(batch: int = B, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids with right padding of varied lengths (one full row)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, MASK, (batch, T), generator=gen)
-    lengths = torch.randint(2, T + 1, (batch,), generator=gen)
-    lengths[0] = T
-    mask = (torch.arange(T) < lengths[:, None]).long()
-    return ids.masked_fill(mask == 0, PAD), mask
-
-
-def reduction_length_of_model(tp: int = 1) -> int:
-    """The test model's reduction length (see tests/tp_compare.py), for batches of up to 2B."""
-    return autoencoder_reduction_length(tiny_configs()[0], 2 * B * T, tp)
-
-
-def overfit(model: LatentAutoencoder, ids, mask, max_steps: int, lr: float = 3e-3) -> int:
-    """Train on one batch until eval-mode token accuracy is 100%; the number of steps it took."""
-    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=lr, weight_decay=0.0)
-    for step in range(1, max_steps + 1):
-        model.train()
-        model.dropout_rng.step = step
-        model(ids, mask).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 10 == 0:
-            model.eval()
-            with torch.no_grad():
-                if model(ids, mask).token_accuracy.item() == 1.0:
-                    return step
-    return -1
+from tests.helpers.tiny_model import (
+    MASK,
+    PAD,
+    VOCAB,
+    B,
+    D,
+    T,
+    overfit,
+    reduction_length_of_model,
+    tiny_batch,
+    tiny_configs,
+)
+from tests.helpers.tp_compare import max_abs, order_bound, terms_scale
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +243,7 @@ def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencode
     """configs/tiny.yaml's model shape and optimizer (one block a side, dropout 0, init_std 0.1,
     AdamW at 2.5e-3, clip 1) at ``width``, trained ``steps`` steps on random full rows; returns it and
     the per-position accuracy [T] on 256 other rows."""
-    from parallel_latent.engine import parameter_groups
+    from parallel_latent.training.engine import parameter_groups
 
     model_cfg, feature_cfg = tiny_configs(
         dropout=0.0, d_model=width, init_std=0.1, n_encoder_layers=1, n_decoder_layers=1
@@ -312,8 +269,8 @@ def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencode
 
 @pytest.mark.parametrize("width", [D, 48])
 def test_no_two_positions_end_a_short_run_reading_one_latent(width):
-    """The failure of issue 29: with an encoder that learns which position each latent reads (the
-    issue-19 initialisation, model.encoder_context_positions=false), these runs ended with a decoder
+    """The failure this start prevents: with an encoder that learns which position each latent reads
+    (model.encoder_context_positions=false), these runs ended with a decoder
     query reading another position's latent at 2 of these 8 (width, seed) pairs, both positions of
     the pair stuck near 50% accuracy. With both sides starting as position lookups, decoder query t
     still reads latent t most at every seed, and every position is reconstructed (a merged pair

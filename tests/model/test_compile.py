@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.model.autoencoder import compile_regions, eval_mode
 from parallel_latent.parallel import CompiledWithFallback
-from tests.model.test_autoencoder import B, reduction_length_of_model, tiny_batch, tiny_configs
-from tests.tp_compare import max_abs, order_bound, terms_scale
+from tests.helpers.tiny_model import B, reduction_length_of_model, tiny_batch, tiny_configs
+from tests.helpers.tp_compare import max_abs, order_bound, terms_scale
 
 
 def loss_and_grads(model: LatentAutoencoder, ids, mask, step: int):

@@ -11,7 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 from parallel_latent.config import ConfigError, FeatureModelConfig, ModelConfig
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import truncate_to_hidden_state
-from tests.tp_compare import gpt2_reduction_length, order_bound, terms_scale
+from tests.helpers.tp_compare import gpt2_reduction_length, order_bound, terms_scale
 
 D, N_LAYER, SAVED_VOCAB, VOCAB, PAD = 32, 5, 290, 300, 299
 

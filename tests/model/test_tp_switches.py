@@ -14,9 +14,9 @@ from parallel_latent.checkpoint import CheckpointError, load_portable, save_port
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
 from parallel_latent.parallel.mappings import split_along_sequence
-from tests.model.test_autoencoder import VOCAB, B, D, T, reduction_length_of_model, tiny_batch, tiny_configs
-from tests.model.test_autoencoder_tp import COMPRESSED, assert_equals_tp1, compare_with_tp1
-from tests.tp_compare import collectives_of, gather_full, max_abs, order_bound, terms_scale
+from tests.helpers.autoencoder_tp import COMPRESSED, assert_equals_tp1, compare_with_tp1
+from tests.helpers.tiny_model import VOCAB, B, D, T, reduction_length_of_model, tiny_batch, tiny_configs
+from tests.helpers.tp_compare import collectives_of, gather_full, max_abs, order_bound, terms_scale
 
 GATHER, SCATTER = "all_gather_single", "reduce_scatter_single"
 SP = TensorParallelOptions(sequence_parallel=True)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_latent.parallel import vocab_parallel_cross_entropy
-from tests.tp_compare import order_bound
+from tests.helpers.tp_compare import order_bound
 
 B, T, VOCAB, PADDED = 3, 5, 250, 256
 
@@ -161,7 +161,7 @@ def test_the_loss_is_fused_where_the_dropout_mask_is_compiled():
     training.compile_dropout is false), built once, plain elsewhere."""
     from parallel_latent.config import load_config
     from parallel_latent.model import build_model
-    from tests.trainer_runs import TINY_CONFIG, TINY_MODEL
+    from tests.helpers.trainer_runs import TINY_CONFIG, TINY_MODEL
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # (a device name: no CUDA needed)
     for compile_dropout in (True, False):

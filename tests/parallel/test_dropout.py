@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from parallel_latent.parallel import DropoutRNG, ParallelDropout, initialize_model_parallel
 from parallel_latent.parallel.dropout import keep_mask
-from tests.parallel.test_collectives import B, Block, D, T
+from tests.helpers.blocks import B, Block, D, T
 
 
 def test_keep_rate_and_independence():
@@ -241,7 +241,7 @@ def test_a_step_of_dropout_builds_no_tensor_from_python_data():
     """New keys and sample offsets each step are in-place fills of tensors made once: after the
     first step, dropout asks for no tensor built from Python data (a host-to-device copy on a GPU)
     and for no new index tensors."""
-    from tests.op_counter import OpCounter
+    from tests.helpers.op_counter import OpCounter
 
     rng = DropoutRNG(seed=4)
     drop = ParallelDropout(0.1, rng)

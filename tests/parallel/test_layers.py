@@ -1,5 +1,5 @@
 """TP=2 and TP=4 layers equal the TP=1 layers: forward, loss, input and parameter gradients after
-one step (fp32, bounds from :mod:`tests.tp_compare`), and weights after five AdamW steps (float64,
+one step (fp32, bounds from :mod:`tests.helpers.tp_compare`), and weights after five AdamW steps (float64,
 where summation-order noise cannot be amplified by Adam). Real gloo ranks; the TP=1 twin is built
 inside each rank from the same seed. Deliberately broken layers must fail the same checks."""
 
@@ -20,7 +20,7 @@ from parallel_latent.parallel import (
 )
 from parallel_latent.parallel.mappings import gather_along_sequence, reduce_from_tp_region, split_along_sequence
 from parallel_latent.parallel.utils import group_rank, group_size
-from tests.tp_compare import (
+from tests.helpers.tp_compare import (
     gather_full,
     gather_last_dim,
     max_abs,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from parallel_latent.parallel import initialize_model_parallel
 from parallel_latent.parallel.projection import Projection, column_parallel_projections
-from tests.tp_compare import count_collectives, max_abs, order_bound, terms_scale
+from tests.helpers.tp_compare import count_collectives, max_abs, order_bound, terms_scale
 
 B, L, D, Q_OUT, KV_OUT = 2, 8, 16, 16, 32
 

@@ -122,7 +122,7 @@ def test_two_ranks_on_one_gpu_are_refused():
 
 def test_tensor_parallel_groups_stay_inside_a_node():
     from parallel_latent.config import Config, ConfigError, ModelConfig, ParallelConfig
-    from parallel_latent.world import validate_world
+    from parallel_latent.training.world import validate_world
 
     cfg = Config(model=ModelConfig(d_model=96, n_heads=12), parallel=ParallelConfig(tensor_parallel=12))
     with pytest.raises(ConfigError, match="tensor_parallel=12 does not divide the 8 processes per node"):

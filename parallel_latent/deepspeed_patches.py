@@ -1,0 +1,313 @@
+"""Every use of DeepSpeed's private API, each checked against the DeepSpeed releases it was written
+for (:data:`SUPPORTED`, the range ``pyproject.toml`` pins).
+
+DeepSpeed has no public hook for what these do, so they reach into its classes:
+
+- :func:`sync_free_zero_step`: the bf16 ZeRO-1/2 optimizer step without host synchronisations (two of
+  its methods rebound on one optimizer instance, and its model-parallel all-reduce). Outside the
+  range, DeepSpeed's own step is still correct, only slower: one warning, and it runs as shipped.
+- :func:`skip_unused_cpu_comm_kernel`: DeepSpeed's compatible-ops table, so that the CPU accelerator
+  does not JIT-build a kernel training never calls. Outside the range: one warning, the build happens.
+- :func:`checkpoint_reads` and :func:`checkpoint_writes`: the engine's checkpoint engine (its
+  ``load``, ``save`` and ``makedirs``) and its recovery-script copy, so that checkpoints load without
+  running pickled code and a failed write is reported by every rank instead of hanging the others.
+  Skipping these would change what is safe to load and how a full disk ends a run, so outside the
+  range the job stops before any work: :func:`require_supported_deepspeed` (one line, exit status 2).
+- :func:`relink_optimizer_state`, :func:`has_zero_master`, :func:`report_grad_norm`: the private
+  attributes through which DeepSpeed's ZeRO-1/2 optimizer maps parameters to its flat partitions, and
+  its engine reads an optimizer's gradient norm.
+
+The version is read from the installed distribution's metadata (no import of DeepSpeed), so the
+command line checks it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from types import MethodType
+
+import torch
+
+from parallel_latent.errors import BadInput
+
+__all__ = [
+    "SUPPORTED",
+    "DeepSpeedVersionError",
+    "checkpoint_reads",
+    "checkpoint_writes",
+    "has_zero_master",
+    "installed_version",
+    "relink_optimizer_state",
+    "report_grad_norm",
+    "require_supported_deepspeed",
+    "skip_unused_cpu_comm_kernel",
+    "supported",
+    "sync_free_zero_step",
+]
+
+logger = logging.getLogger(__name__)
+
+# [first, end): the releases whose private classes, methods and checkpoint keys this code was written
+# against and tested with.
+SUPPORTED = ((0, 19, 8), (0, 20, 0))
+
+
+class DeepSpeedVersionError(BadInput):
+    """The installed DeepSpeed is outside the releases whose checkpoint engine this code patches."""
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
+
+
+def _range_words() -> str:
+    (a, b, c), (d, e, _) = SUPPORTED
+    return f">={a}.{b}.{c},<{d}.{e}"
+
+
+def installed_version() -> str:
+    """The installed DeepSpeed's version, from its distribution's metadata."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        import deepspeed  # a source checkout on the path: its own attribute
+
+        return deepspeed.__version__
+
+
+def supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed DeepSpeed's) is in :data:`SUPPORTED`."""
+    release = _release(installed_version() if version is None else version)
+    return SUPPORTED[0] <= release < SUPPORTED[1]
+
+
+def require_supported_deepspeed(version: str | None = None) -> None:
+    """Refuse (one line, exit status 2) a DeepSpeed whose checkpoint engine this code cannot patch."""
+    version = installed_version() if version is None else version
+    if not supported(version):
+        raise DeepSpeedVersionError(
+            f"DeepSpeed {version} is installed, but parallel-latent's checkpoints patch DeepSpeed's checkpoint "
+            f"engine as releases {_range_words()} have it: pip install 'deepspeed{_range_words()}'"
+        )
+
+
+def _usable(what: str, version: str | None) -> bool:
+    """Whether a patch that only speeds DeepSpeed up applies; outside the range, one warning saying
+    what is skipped (DeepSpeed's own code path runs: correct, slower)."""
+    version = installed_version() if version is None else version
+    if supported(version):
+        return True
+    logger.warning(
+        "DeepSpeed %s is outside the releases %s that parallel-latent's %s was written for: skipped, "
+        "DeepSpeed's own code runs instead (correct, slower)",
+        version,
+        _range_words(),
+        what,
+    )
+    return False
+
+
+# --------------------------------------------------------------------------- #
+# The bf16 ZeRO-1/2 step without host synchronisations.
+# --------------------------------------------------------------------------- #
+
+
+def sync_free_zero_step(optimizer, version: str | None = None) -> bool:
+    """Make the bf16 step of one ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``) free of host
+    synchronisations and of tensors built from Python data; True if it applied.
+
+    DeepSpeed 0.19's step (``stage_1_and_2.py: step``) at bf16 without the overflow scan
+    (``check_grad_overflow: False``) computes the global gradient norm, clips, runs our AdamW on each
+    group's flat fp32 partition, copies it back to the bf16 weights and all-gathers them over the
+    data-parallel group. Two of its per-step helpers, called once per parameter group, wait for the
+    device, and one launches a kernel per parameter:
+
+    - ``get_grad_norm_direct``: one ``vector_norm`` of ``g.to(fp64)`` per gradient tensor (2 kernels
+      per tensor), then ``mask_nan_or_inf_with_val_inplace``, whose ``torch.tensor(-1.0,
+      device=...)`` is a blocking host-to-device copy. Replaced by :func:`_grad_norm_direct`: the
+      same tensors (the model-parallel filter: split parameters on every TP rank, replicated ones
+      on TP rank 0 only), one ``torch._foreach_norm`` in DeepSpeed's norm dtype, the same
+      stack/pow/sum, all-reduces and root, and the NaN/inf -> -1 mask as a scalar ``masked_fill_``.
+    - ``unscale_and_clip_grads``: ``is_invalid_grad_norm(norm)`` is ``bool(tensor)``, a device read
+      (DeepSpeed then substitutes an infinite norm). Replaced by :func:`_unscale_and_clip_grads`:
+      the substitution as a ``masked_fill`` on the device, then DeepSpeed's own arithmetic,
+      ``clamp(((norm / scale) + 1e-6) / clip, min=1) * scale`` and ``grad.mul_(1 / that)``.
+
+    Everything else is DeepSpeed's: the step, the partitioning, the optimizer state and its
+    checkpoints (one format for every layout), the skip decision (under bf16 without the scan,
+    ``overflow`` stays the Python ``False``, so ``engine.was_step_applied()`` reads no device
+    value), and the gradient norm (a device tensor, read only on log lines).
+
+    Numbers: on the CPU ``_foreach_norm`` runs ``vector_norm`` per tensor in the requested dtype,
+    which is DeepSpeed's own computation: the weights are bit-identical (tested). On CUDA its
+    multi-tensor kernel accumulates each tensor's sum of squares in fp32 (written as fp64) where
+    DeepSpeed's ``vector_norm`` of the fp64 copy accumulates in fp64: a sum of ``n`` positive
+    terms in fp32 is within ``n * u`` (``u = eps_fp32 / 2``) of the exact one, so the global norm
+    differs from DeepSpeed's by a relative ``n * eps_fp32 / 2`` at most (half that on the root,
+    plus the final roundings), ``n`` the element count of the largest gradient tensor. The norm
+    reaches the weights only through the clip coefficient: a step that does not clip (the
+    coefficient clamps to 1) gives DeepSpeed's weights bit for bit on CUDA too.
+
+    Only for the bf16 ZeRO-1/2 optimizer without CPU offload: fp16 decides on its loss scale on
+    the host by design; ZeRO-3 (``stage3.py``) keeps its own helpers, and ZeRO stage 0 under bf16
+    runs DeepSpeed's ``BF16_Optimizer``, whose norm and clip also read the device. The methods are
+    bound to this instance only. Outside :data:`SUPPORTED` it is skipped with one warning.
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if type(optimizer) is not DeepSpeedZeroOptimizer:
+        return False
+    if optimizer.dtype != torch.bfloat16 or optimizer.check_grad_overflow or optimizer.cpu_offload:
+        return False
+    if not _usable("sync-free bf16 ZeRO-1/2 step", version):
+        return False
+    optimizer.get_grad_norm_direct = MethodType(_grad_norm_direct, optimizer)
+    optimizer.unscale_and_clip_grads = MethodType(_unscale_and_clip_grads, optimizer)
+    return True
+
+
+def _grad_norm_direct(self, gradients, params, norm_type=2):
+    """DeepSpeedZeroOptimizer.get_grad_norm_direct (L2) with one multi-tensor norm and no host
+    round trip; any other norm type goes to DeepSpeed's own."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if float(norm_type) != 2.0:
+        return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
+    # DeepSpeed's selection: padding gradients dropped (zip then pairs the rest with their
+    # parameters, as DeepSpeed's does: strict=False), a pipeline-replicated parameter not counted,
+    # a replicated one counted on TP rank 0 only, a split one on every TP rank.
+    unpadded = (g for g in gradients if not getattr(g, "_zero_padding", False))
+    counted = [
+        g.data
+        for g, p in zip(unpadded, params, strict=False)
+        if not getattr(p, "ds_pipe_replicated", False)
+        and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)
+    ]
+    if counted:
+        norms = torch._foreach_norm(counted, 2, dtype=get_norm_dtype())
+        total = torch.stack(norms).to(self.device).pow(2.0).sum().float()
+    else:  # nothing of this group is counted on this rank
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.pow(0.5)
+    return total.masked_fill_(~torch.isfinite(total), -1.0)  # DeepSpeed's "invalid" sentinel
+
+
+def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+    """DeepSpeedZeroOptimizer.unscale_and_clip_grads with the invalid-norm test on the device."""
+    if not torch.is_tensor(total_norm) or (self.clip_grad == 0.0 and self.loss_scale == 1.0):
+        return type(self).unscale_and_clip_grads(self, grad_groups_flat, total_norm)
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.0:
+        # An invalid norm (non-finite, or DeepSpeed's -1 sentinel) clips as an infinite one.
+        clip_norm = total_norm.masked_fill(~torch.isfinite(total_norm) | (total_norm < 0), math.inf)
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1.0 / combined_scale)
+
+
+# --------------------------------------------------------------------------- #
+# The CPU accelerator's communication kernel.
+# --------------------------------------------------------------------------- #
+
+
+def skip_unused_cpu_comm_kernel(version: str | None = None) -> None:
+    """On the CPU accelerator, keep DeepSpeed from JIT-compiling its shared-memory all-reduce
+    kernel (``deepspeed_shm_comm``).
+
+    DeepSpeed builds it when its communication backend starts, but only its *inference*
+    all-reduce calls it; training collectives go through torch.distributed (gloo). The build
+    needs a C++ toolchain, takes tens of seconds on a small machine, holds a machine-wide lock
+    that serialises every starting rank, and is redone whenever another environment sharing
+    ~/.cache/torch_extensions builds it with other paths. Marking the op incompatible makes
+    DeepSpeed skip it, exactly as on a machine without a compiler.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" or not _usable("skip of the unused CPU communication kernel", version):
+        return
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+# --------------------------------------------------------------------------- #
+# The checkpoint engine.
+# --------------------------------------------------------------------------- #
+
+
+@contextlib.contextmanager
+def _replaced(target, **attributes) -> Iterator[None]:
+    originals = {name: getattr(target, name) for name in attributes}
+    vars(target).update(attributes)
+    try:
+        yield
+    finally:
+        vars(target).update(originals)
+
+
+def checkpoint_reads(engine, load: Callable) -> contextlib.AbstractContextManager:
+    """Inside the block, the engine's checkpoint reads go through ``load(path, map_location=None)``
+    (DeepSpeed's own calls ``torch.load(weights_only=False)``)."""
+    require_supported_deepspeed()
+    return _replaced(engine.checkpoint_engine, load=load)
+
+
+@contextlib.contextmanager
+def checkpoint_writes(engine, save: Callable, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside the block, the engine's checkpoint engine writes each file with ``save(state_dict,
+    path, zipfile)`` (``zipfile``: the engine's serialization setting), and each of its writes (that
+    save, its ``makedirs``, the copy of the recovery script) runs through ``wrap(write)``."""
+    require_supported_deepspeed()
+    checkpoint_engine = engine.checkpoint_engine
+    zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
+    makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
+    with (
+        _replaced(
+            checkpoint_engine,
+            save=wrap(lambda state_dict, path: save(state_dict, path, zipfile)),
+            makedirs=wrap(makedirs),
+        ),
+        _replaced(engine, _copy_recovery_script=wrap(copy_scripts)),
+    ):
+        yield
+
+
+# --------------------------------------------------------------------------- #
+# ZeRO's private bookkeeping.
+# --------------------------------------------------------------------------- #
+
+
+def has_zero_master(param: torch.Tensor) -> bool:
+    """Whether ZeRO-1/2 or the bf16 optimizer keeps ``param``'s fp32 master in a flat partition
+    (``_hp_mapping`` exists, possibly None, on every parameter they manage)."""
+    return hasattr(param, "_hp_mapping")
+
+
+def relink_optimizer_state(optimizer) -> None:
+    """Make DeepSpeed's ZeRO-1/2 optimizer map its per-parameter views onto the optimizer state again
+    (after the state was created or replaced outside a step)."""
+    link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        optimizer._hp_optimizer_states_linked = False
+        link()
+
+
+def report_grad_norm(optimizer, norm: float | None, overflow: bool) -> None:
+    """What DeepSpeed's engine reads from a bare optimizer after its step: whether it skipped
+    (``overflow``) and the global gradient norm (``engine.get_global_grad_norm()``)."""
+    optimizer.overflow = overflow
+    optimizer._global_grad_norm = norm

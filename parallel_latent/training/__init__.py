@@ -1,0 +1,18 @@
+"""The training runtime: everything a training job runs on every rank, from start-up to its last
+checkpoint.
+
+- :mod:`.trainer`: :func:`~.trainer.train` and the :class:`~.trainer.Trainer` loop (the step, data
+  feeding, the stop vote, the non-finite watch, when to log, evaluate and save);
+- :mod:`.startup`: :func:`~.startup.start_run` (checks, process groups, tokenizer, model, data, the
+  checkpoint to resume, the engine) and :func:`~.startup.preflight`;
+- :mod:`.engine`: the DeepSpeed config, optimizer, schedule and ``deepspeed.initialize``;
+- :mod:`.evaluation`: the periodic held-out evaluation;
+- :mod:`.metrics`, :mod:`.flops`, :mod:`.report`: metric sinks and records, FLOPs and MFU, the
+  banner and the summary;
+- :mod:`.watchdog`: the hang watchdog; :mod:`.run_lock`: one job per run directory;
+  :mod:`.world`: TP x DP and the global batch.
+
+Only the command line (:mod:`parallel_latent.cli`) and :mod:`parallel_latent.api` import this
+package; nothing here is imported at package import (the command line takes the run directory's
+lock through :mod:`.run_lock` before torch loads).
+"""

@@ -1,0 +1,308 @@
+"""Start-up of a training job, on every rank: the checks that need no process group, the process
+groups, the tokenizer and the model once per node, the choice of checkpoint to resume (rank 0's,
+for every rank) with its global batch kept, the data, the DeepSpeed engine, and the run's first
+files. :func:`start_run` returns a :class:`Run`, which the trainer takes; nothing is written before
+every check has passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from parallel_latent.checkpoint import (
+    checkpoints_dir,
+    move_aside,
+    remove_unfinished_saves,
+    require_intact,
+    resolve_checkpoint,
+    resumable,
+    saved_client_state,
+)
+from parallel_latent.config import Config, ConfigError, save_config
+from parallel_latent.console import WORKER_LOGS_ENV, report_hang
+from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
+from parallel_latent.data import build_datasets, check_source
+from parallel_latent.deepspeed_patches import require_supported_deepspeed
+from parallel_latent.model import build_model
+from parallel_latent.model.features import random_features_unannounced
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+
+from .engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
+from .watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s
+from .world import keep_global_batch, validate_world
+
+__all__ = [
+    "Run",
+    "checkpoint_to_resume",
+    "planned_resume",
+    "preflight",
+    "start_run",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Checks that need no process group (the CLI runs them before launching ranks).
+# --------------------------------------------------------------------------- #
+
+
+def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
+    """Everything about ``cfg`` that can be checked without building anything: the world size
+    against TP and the batch sizes, the device, the data path, the checkpoint to resume.
+    Raises ConfigError / DataError with one line; writes nothing."""
+    require_supported_deepspeed()  # before any work: checkpoints patch DeepSpeed's checkpoint engine
+    validate_world(cfg, world_size, source, processes_per_node)
+    resolve_device(cfg, source)
+    check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
+    run_dir = Path(cfg.logging.run_dir)
+    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"{source}: logging.run_dir={run_dir}: {blocking} is a file, not a directory")
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        existing = checkpoints_dir(cfg.logging.run_dir)
+        if existing.is_dir() and any(p.name.startswith("step_") for p in existing.iterdir()):
+            raise ConfigError(
+                f"{source}: checkpoint.resume=never but {existing} already holds checkpoints; "
+                "choose another logging.run_dir or resume with checkpoint.resume=auto"
+            )
+    elif resume != "auto" and not Path(resume).exists():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
+    elif resume != "auto" and not Path(resume).is_dir():
+        raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
+    # A checkpoint whose global batch cannot be kept on this many processes: one line now, before
+    # any rank starts (the trainer makes the same plan from rank 0's choice of checkpoint).
+    planned_resume(cfg, world_size, checkpoint_to_resume(cfg))
+
+
+def checkpoint_to_resume(cfg: Config) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names, as this process sees it (reading only):
+    ``auto`` = the run directory's latest, or the newest intact one before it if that is damaged
+    (None if there is none); ``never`` = None; else that path, which must be intact."""
+    resume = cfg.checkpoint.resume
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return resumable(checkpoints_dir(cfg.logging.run_dir))[0]
+    return require_intact(resolve_checkpoint(resume))
+
+
+def choose_checkpoint_to_resume(cfg: Config) -> Path | None:
+    """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, with each damaged checkpoint
+    passed over moved aside (renamed, never deleted) and said in one line."""
+    if cfg.checkpoint.resume != "auto":
+        return checkpoint_to_resume(cfg)  # an explicit checkpoint that is damaged stops the run
+    intact, damaged = resumable(checkpoints_dir(cfg.logging.run_dir))
+    for step_dir, damage in damaged:
+        moved = move_aside(step_dir)
+        instead = f"resuming from {intact.name}" if intact is not None else "no intact checkpoint left: starting afresh"
+        line = f"{damage}: checkpoint {step_dir.name} is truncated or damaged; moved to {moved.name}; {instead}"
+        print(line, flush=True)
+    return intact
+
+
+def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
+    """``cfg`` for continuing from ``path`` on ``world_size`` processes: the checkpoint's global
+    batch kept (micro-batch and accumulation chosen for the new data-parallel size), and the line
+    that says so; ConfigError (one line) when it cannot be kept. Unchanged without a checkpoint."""
+    if path is None:
+        return cfg, None
+    sampler = saved_client_state(path).get("sampler") or {}
+    if "global_batch_size" not in sampler:
+        return cfg, None
+    return keep_global_batch(cfg, world_size, int(sampler["global_batch_size"]), str(path))
+
+
+def require_shared_run_dir(run_dir: Path, source: str) -> None:
+    """Checkpoints are written by every rank into one directory tree and published by rank 0; a
+    run directory on node-local disks (or a relative path from different working directories)
+    would be a different directory per node, and the job would hang at its first save or resume.
+    Refuse it at start-up, in seconds, on every rank (collective). Nothing is created: the probe
+    goes into the nearest existing ancestor and is removed."""
+    probe_dir = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not directory_is_shared(probe_dir):
+        raise ConfigError(
+            f"{source}: logging.run_dir={run_dir} is not one directory for all ranks (node-local disks, or a "
+            "relative path from different working directories): put the run directory on a file system "
+            "every node shares"
+        )
+
+
+def load_tokenizer_once_per_node(cfg: Config):
+    """The tokenizer, fetched by the first process of each node before the others look for it in
+    the (node-local) hub cache: one download per node instead of one per rank."""
+    with main_first(per_node=True):
+        return load_tokenizer(cfg.tokenizer)
+
+
+def build_model_once_per_node(cfg: Config, tp_group):
+    """The model; a pretrained feature model is fetched from the hub by the first process of each
+    node before the others read it from the cache. Random features are said once, in the banner."""
+    with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
+        return build_model(cfg, tp_group)
+
+
+@dataclass
+class Run:
+    """What a training job is made of, built once by :func:`start_run` (the same on every rank but
+    for each rank's own slices and samples)."""
+
+    cfg: Config  # the tokenizer's facts applied, the checkpoint's global batch kept
+    source: str  # where the config came from (named by every one-line error)
+    state: ParallelState
+    tokenizer: Any
+    tokenizer_facts: dict
+    resume_path: Path | None  # rank 0's choice, for every rank
+    batch_note: str | None  # how the checkpoint's global batch is kept, if that changed anything
+    train_set: Any
+    eval_set: Any
+    bundle: EngineBundle
+    device_kind: str  # "cpu" | "cuda"
+    started: float  # time.perf_counter() at the start
+    progress: Progress = field(default_factory=Progress)  # what the main thread is doing (the trainer moves it)
+    watchdog: Watchdog | None = None  # watching every rank's progress (None: one process, or switched off)
+    run_lock: RunLock | None = None  # rank 0's hold on the run directory (None: its launcher holds it)
+
+    @property
+    def engine(self):
+        return self.bundle.engine
+
+    @property
+    def model(self):
+        return self.bundle.engine.module
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.logging.run_dir)
+
+    @property
+    def is_main(self) -> bool:
+        return self.state.rank == 0
+
+    def release(self) -> None:
+        """This rank is done: the watchdog leaves it out from now on, and rank 0 gives the run
+        directory's lock up (if it, not its launcher, holds it)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+
+def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Watchdog | None:
+    """This rank's hang watchdog over ``progress`` (:mod:`parallel_latent.training.watchdog`), started; None
+    in one process (nothing waits on it) or with ``training.hang_timeout_s=0``. Its records go into
+    the run directory, which start-up has checked is one directory for every rank."""
+    training = cfg.training
+    if not training.hang_timeout_s or state.world_size == 1:
+        return None
+    run_dir = Path(cfg.logging.run_dir)
+    launch_logs = os.environ.get(WORKER_LOGS_ENV)  # train --nproc: this launch's log directory
+    stacks = Path(launch_logs) if launch_logs else run_dir / "logs" / time.strftime("stacks-%Y%m%d-%H%M%S")
+    watchdog = Watchdog(
+        progress, run_dir, state.rank, state.world_size, training.hang_timeout_s, training.hang_long_phase_s,
+        stacks, report=report_hang, active=dist.is_initialized,
+    )  # fmt: skip
+    return watchdog.start()
+
+
+def _abandon_watch(watchdog: Watchdog | None, run_dir: Path) -> None:
+    """Start-up failed (bad input leaves nothing behind): stop the watchdog and remove its records."""
+    if watchdog is not None:
+        watchdog.stop()
+        shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
+
+
+def take_run_lock(run_dir: Path, wait_for_lock_s: float) -> RunLock | None:
+    """Rank 0: the run directory's lock (:mod:`parallel_latent.training.run_lock`), unless the ``train
+    --nproc`` that started this job holds it; every rank raises the same one line if another job
+    holds it (collective)."""
+    lock, refusal = None, None
+    if is_main() and os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
+        try:
+            lock = acquire_run_lock(run_dir, wait_for_lock_s)
+        except RunDirLocked as error:
+            refusal = str(error)
+    refusal = broadcast_value(refusal)
+    if refusal is not None:
+        raise RunDirLocked(refusal)
+    return lock
+
+
+def start_run(
+    cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>", wait_for_lock_s: float = 0.0
+) -> Run:
+    """Everything a rank needs before its first step (collective: every rank calls it)."""
+    started = time.perf_counter()
+    launcher = launcher_environment()
+    preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
+    training, run_dir = cfg.training, Path(cfg.logging.run_dir)
+    timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
+    state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s)
+    run_dir_existed = run_dir.exists()
+    run_lock = take_run_lock(run_dir, wait_for_lock_s)  # before anything in the run directory changes
+    try:
+        return _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release(remove=True)
+        if not run_dir_existed:  # bad input leaves nothing behind
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
+        raise
+
+
+def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock) -> Run:
+    """The rest of :func:`start_run`, with the run directory locked: the watchdog starts as soon as
+    the run directory is known to be one for every rank."""
+    run_dir = Path(cfg.logging.run_dir)
+    if state.rank == 0:
+        # Before anything is written: a save killed half-way may have left the disk full.
+        for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
+            print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
+        clear_progress(run_dir)  # a previous job's (before any rank's watchdog starts)
+    require_shared_run_dir(run_dir, source)
+    progress = Progress()
+    watchdog = start_watchdog(cfg, state, progress)
+    try:
+        run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
+        run.run_lock = run_lock
+        return run
+    except BaseException:
+        _abandon_watch(watchdog, run_dir)
+        raise
+
+
+def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog) -> Run:
+    """The rest of :func:`start_run`, under the watchdog's eye (in its start-up phase)."""
+    tokenizer = load_tokenizer_once_per_node(cfg)
+    facts = tokenizer_facts(tokenizer)
+    cfg = apply_tokenizer_facts(cfg, facts)
+    # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a rank that
+    # resumed and one that started fresh would wait for each other forever). Its global batch is
+    # kept, whatever the new layout: the run goes on as the same run.
+    path = choose_checkpoint_to_resume(cfg) if is_main() else None
+    path = broadcast_value(None if path is None else str(path))
+    resume_path = None if path is None else Path(path)
+    cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
+    train_set, eval_set = build_datasets(cfg, tokenizer)
+    model = build_model_once_per_node(cfg, state.tp_group)
+    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
+    run = Run(
+        cfg, source, state, tokenizer, facts, resume_path, batch_note, train_set, eval_set, bundle,
+        resolve_device(cfg), started, progress, watchdog,
+    )  # fmt: skip
+    # Everything above may still fail on bad input; only now is anything written.
+    if run.is_main:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run.run_dir / "config.yaml")
+        (run.run_dir / "deepspeed_config.json").write_text(dump_deepspeed_config(bundle.config) + "\n")
+    return run

@@ -1,0 +1,112 @@
+"""benchmarks/bench_projection.py: the H200 step projected from a trace on the meta device. Its
+quick mode produces its figures; its FLOPs are metrics.py's model FLOPs; its roofline follows the
+pinned rules on a traced function whose costs are known; the loss's chunks are fused kernels that
+read each chunk of logits once each way."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.benchmarks import BENCHMARKS, run_quick
+
+sys.path.insert(0, str(BENCHMARKS))
+import bench_projection as projection
+
+DEFAULT_ROW = {"model.dropout": "0.1", "training.micro_batch_size": "256"}
+
+
+@pytest.mark.slow
+def test_quick_mode_produces_a_projection_for_every_row(tmp_path):
+    result = run_quick("bench_projection.py", tmp_path / "figures.json")
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    record = json.loads((tmp_path / "figures.json").read_text())
+    figures = {figure["name"]: figure["value"] for figure in record["figures"]}
+    for row in ("default", "compile", "micro32", "dropout0", "dropout0 micro32"):
+        overlapped, summed = figures[f"projected MFU overlapped, {row}"], figures[f"projected MFU summed, {row}"]
+        assert 0 < summed <= overlapped < 1, row
+    assert figures["optimizer step kernels"] > 0
+    printed = [line for line in result.stdout.splitlines() if line.startswith("figure: ")]
+    assert len(printed) == len(record["figures"])
+
+
+@pytest.mark.parametrize("setting", [DEFAULT_ROW, {"model.dropout": "0.0", "training.micro_batch_size": "32"}])
+def test_traced_flops_are_the_model_flops_of_metrics(setting):
+    """configs/gpt2.yaml at full size (meta: no FLOP spent): the matmul FLOPs of one traced forward
+    and backward (torch's FLOP formulas) are metrics.py's model FLOPs, counted from the config,
+    within 1%."""
+    result = projection.project(setting, optimizer=False)
+    assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
+
+
+def test_a_compiled_region_is_one_kernel_per_run_between_matmuls_with_its_external_bytes():
+    """A traced region of elementwise ops, a matmul, elementwise ops: two fused kernels around the
+    matmul, each reading its external inputs and writing what is read afterwards; eagerly, one
+    kernel per op reading and writing every operand."""
+    n = 4096
+    with torch.device("meta"):
+        x, w = torch.empty(n, n, dtype=torch.bfloat16), torch.empty(n, n, dtype=torch.bfloat16)
+
+    def body(x, w):
+        return ((x * 2 + 1) @ w).relu().neg()
+
+    size = n * n * 2  # bytes of one operand
+    for compiled in (True, False):
+        tracer = projection.StepTracer()
+        fn = tracer.region(body, "block") if compiled else body
+        with tracer:
+            fn(x, w).sum()  # someone reads the result
+        kernels = projection.kernels_of(tracer.ops)
+        matmul = [k for k in kernels if k.flops]
+        assert len(matmul) == 1 and matmul[0].flops == 2 * n**3
+        assert matmul[0].device_s == max(2 * n**3 / projection.BIG_MATMUL_RATE, 3 * size / projection.BANDWIDTH)
+        others = sorted(k.device_s * projection.BANDWIDTH for k in kernels if not k.flops)
+        if compiled:  # x*2+1 reads x, writes its result; relu().neg() reads the product, writes the result
+            assert others[1:] == [2 * size, 2 * size] and len(kernels) == 4  # + the eager sum
+        else:  # mul, add, relu, neg: each reads and writes one operand
+            assert others[1:] == [2 * size] * 4 and len(kernels) == 6
+    step = projection.projection(kernels, 2 * n**3)
+    device = sum(k.device_s for k in kernels)
+    assert step["step_ms_summed"] == pytest.approx((device + 6 * projection.LAUNCH_S) * 1e3)
+    assert step["step_ms_overlapped"] == pytest.approx(max(device, 6 * projection.LAUNCH_S) * 1e3)
+
+
+def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
+    """On the default path (dropout compiled on CUDA) the loss's chunks are compiled regions: a
+    forward kernel per chunk reading that chunk's logits once (the max with the sum of exp), a
+    backward kernel per chunk reading it and writing its gradient."""
+    cfg = projection.row_config({"model.dropout": "0.1", "training.micro_batch_size": "4"}, quick=True)
+    kernels = projection.kernels_of(projection.trace_forward_backward(cfg).ops)
+    chunks = [k for k in kernels if k.label == "loss chunk (fused)"]
+    rows, vocab = 4 * cfg.model.max_length, cfg.model.vocab_size
+    padded = math.ceil(vocab / 128) * 128
+    logits_bytes = rows * padded * 2  # one chunk: the whole of these few rows, bf16
+    forward, backward = chunks
+    assert logits_bytes <= forward.device_s * projection.BANDWIDTH <= logits_bytes * 1.01  # + per-row outputs
+    assert 2 * logits_bytes <= backward.device_s * projection.BANDWIDTH <= 2 * logits_bytes * 1.01
+
+
+def test_project_row_gives_the_four_figures_bench_gpu_prints():
+    row = projection.project_row(DEFAULT_ROW | {"training.micro_batch_size": "4"}, quick=True)
+    assert set(row) == {"step_ms_overlapped", "step_ms_summed", "mfu_overlapped", "mfu_summed"}
+    assert row["step_ms_overlapped"] <= row["step_ms_summed"] and row["mfu_summed"] <= row["mfu_overlapped"]
+    assert projection.project_row({"model.dropout": "not a number"}, quick=True) is None
+
+
+def test_a_graph_break_inside_a_region_runs_eagerly_and_splits_the_fused_run():
+    """What torch.compile leaves out of a graph (a ``torch.compiler.disable`` function) is eager,
+    and the graph resumes after it: x*2 | +1 (eager) | relu is three kernels, not one."""
+    with torch.device("meta"):
+        x = torch.empty(1024, 1024, dtype=torch.bfloat16)
+    counts = []
+    for broken in (False, True):
+        tracer = projection.StepTracer()
+        plus_one = tracer.graph_break(lambda t: t + 1) if broken else (lambda t: t + 1)
+        with tracer:
+            tracer.region(lambda t, plus_one=plus_one: plus_one(t * 2).relu(), "block")(x).sum()
+        counts.append(len(projection.kernels_of(tracer.ops)) - 1)  # less the eager sum
+    assert counts == [1, 3]

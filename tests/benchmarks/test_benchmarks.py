@@ -1,0 +1,198 @@
+"""Every benchmark script runs, in its quick mode, and produces its figures; and the page of figures
+(docs/benchmarks.md) is what benchmarks/run_all.py renders from the committed JSON files.
+
+A benchmark that no test runs rots silently (its setup drifts from the code it measures); these
+runs check exit codes and figure lines only, never a timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.benchmarks import BENCHMARKS, REPO, run_in_repo, run_quick
+
+# script -> the figures its quick mode must produce (by name prefix; each once or more)
+QUICK_FIGURES = {
+    "bench_model.py": ["model fwd+bwd ours / plain PyTorch, dropout 0.0", "features truncated / full GPT-2"],
+    "bench_parallel.py": [
+        "TP=1 MLP ours / nn.Sequential",
+        "TP=2 MLP ours / torch.distributed.tensor.parallel",
+        "gpt2.yaml replicated frozen pass, share of a rank's model FLOPs, TP=8",
+        "frozen pass FLOPs per rank split / replicated, TP=4",
+        "saved activations sequence parallel / not, TP=4",
+        "TP=2 step split feature pass / replicated",
+    ],
+    "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
+    "bench_checkpoint.py": ["portable load (checksums verified) / torch.load", "portable bytes / torch.save bytes"],
+    "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
+    "bench_export.py": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
+    "bench_quality.py": [
+        "tiny.yaml seed 1: token accuracy",
+        "tiny.yaml worst seed bleu",
+        "tiny.yaml slowest seed",
+        "tiny.yaml worst position over the seeds",
+        "tiny.yaml held-out tokens never in the training split",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(QUICK_FIGURES))
+def test_benchmark_quick_mode_produces_its_figures(script, tmp_path):
+    result = run_quick(script, tmp_path / "figures.json")
+    assert result.returncode == 0, f"{script} --quick failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    printed = [line for line in result.stdout.splitlines() if line.startswith("figure: ")]
+    record = json.loads((tmp_path / "figures.json").read_text())
+    assert record["quick"] is True and "--json" not in record["command"]
+    names = [figure["name"] for figure in record["figures"]]
+    for wanted in QUICK_FIGURES[script]:
+        assert any(name.startswith(wanted) for name in names), (wanted, names)
+    # One printed line per recorded figure, with its value.
+    assert len(printed) == len(names)
+    for line, name in zip(printed, names, strict=True):
+        assert line.startswith(f"figure: {name} = ")
+
+
+def test_benchmark_fails_without_figures(tmp_path):
+    """A script that produced nothing exits non-zero and says so in its last line."""
+    script = tmp_path / "bench_nothing.py"
+    script.write_text(
+        "import argparse, sys\n"
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "from common import add_common_arguments, run\n"
+        "parser = argparse.ArgumentParser(); add_common_arguments(parser)\n"
+        "sys.exit(run('bench_nothing', parser, lambda args, report: None))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "bench_nothing: FAILED: no figures produced"
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts import `common` from beside them)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_all():
+    return _benchmark("run_all")
+
+
+def test_page_of_figures_is_rendered_from_the_committed_results():
+    """docs/benchmarks.md must be exactly what run_all.py renders from docs/benchmarks/*.json: a figure
+    edited by hand on the page, or a JSON file updated without re-rendering, fails here."""
+    run_all = _run_all()
+    assert (REPO / "docs" / "benchmarks.md").read_text() == run_all.render_page(run_all.RESULTS)
+
+
+def test_page_marks_goals_missing_runs_and_failures(tmp_path):
+    run_all = _run_all()
+    figures = [
+        {"name": "a / b", "value": 0.9, "unit": "x", "goal": "<= 1", "met": True},
+        {"name": "c / d", "value": 1.3, "unit": "x", "goal": "<= 1.1", "met": False},
+        {"name": "e", "value": 12.5, "unit": "ms", "goal": "", "met": None},
+    ]
+    record = {"benchmark": "bench_model", "quick": False, "command": "python benchmarks/bench_model.py",
+              "date": "2026-01-01 00:00 UTC", "machine": {"cpu": "X", "cores": 2}, "figures": figures}  # fmt: skip
+    (tmp_path / "bench_model.json").write_text(json.dumps(record))
+    page = run_all.render_page(tmp_path, failed={"bench_train"})
+    assert "| a / b | 0.9 x | <= 1 | yes |" in page
+    assert "| c / d | 1.3 x | <= 1.1 | **no** |" in page
+    assert "| e | 12.5 ms |  |  |" in page
+    assert page.count("Not measured:") == len(run_all.BENCHMARKS)  # all but bench_model, and the GPU table
+    assert "no GPU run has been recorded" in page
+
+
+def run_gpu_script(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ALLOW_CPU": "1", "PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env}
+    command = ["bash", str(BENCHMARKS / "gpu.sh"), "--quick", "--json", str(tmp_path / "gpu.json"), *args]
+    return run_in_repo(command, env)
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_its_matrix_on_cpu_when_allowed(tmp_path):
+    """benchmarks/gpu.sh end to end on the CPU (ALLOW_CPU=1, the shrunk model): the facts first, then
+    each setting trains in bf16 through the real trainer, and a table of what finished."""
+    result = run_gpu_script(
+        tmp_path, {"STEPS": "4", "LOG_EVERY": "2", "DROPOUTS": "0.1 0.0", "MICRO_BATCHES": "4", "DEADLINE_S": "500"}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("torch ") and "DeepSpeed" in lines[0] and "C compiler" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dropout", "micro", "compile"])
+    rows = [line.split() for line in lines[header + 1 :] if not line.startswith("figure:")]
+    assert [row[:3] for row in rows] == [["0.1", "4", "false"], ["0.0", "4", "false"]]
+    assert all(row[7] == "-" for row in rows)  # syncs are counted on CUDA only
+    names = [f["name"] for f in json.loads((tmp_path / "gpu.json").read_text())["figures"]]
+    assert "MFU, dropout=0.1, micro_batch_size=4" in names and "tokens/s, dropout=0.0, micro_batch_size=4" in names
+    assert not list(tmp_path.glob("parallel-latent-gpu-bench.*"))  # cleaned up
+
+
+@pytest.mark.slow
+def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path):
+    """A deadline too short for the matrix: the unfinished runs are named, the table of the finished
+    ones (none here) is printed, and the script exits 0 soon after the deadline."""
+    # Long enough that the first run starts even on a loaded 2-core machine (the facts import torch
+    # and DeepSpeed first, which took 15 s on CI), and far too short for its steps.
+    deadline = 45
+    started = time.monotonic()
+    result = run_gpu_script(tmp_path, {"STEPS": "100000", "LOG_EVERY": "1000", "DEADLINE_S": str(deadline)})
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:3] == ["dropout", "micro", "compile"] for line in lines)
+    unfinished = [line for line in lines if line.startswith("not in the table: ")]
+    assert unfinished and "ran out of time (deadline" in unfinished[0]
+    assert all("not started: deadline reached" in line for line in unfinished[1:])
+    assert elapsed < deadline + 30, elapsed  # the deadline, plus start-up of Python and the table
+
+
+def test_gpu_matrix_runs_the_compile_row_last_and_both_zero_overlap_settings_with_data_parallel_ranks():
+    bench_gpu = _benchmark("bench_gpu")
+    one_rank = bench_gpu.settings(compile_ok=True, quick=False, data_parallel=1)
+    assert [s.get("training.compile") for s in one_rank] == [None] * 4 + ["true"]
+    assert not any("parallel.zero_overlap_comm" in s for s in one_rank)
+    two_ranks = bench_gpu.settings(compile_ok=True, quick=False, data_parallel=2)
+    assert [s["parallel.zero_overlap_comm"] for s in two_ranks] == ["on", "off"] * 5
+    assert [{k: v for k, v in s.items() if k != "parallel.zero_overlap_comm"} for s in two_ranks[::2]] == one_rank
+
+
+def test_gpu_table_names_what_fell_back_and_shows_a_projection_beside_the_measurement(caplog, capsys):
+    """The warning of a real failed compile (CompiledWithFallback's) marks the row; a projection
+    module's figures, where one is importable, stand beside the measured ones."""
+    import torch
+
+    from parallel_latent.parallel.compile import CompiledWithFallback
+
+    def breaks_the_graph(x):
+        torch._dynamo.graph_break()  # under fullgraph=True: compiling fails, eager runs
+        return x + 1
+
+    with caplog.at_level("WARNING"):
+        assert CompiledWithFallback(breaks_the_graph, "the Perceiver blocks")(torch.ones(2)).tolist() == [2.0, 2.0]
+    bench_gpu = _benchmark("bench_gpu")
+    fell_back = bench_gpu.fallbacks(caplog.text)
+    assert list(fell_back) == ["blocks"] and fell_back["blocks"].startswith("the Perceiver blocks: ")
+
+    setting = {"model.dropout": "0.1", "training.micro_batch_size": "256", "training.compile": "true"}
+    measured = {"tokens_per_s": 1e6, "step_ms": 55.0, "mfu": 0.3, "peak_gib": 40.0, "syncs": 0, "warmup_s": 9.0,
+                "positions_per_s": 3e6, "fallbacks": fell_back}  # fmt: skip
+    projection = {"step_ms_overlapped": 49.2, "step_ms_summed": 60.4, "mfu_overlapped": 0.31, "mfu_summed": 0.26}
+    bench_gpu.print_table([(setting, measured)], lambda s: projection if s == setting else None)
+    header, row, note = capsys.readouterr().out.splitlines()
+    assert header.split()[-5:] == ["proj", "ms", "proj", "MFU", "%"] and "positions/s" in header
+    assert row.split() == ["0.1", "256", "true", "1,000,000", "55.0", "30.0", "40.00", "0", "9.0", "3,000,000",
+                           "blocks", "-", "49-60", "26-31"]  # fmt: skip
+    assert note.startswith("fell back to eager in dropout=0.1, micro_batch_size=256, compile=true: the Perceiver")
+    bench_gpu.print_table([(setting, {**measured, "fallbacks": {}})], None)  # no projection module: measured only
+    header, row = capsys.readouterr().out.splitlines()
+    assert "proj" not in header and row.split()[-3:] == ["3,000,000", "-", "-"]

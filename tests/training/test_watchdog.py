@@ -1,0 +1,248 @@
+"""The hang watchdog: its rule, its thread, and real 2-rank jobs with a stopped rank (SIGSTOP).
+
+The end-to-end cases stop rank 1 under ``train --nproc 2`` (the torchrun agent hosts the store), and
+rank 0 of a job started as srun or the deepspeed launcher start it (every rank from the environment,
+``env://``: rank 0's process hosts the rendezvous store). Either way the job ends within
+``hang_timeout_s + 60 s`` with one line naming the stalled rank, the other rank's stack is written,
+and the rerun resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel_latent.errors import ExitStatus
+from parallel_latent.training.watchdog import PROGRESS_DIR, Progress, Watchdog, find_stall
+from tests.helpers.trainer_runs import REPO, TINY, TINY_CONFIG, cli_command, rank_env, rank_pids, run, train_args
+
+# ------------------------------------------------------------------------------------------- #
+# The rule.
+# ------------------------------------------------------------------------------------------- #
+
+NOW = 10_000.0
+TIMEOUT, LONG = 60.0, 600.0
+
+
+def record(idle: float, written: float = 1.0, long: bool = False, state: str = "running") -> dict:
+    """A rank whose main thread moved ``idle`` s ago and whose watchdog wrote ``written`` s ago."""
+    return {"at": NOW - idle, "written_at": NOW - written, "long": long, "state": state}
+
+
+def stall(*records: dict):
+    return find_stall(dict(enumerate(records)), NOW, TIMEOUT, LONG)
+
+
+def test_a_moving_job_is_not_stalled():
+    assert stall(record(1), record(2)) is None
+    # One rank waits in a collective for a long time while the other works and moves.
+    assert stall(record(TIMEOUT * 5), record(1)) is None
+
+
+def test_a_rank_whose_process_does_not_run_is_stalled_in_any_phase():
+    assert stall(record(1), record(TIMEOUT + 1, written=TIMEOUT + 1, long=True)) == (1, TIMEOUT, False)
+    assert stall(record(TIMEOUT + 5, written=TIMEOUT + 5), record(3)) == (0, TIMEOUT, False)
+
+
+def test_no_progress_anywhere_names_the_rank_that_moved_longest_ago():
+    # Rank 1 stopped first; rank 0 then blocked in a collective it waits in for rank 1.
+    assert stall(record(TIMEOUT + 1), record(TIMEOUT + 9)) == (1, TIMEOUT, True)
+    assert stall(record(TIMEOUT - 1), record(TIMEOUT + 9)) is None  # rank 0 moved within the allowance
+
+
+def test_a_long_phase_has_its_own_allowance():
+    assert stall(record(TIMEOUT + 9, long=True), record(TIMEOUT + 1)) is None
+    assert stall(record(LONG + 9, long=True), record(LONG + 1)) == (0, LONG, True)
+
+
+def test_ranks_that_have_exited_are_left_out():
+    done = record(LONG * 10, written=LONG * 10, state="exited")
+    assert stall(done, record(1)) is None
+    assert stall(done, done) is None
+
+
+# ------------------------------------------------------------------------------------------- #
+# The thread, in this process (a main thread "stuck" is one that sleeps: nothing else moves it).
+# ------------------------------------------------------------------------------------------- #
+
+
+def watch(tmp_path: Path, phase: str, idle_s: float, timeout_s: float = 1.0, first_step: bool = False):
+    """A one-rank watchdog over a main thread that enters ``phase`` and then does not move for
+    ``idle_s``: what it said and how it would have ended the process."""
+    said, ended = [], []
+    progress = Progress()
+    progress.first_step = first_step
+    progress.enter(phase, step=7)
+    dog = Watchdog(
+        progress, tmp_path, 0, 1, timeout_s, 30.0, tmp_path / "stacks",
+        report=lambda line, here: said.append((line, here)), exit=ended.append,
+    )  # fmt: skip
+    dog.start()
+    try:
+        deadline = time.monotonic() + idle_s
+        while time.monotonic() < deadline and not ended:
+            time.sleep(0.05)
+    finally:
+        dog.stop()
+    return said, ended
+
+
+def test_a_main_thread_that_does_not_move_ends_the_process_with_its_stack(tmp_path):
+    said, ended = watch(tmp_path, "forward", idle_s=15)
+    assert ended == [ExitStatus.HANG]
+    [(line, detected_here)] = said
+    assert detected_here
+    assert line.startswith(f"rank 0 (host {socket.gethostname()}, pid {os.getpid()}) stalled at step 7 in forward")
+    assert "its main thread has not moved" in line and str(tmp_path / "stacks") in line
+    # faulthandler's dump of every thread, this test's main thread among them.
+    assert "test_watchdog.py" in (tmp_path / "stacks" / "stack_rank0.txt").read_text()
+    marker = json.loads((tmp_path / PROGRESS_DIR / "hang.json").read_text())
+    assert (marker["rank"], marker["step"], marker["phase"], marker["runs"]) == (0, 7, "forward", True)
+
+
+@pytest.mark.parametrize("phase", ["save", "evaluation", "start-up"])
+def test_a_long_phase_longer_than_the_timeout_does_not_fire(tmp_path, phase):
+    said, ended = watch(tmp_path, phase, idle_s=4)  # four times the timeout
+    assert (said, ended) == ([], [])
+    assert not (tmp_path / PROGRESS_DIR / "hang.json").exists()
+    assert json.loads((tmp_path / PROGRESS_DIR / "rank_00000.json").read_text())["state"] == "exited"
+
+
+def test_the_first_step_has_the_long_allowance(tmp_path):
+    assert watch(tmp_path, "forward", idle_s=4, first_step=True) == ([], [])
+
+
+# ------------------------------------------------------------------------------------------- #
+# Real jobs: 2 ranks, gloo, one of them stopped.
+# ------------------------------------------------------------------------------------------- #
+
+HANG_TIMEOUT_S = 12
+OVERRIDES = [
+    f"training.hang_timeout_s={HANG_TIMEOUT_S}",
+    "training.max_steps=100000",  # the job only ends by the watchdog
+    "checkpoint.save_every=10",
+    "parallel.tensor_parallel=2",
+]
+
+
+def _progress_record(run_dir: Path, rank: int) -> dict | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((run_dir / PROGRESS_DIR / f"rank_{rank:05d}.json").read_text())
+    return None
+
+
+def _stop_rank_after_a_checkpoint(run_dir: Path, rank: int, job: subprocess.Popen) -> int:
+    """SIGSTOP ``rank`` once a checkpoint exists and the rank is training; its pid."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the stop"
+        found = _progress_record(run_dir, rank)
+        if found and found["step"] > 12 and (run_dir / "checkpoints" / "latest").exists():
+            os.kill(found["pid"], signal.SIGSTOP)
+            return found["pid"]
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint within 240 s")
+
+
+def _end_of(job: subprocess.Popen, stopped_pid: int) -> tuple[float, str]:
+    started = time.monotonic()
+    try:
+        output = job.communicate(timeout=HANG_TIMEOUT_S + 120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped_pid, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+    return time.monotonic() - started, output
+
+
+def _rerun_resumes(run_dir: Path, *overrides: str) -> None:
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    result = run(cli_command(run_dir, *overrides, f"training.max_steps={step + 3}", nproc=2), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"at step {step}" in result.stdout and "resumed from" in result.stdout
+
+
+def _assert_names(line: str, rank: int, stopped_pid: int) -> None:
+    assert line.startswith(
+        f"parallel-latent: error: rank {rank} (host {socket.gethostname()}, pid {stopped_pid}) stalled at step"
+    )
+    assert "its process does not run" in line and "it wrote no stack" in line
+
+
+def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(
+        cli_command(run_dir, *OVERRIDES, nproc=2), cwd=REPO, env=rank_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        stopped = _stop_rank_after_a_checkpoint(run_dir, 1, job)
+    except BaseException:
+        for pid in rank_pids(job.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
+    took, output = _end_of(job, stopped)
+    assert job.returncode == ExitStatus.HANG, output[-4000:]
+    assert took <= HANG_TIMEOUT_S + 60, took
+    last = output.strip().splitlines()[-1]
+    _assert_names(last, 1, stopped)
+    stacks = Path(last.rsplit("Python stacks: ", 1)[1].split(";")[0])
+    assert stacks.parent == run_dir / "logs"
+    assert "parallel_latent" in (stacks / "stack_rank0.txt").read_text()  # the healthy rank's main thread
+    assert not (stacks / "stack_rank1.txt").exists()
+    _rerun_resumes(run_dir, *OVERRIDES)
+
+
+def test_a_stopped_rank_0_that_hosts_the_store_ends_the_job(tmp_path):
+    """As srun or the deepspeed launcher start a job: each rank from its environment, the
+    rendezvous store in rank 0's process, which is the one stopped."""
+    from tests.helpers.distributed import free_port
+
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+
+    def rank_process(rank: int, stdout) -> subprocess.Popen:
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "parallel_latent", *train_args(run_dir, *OVERRIDES)],
+            cwd=REPO, text=True, stdout=stdout, stderr=subprocess.STDOUT,
+            env=rank_env({**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}),
+        )  # fmt: skip
+
+    # Rank 0 prints every step: a file, never a pipe nobody reads while it trains.
+    rank0_log = (tmp_path / "rank0.log").open("w")
+    ranks = [rank_process(0, rank0_log), rank_process(1, subprocess.PIPE)]
+    try:
+        stopped = _stop_rank_after_a_checkpoint(run_dir, 0, ranks[1])
+        took, output = _end_of(ranks[1], stopped)
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signal.SIGKILL)
+            rank.wait(timeout=30)
+        rank0_log.close()
+    assert ranks[1].returncode == ExitStatus.HANG, output[-4000:]
+    assert took <= HANG_TIMEOUT_S + 60, took
+    last = output.strip().splitlines()[-1]
+    _assert_names(last, 0, stopped)
+    stacks = Path(last.rsplit("Python stacks: ", 1)[1].split(";")[0])
+    assert "parallel_latent" in (stacks / "stack_rank1.txt").read_text()
+    _rerun_resumes(run_dir, *OVERRIDES)
+
+
+def test_the_suite_runs_with_a_short_watchdog():
+    """Every end-to-end run of the suite (tests/trainer_runs.TINY) has the watchdog on, with a
+    timeout short enough that a false alarm in a healthy run would fail that test."""
+    assert any(item.startswith("training.hang_timeout_s=") for item in TINY)
+    assert TINY_CONFIG.exists()

