@@ -1,4 +1,6 @@
-"""Portable checkpoint vs ``torch.save`` of the full state dict: save time, load time, bytes on disk.
+"""Portable checkpoint vs ``torch.save`` of the full state dict: save time, load time, bytes on disk;
+and the training loop's stall per training checkpoint written in the background against one written
+synchronously.
 
 The model is the ``configs/gpt2.yaml`` autoencoder (d=768, 6+6 Perceiver blocks, vocabulary 50259
 padded, and its GPT-2 cut to hidden state -3) with random weights (``feature_model.pretrained`` is
@@ -6,11 +8,17 @@ switched off: no hub needed; the shapes are GPT-2 small's). One process, TP=1, C
 
 Both contenders do the same job end to end:
 
-* save: portable = ``save_portable`` (safetensors + manifest, sha256 of every tensor, fsync, atomic
+* save: portable = ``save_portable`` (safetensors + manifest, an XXH3-128 checksum of every tensor, fsync, atomic
   rename); baseline = ``torch.save(model.state_dict(), path)`` then fsync (so both pay the flush);
 * load into an existing model: portable = ``load_portable`` (manifest and size checks, every
   checksum verified; also reported without verification); baseline = ``torch.load(weights_only=True)``
   then ``model.load_state_dict``.
+
+The stall per save: a DeepSpeed engine of the same model (the project's own, ZeRO-2, the config's
+precision, one process) saves a training checkpoint with its portable weights, synchronously
+(``save_training_checkpoint``: the loop waits for every file) and in the background
+(``start_background_save``: the loop waits only for the copy off the training tensors; the files
+are written on a thread, and waited for before the next save, as the trainer does).
 
 Repeats are interleaved (portable, baseline, portable, ...) so drifting machine load hits both
 alike; the medians are reported. Files are read from the page cache (both were just written);
@@ -56,6 +64,33 @@ def tree_bytes(path: Path) -> int:
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, float]:
+    """Medians of (the synchronous save, the background save's stall, the background save's whole
+    write), seconds, for a training checkpoint of ``model`` under the project's DeepSpeed engine."""
+    import dataclasses
+
+    from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
+    from parallel_latent.checkpoint.zero_access import HostCopies
+    from parallel_latent.parallel import init_distributed
+    from parallel_latent.training.engine import initialize_engine
+
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=1))
+    init_distributed(1, "gloo")
+    engine = initialize_engine(model, cfg, 1).engine
+    arguments = dict(model=model, cfg=cfg, keep_last=1, export_portable=True)
+    sync, stall, whole, copies = [], [], [], HostCopies()  # reused from save to save, as the trainer does
+    for repeat in range(repeats):
+        t0 = time.perf_counter()
+        save_training_checkpoint(engine, scratch / "sync", 2 * repeat + 1, {}, **arguments)
+        sync.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        pending = start_background_save(engine, scratch / "background", 2 * repeat + 2, {}, copies=copies, **arguments)
+        stall.append(time.perf_counter() - t0)
+        finish_background_save(pending)
+        whole.append(time.perf_counter() - t0)
+    return statistics.median(sync), statistics.median(stall), statistics.median(whole)
 
 
 def body(args, report: Report) -> None:
@@ -130,7 +165,7 @@ def body(args, report: Report) -> None:
         f"{ratios['load']:8.2f}"
     )
     print(
-        f"{'load (s, median, no sha256)':28}{medians['portable_load_unverified']:12.3f}"
+        f"{'load (s, median, no checksums)':28}{medians['portable_load_unverified']:12.3f}"
         f"{medians['torch_load']:12.3f}{ratios['load_unverified']:8.2f}"
     )
     print(f"{'bytes on disk':28}{sizes['portable']:12,d}{sizes['torch_save']:12,d}{ratios['bytes']:8.4f}")
@@ -138,6 +173,20 @@ def body(args, report: Report) -> None:
     report.figure(f"portable load (checksums verified) / torch.load, {args.config}", ratios["load"], "x", at_most=1.0)
     report.figure(f"portable load (no checksums) / torch.load, {args.config}", ratios["load_unverified"], "x")
     report.figure(f"portable bytes / torch.save bytes, {args.config}", ratios["bytes"], "x", at_most=1.02)
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    scratch = Path(tempfile.mkdtemp(prefix="bench-checkpoint-saves-"))
+    try:
+        sync, stall, whole = save_stalls(cfg, model, scratch, args.repeats)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"training checkpoint with portable weights: synchronous {sync:.2f} s; background: the loop waits "
+        f"{stall:.2f} s, the files take {whole:.2f} s"
+    )
+    report.figure(
+        f"training loop stall per save, background / synchronous, {args.config}", stall / sync, "x", at_most=0.2
+    )
 
 
 def main() -> int:

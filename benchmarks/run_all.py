@@ -50,8 +50,14 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         ["benchmarks/bench_train.py"],
     ),
     "bench_checkpoint": (
-        "Portable safetensors checkpoints against torch.save, configs/gpt2.yaml's model",
+        "Portable safetensors checkpoints against torch.save, and the training loop's stall per training "
+        "checkpoint written in the background against a synchronous one, configs/gpt2.yaml's model",
         ["benchmarks/bench_checkpoint.py"],
+    ),
+    "bench_restart": (
+        "A job that heals itself: configs/tiny.yaml under train --nproc 2 --max-restarts 1, one rank killed "
+        "mid-run, the time from the kill to the first step after it",
+        ["benchmarks/bench_restart.py"],
     ),
     "bench_data": (
         "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",

@@ -10,6 +10,8 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 launch/torchrun_multi_node.sh configs/gpt2.yaml
 #
 # Two nodes on one machine (how the tests exercise it): MASTER_ADDR=127.0.0.1 NPROC_PER_NODE=2.
+# A rank that dies makes every agent restart its ranks (up to MAX_RESTARTS times, default 3): they
+# meet again and resume from the newest complete checkpoint.
 set -euo pipefail
 CONFIG=${1:?usage: $0 CONFIG [section.key=value ...]}
 shift
@@ -22,4 +24,5 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 exec torchrun \
     --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
     --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$RDZV_ID" \
+    --max-restarts "${MAX_RESTARTS:-3}" \
     -m parallel_latent train --config "$CONFIG" "$@"

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from parallel_latent import pretrained
 from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_portable, resolve_portable_dir
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
+from parallel_latent.console import report_hang
 from parallel_latent.data import tokenize_samples
 from parallel_latent.latent_space import LatentStats
 from parallel_latent.latents import export_latents, plan_export
@@ -38,6 +40,7 @@ from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import device_kind, init_distributed
 from parallel_latent.quality import detokenize
+from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
 
@@ -235,11 +238,23 @@ def encode_corpus(
     Collective: under a launcher every rank calls it (world = TP x DP); in one process it runs at
     TP=1 without a launcher. Rerun on a directory it left unfinished, it continues."""
     plan = plan_export(checkpoint, data, overrides)
-    on_cuda = device_kind(plan.cfg.training.device, "training.device") == "cuda"
-    state = init_distributed(plan.tensor_parallel, plan.cfg.parallel.backend)
+    training = plan.cfg.training
+    on_cuda = device_kind(training.device, "training.device") == "cuda"
+    timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
+    state = init_distributed(plan.tensor_parallel, plan.cfg.parallel.backend, timeout_s, training.hang_long_phase_s)
     autoencoder = TextAutoencoder.from_checkpoint(
         plan.directory, tp_group=state.tp_group, device=state.device if on_cuda else None
     )
     if plan.export.precision == "bf16":
         autoencoder.model.to(torch.bfloat16)
-    return export_latents(autoencoder, plan, out, progress=progress)
+
+    def watch(directory: Path):
+        """The hang watchdog over this rank's share of the export (training.hang_timeout_s)."""
+        if not training.hang_timeout_s or state.world_size == 1:
+            return None
+        return Watchdog(
+            Progress(), directory, state.rank, state.world_size, training.hang_timeout_s, training.hang_long_phase_s,
+            directory / "stacks", report=report_hang, active=dist.is_initialized,
+        ).start()  # fmt: skip
+
+    return export_latents(autoencoder, plan, out, progress=progress, watch=watch)

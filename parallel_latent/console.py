@@ -63,6 +63,7 @@ __all__ = [
     "redirect_worker_output",
     "report_failure",
     "report_hang",
+    "restart_line",
     "run_agent",
 ]
 
@@ -155,6 +156,24 @@ def report_failure(error: BaseException, exit_code: int) -> int:
     sys.stderr.write(details)  # what Python would have printed, then the one line, naming the rank
     print(error_line(f"rank {rank}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
     return exit_code
+
+
+def restart_line(before: str | None, resume_step: int | None, env=None) -> str | None:
+    """The line a restarted job says first (rank 0): which restart this is (torchrun's count of its
+    own, or SLURM's requeues), how the attempt before it ended (``before``, from its ranks' progress
+    records), and the step it resumes from; None when the job is not a restart."""
+    env = os.environ if env is None else env
+    restarts, allowed = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0), env.get("TORCHELASTIC_MAX_RESTARTS")
+    requeues = int(env.get("SLURM_RESTART_COUNT") or 0)
+    if restarts:
+        head = f"restart {restarts} of {allowed} (attempt {restarts + 1})"
+    elif requeues:
+        head = f"requeued job, start {requeues + 1} (SLURM_RESTART_COUNT={requeues})"
+    else:
+        return None
+    what = before or "the attempt before left no record of how it ended"
+    where = f"resuming from step {resume_step}" if resume_step is not None else "no checkpoint yet: starting afresh"
+    return f"{head}: {what}; {where}"
 
 
 def report_hang(line: str, detected_here: bool) -> None:

@@ -268,18 +268,16 @@ def checkpoint_reads(engine, load: Callable) -> contextlib.AbstractContextManage
 
 @contextlib.contextmanager
 def checkpoint_writes(engine, save: Callable, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Inside the block, the engine's checkpoint engine writes each file with ``save(state_dict,
-    path, zipfile)`` (``zipfile``: the engine's serialization setting), and each of its writes (that
-    save, its ``makedirs``, the copy of the recovery script) runs through ``wrap(write)``."""
+    """Inside the block, the engine's checkpoint engine hands each file it writes to ``save(state_dict,
+    path, zipfile)`` (``zipfile``: the engine's serialization setting) instead of writing it, and its
+    other writes (its ``makedirs``, the copy of the recovery script) run through ``wrap(write)``."""
     require_supported_deepspeed()
     checkpoint_engine = engine.checkpoint_engine
     zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
     makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
     with (
         _replaced(
-            checkpoint_engine,
-            save=wrap(lambda state_dict, path: save(state_dict, path, zipfile)),
-            makedirs=wrap(makedirs),
+            checkpoint_engine, save=lambda state_dict, path: save(state_dict, path, zipfile), makedirs=wrap(makedirs)
         ),
         _replaced(engine, _copy_recovery_script=wrap(copy_scripts)),
     ):

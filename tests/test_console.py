@@ -10,8 +10,6 @@ import pytest
 
 from tests.helpers.trainer_runs import REPO, cli_command, describe, run, torchrun_command
 
-pytestmark = pytest.mark.slow
-
 DP2 = ["parallel.tensor_parallel=1", "parallel.zero_stage=2"]  # DeepSpeed's ZeRO collectives at DP > 1
 FAULTS = str(REPO / "tests" / "helpers" / "worker_faults")
 
@@ -20,6 +18,7 @@ def fault_env(fault: str, rank: int = 1, step: int = 2) -> dict:
     return {"PYTHONPATH": FAULTS, "PL_FAULT": fault, "PL_FAULT_RANK": str(rank), "PL_FAULT_STEP": str(step)}
 
 
+@pytest.mark.slow
 def test_notices_once_and_bad_input_inside_the_ranks_is_one_line(tmp_path):
     """A run at DP=2 says its notices once (rank 1's go to its log file) and shows no deprecation
     warning from DeepSpeed's collectives; resuming it as another model (another vocabulary head:
@@ -41,6 +40,7 @@ def test_notices_once_and_bad_input_inside_the_ranks_is_one_line(tmp_path):
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_unexpected_failure_in_a_rank_ends_with_its_line(tmp_path):
     """Rank 1 raises at step 2: the last line is its reason, after the path of its traceback;
     rank 0's consequence (its peer is gone) is not what the user is told."""
@@ -58,6 +58,7 @@ def test_unexpected_failure_in_a_rank_ends_with_its_line(tmp_path):
     assert Path(lines[0].removeprefix(prefix)).parent.parent == run_dir / "logs"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_without_a_word_is_named(tmp_path):
     """Rank 1 is killed (as the out-of-memory killer does): the one line names it, not rank 0's
     "connection reset by peer" that follows."""
@@ -66,6 +67,7 @@ def test_a_rank_killed_without_a_word_is_named(tmp_path):
     assert result.stderr.splitlines() == ["parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"]
 
 
+@pytest.mark.slow
 def test_under_plain_torchrun_the_failing_rank_still_says_why(tmp_path):
     """torchrun keeps its own report; the failing rank prints its one line after its traceback, and
     torchrun's report shows that rank's traceback as the root cause (from the error file)."""
@@ -75,3 +77,39 @@ def test_under_plain_torchrun_the_failing_rank_still_says_why(tmp_path):
     assert "parallel-latent: error: rank 1: RuntimeError: injected fault at step 2" in result.stderr.splitlines()
     report = result.stderr[result.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 1 (local_rank: 1)" in report and "RuntimeError: injected fault at step 2" in report
+
+
+ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
+
+
+@pytest.mark.parametrize(
+    ("env", "before", "step", "line"),
+    [
+        ({}, "rank 1 ... stopped without a word", 30, None),  # a first attempt says nothing
+        (
+            ELASTIC,
+            "rank 1 (host h, pid 7; last seen at step 37 in backward) stopped without a word",
+            30,
+            "restart 1 of 3 (attempt 2): rank 1 (host h, pid 7; last seen at step 37 in backward) stopped without "
+            "a word; resuming from step 30",
+        ),
+        (
+            ELASTIC,
+            None,
+            None,
+            "restart 1 of 3 (attempt 2): the attempt before left no record of how it ended; no checkpoint yet: "
+            "starting afresh",
+        ),
+        (
+            {"SLURM_RESTART_COUNT": "2"},
+            "rank 0 (...) failed: RuntimeError: x",
+            10,
+            "requeued job, start 3 (SLURM_RESTART_COUNT=2): rank 0 (...) failed: RuntimeError: x; "
+            "resuming from step 10",
+        ),
+    ],
+)
+def test_a_restarted_job_says_which_restart_how_the_last_attempt_ended_and_where_it_resumes(env, before, step, line):
+    from parallel_latent.console import restart_line
+
+    assert restart_line(before, step, env) == line

@@ -103,7 +103,10 @@ def test_the_package_root_is_a_short_floor():
 
 
 # The checkpoint package's modules, lowest first: each may import only modules before it.
-CHECKPOINT_ORDER = ["layout", "zero_access", "shards", "integrity", "portable", "universal", "training", "describe"]
+CHECKPOINT_ORDER = [
+    "layout", "zero_access", "shards", "integrity", "portable",
+    "universal", "training", "background", "saving", "describe",
+]  # fmt: skip
 
 
 def test_checkpoint_imports_point_one_way():

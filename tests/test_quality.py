@@ -98,6 +98,7 @@ def train_and_report(run_dir: str, cache_dir: str):
     return result.final_eval, result.reconstructions
 
 
+@pytest.mark.slow
 def test_evaluation_reports_bleu_on_every_rank_and_writes_reconstructions(pool, tmp_path):
     run_dir = tmp_path / "run"
     results = pool.run(train_and_report, str(run_dir), str(tmp_path / "cache"))

@@ -1,7 +1,8 @@
 """Checkpoints: exact-resume training checkpoints, portable safetensors shards that load at any TP
 degree, consolidation, inspection, and resharded resume with the optimizer's state.
 
-The modules import one way (layout, zero_access, shards, integrity, portable, universal, training, describe);
+The modules import one way (layout, zero_access, shards, integrity, portable, universal, training, background,
+saving, describe);
 their commands are in :mod:`parallel_latent.cli.checkpoint`. No model is known here: a model describes
 itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
@@ -21,8 +22,9 @@ from .layout import (
     resolve_portable_dir,
 )
 from .portable import consolidate, load_portable, save_portable
+from .saving import finish_background_save, save_training_checkpoint, start_background_save
 from .shards import PortableCheckpoint
-from .training import load_training_checkpoint, save_training_checkpoint, saved_client_state
+from .training import load_training_checkpoint, saved_client_state
 from .universal import convert_to_universal
 from .zero_access import safe_torch_load
 
@@ -36,6 +38,7 @@ __all__ = [
     "convert_to_universal",
     "discard",
     "find_latest_checkpoint",
+    "finish_background_save",
     "inspect",
     "load_portable",
     "load_training_checkpoint",
@@ -51,4 +54,5 @@ __all__ = [
     "save_portable",
     "save_training_checkpoint",
     "saved_client_state",
+    "start_background_save",
 ]

@@ -25,6 +25,7 @@ from pathlib import Path
 from parallel_latent.files import replace_file
 
 from .layout import (
+    DAMAGED_PREFIX,
     INFO_FILE,
     LATEST_FILE,
     MANIFEST_NAME,
@@ -46,7 +47,6 @@ __all__ = [
     "resumable",
 ]
 
-DAMAGED_PREFIX = ".damaged-"
 # Files up to this size get a checksum in the record (JSON, RNG states): reading them is free.
 CHECKSUM_MAX_BYTES = 1 << 20
 

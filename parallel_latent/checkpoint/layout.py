@@ -37,6 +37,7 @@ LATEST_FILE = "latest"
 TAG_PATTERN = re.compile(r"^step_(\d{8,})$")
 STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".replaced-"
+DAMAGED_PREFIX = ".damaged-"  # a damaged checkpoint moved aside (:func:`.integrity.move_aside`)
 INFO_FILE = "checkpoint.json"
 CLIENT_STATE_FILE = "client_state.json"
 RNG_DIR = "rng"
@@ -110,9 +111,10 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
         candidate = checkpoint_dir / tag
         if is_complete(candidate):
             return candidate
-        logger.warning(
-            "%s names %s, which is not a complete checkpoint; using the newest complete one", latest, candidate.name
-        )
+        if not (checkpoint_dir / f"{DAMAGED_PREFIX}{tag}").exists():  # moved aside: the line that did it says so
+            logger.warning(
+                "%s names %s, which is not a complete checkpoint; using the newest complete one", latest, candidate.name
+            )
     complete = list_checkpoints(checkpoint_dir)
     return complete[-1] if complete else None
 
@@ -219,15 +221,22 @@ def _agreed(failures: list[str]) -> str | None:
     return first_failure(failures[0] if failures else None)
 
 
+def begin_save(staging: Path) -> str | None:
+    """Rank 0 makes a fresh, empty ``staging`` directory; every rank learns whether it could (its
+    failure, or None; collective)."""
+    failures: list[str] = []
+    if is_main():
+        attempt(failures, lambda: (discard(staging), staging.mkdir(parents=True)))
+    return _agreed(failures)
+
+
 def save_collectively(staging: Path, write: Callable[[list[str]], None], finish: Callable[[], None]) -> str | None:
     """How every collective writer saves: rank 0 makes a fresh ``staging`` directory; every rank runs
     ``write`` (which records its failures in the list it gets, never raising); if no rank failed,
     rank 0 runs ``finish`` (publishes). The ranks agree after each stage, so all take the same way
     out. Returns the first failure on every rank (None: published; else the staging is gone)."""
     failures: list[str] = []
-    if is_main():
-        attempt(failures, lambda: (discard(staging), staging.mkdir(parents=True)))
-    failure = _agreed(failures)
+    failure = begin_save(staging)
     if failure is None:
         write(failures)
         failure = _agreed(failures)

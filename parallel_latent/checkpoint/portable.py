@@ -14,6 +14,7 @@ What the manifest says about the architecture is the model's own account of itse
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from parallel_latent.parallel.state import get_dp_rank
 
 from . import layout, shards
 from .layout import CheckpointError, CheckpointSaveError
-from .zero_access import write_param
+from .zero_access import HostCopies, write_param
 
 MODEL_PREFIX = "model"
+PART_PREFIX = ".part-tp"  # a rank's shard records, until the manifest that gathers them is written
 CONSOLIDATED_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # What a consolidated directory's config.json repeats from the manifest.
@@ -59,13 +61,56 @@ def check_model_record(record: dict, model: nn.Module, where: Path | str) -> Non
         raise CheckpointError(f"{where}: config mismatch: {problem}")
 
 
-def write_portable(
-    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
-) -> list[str]:
-    """Write the portable weights of ``model`` into ``directory``. Collective: the ranks of DP rank 0
-    write one file per TP rank, and all meet once, over the control group, to collect the shard
-    records. Returns the reasons of failed writes instead of raising, so that every rank stays on
-    the same path: every rank learns of a failed shard file, only its writer of a failed manifest."""
+@dataclass
+class PortableCapture:
+    """This rank's share of a model's portable weights, taken off the model now: its TP shards (its
+    own copies with ``copy``, so training may go on), and what the manifest says beside them."""
+
+    directory: Path
+    entries: list[shards.Entry]
+    own: dict[str, tuple[torch.Tensor, dict]]
+    file_name: str
+    tp_rank: int
+    tp_size: int
+    fields: dict
+    aliases: dict[str, str]
+
+    @property
+    def writes(self) -> bool:
+        """The ranks of DP rank 0 write, one file per TP rank."""
+        return get_dp_rank() == 0
+
+    def write_file(self) -> tuple[dict, dict]:
+        """This rank's shard file; its (shard records, file record)."""
+        return shards.write_rank_file(self.directory, self.own, self.file_name, self.tp_rank, self.tp_size)
+
+    def manifest(self, parts: list[tuple[dict, dict]]) -> dict:
+        return shards.assemble_manifest(self.entries, parts, self.tp_size, self.fields, self.aliases)
+
+    def part_record_path(self, tp_rank: int) -> Path:
+        return self.directory / f"{PART_PREFIX}{tp_rank:02d}.json"
+
+    def write_file_and_record(self) -> None:
+        """This rank's file, and its records beside it for :meth:`write_manifest_from_records`."""
+        records, file_record = self.write_file()
+        layout.write_json(self.part_record_path(self.tp_rank), [records, file_record], indent=None)
+
+    def write_manifest_from_records(self) -> None:
+        """The manifest from every TP rank's records (one process, once they are all written)."""
+        paths = [self.part_record_path(r) for r in range(self.tp_size)]
+        parts = [tuple(layout.read_json(path, "shard records")) for path in paths]
+        layout.write_json(self.directory / layout.MANIFEST_NAME, self.manifest(parts))
+        for path in paths:
+            path.unlink()
+
+
+def capture_portable(
+    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None,
+    copies: HostCopies | None = None,
+) -> PortableCapture:  # fmt: skip
+    """The portable weights of ``model`` for ``directory``, taken now (collective under ZeRO-3:
+    every rank calls it, and whole tensors are gathered over DP); with ``copies``, into host memory
+    training does not change."""
     tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
     tensors, aliases = shards.module_tensors(model)
     entries = [
@@ -79,17 +124,28 @@ def write_portable(
         "tokenizer": plain(tokenizer_facts),
         "config": plain(cfg) if cfg is not None else None,
     }
-    own, file_name = shards.rank_shards(entries, tp_rank), shards.rank_file_name(MODEL_PREFIX, tp_rank, tp_size)
+    own = shards.rank_shards(entries, tp_rank)
+    if copies is not None:
+        own = {name: (copies.copy(tensor, ("portable", name)), cut) for name, (tensor, cut) in own.items()}
+    file_name = shards.rank_file_name(MODEL_PREFIX, tp_rank, tp_size)
+    return PortableCapture(directory, entries, own, file_name, tp_rank, tp_size, fields, aliases)
+
+
+def write_portable(
+    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
+) -> list[str]:
+    """Write the portable weights of ``model`` into ``directory``. Collective: the ranks of DP rank 0
+    write one file per TP rank, and all meet once, over the control group, to collect the shard
+    records. Returns the reasons of failed writes instead of raising, so that every rank stays on
+    the same path: every rank learns of a failed shard file, only its writer of a failed manifest."""
+    capture = capture_portable(model, directory, cfg, tokenizer_facts, tp_group, step=step)
     failures, parts = [], []
-    if get_dp_rank() == 0:
-        layout.attempt(
-            failures, lambda: parts.append(shards.write_rank_file(directory, own, file_name, tp_rank, tp_size))
-        )
+    if capture.writes:
+        layout.attempt(failures, lambda: parts.append(capture.write_file()))
     reports = all_gather_value((failures, parts))
     failures = [failure for reported, _ in reports for failure in reported]
-    if not failures and get_dp_rank() == 0 and tp_rank == 0:
-        written = [part for _, rank_parts in reports for part in rank_parts]
-        manifest = shards.assemble_manifest(entries, written, tp_size, fields, aliases)
+    if not failures and capture.writes and capture.tp_rank == 0:
+        manifest = capture.manifest([part for _, rank_parts in reports for part in rank_parts])
         layout.attempt(failures, lambda: layout.write_json(directory / layout.MANIFEST_NAME, manifest))
     return failures
 

@@ -1,18 +1,9 @@
-"""Training checkpoints: DeepSpeed's files plus everything needed to continue bit for bit.
-
-Every rank writes into ``.tmp-step_N`` (:mod:`.layout`); then rank 0 writes ``checkpoint.json``
-(which marks the directory complete), publishes the directory by one rename, moves ``latest`` and
-prunes to the last K. DeepSpeed's own ``latest`` is not used: it would be written before our files
-exist. Like DeepSpeed's, these checkpoints assume a file system shared by all ranks.
-
-A write that fails on any rank is not raised where it happens: the ranks finish the save's
-collectives, agree that it failed, rank 0 removes the staging directory, and every rank raises one
-:class:`CheckpointSaveError` naming the step, the reason and the last complete checkpoint.
+"""Training checkpoints: DeepSpeed's files plus everything needed to continue bit for bit: what a
+checkpoint records of the engine (its layout, its tensors, every RNG), and loading one, at its own
+layout or, through the universal state, at any other. Writing one is :mod:`.saving`'s.
 """
 
-import os
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,16 +15,11 @@ import torch.distributed as dist
 from parallel_latent.coordination import broadcast_value, is_main
 
 from . import layout
-from .integrity import checkpoint_damage, damaged_error, file_record
-from .layout import CheckpointError, CheckpointSaveError
-from .portable import check_model_record, model_record, plain, write_portable
+from .integrity import checkpoint_damage, damaged_error
+from .layout import CheckpointError
+from .portable import check_model_record, model_record
 from .universal import ensure_universal_state, load_universal_state, tensor_table
-from .zero_access import base_optimizer, import_deepspeed, recording_write_errors, weights_only_loading
-
-# Test hook: seconds to sleep after everything is written and before the rename that publishes
-# (``SECONDS`` or ``SECONDS@STEP``), leaving PAUSE_MARKER in the staging directory meanwhile.
-PAUSE_BEFORE_PUBLISH_ENV = "PARALLEL_LATENT_PAUSE_BEFORE_PUBLISH"
-PAUSE_MARKER = "PAUSED_BEFORE_PUBLISH"
+from .zero_access import base_optimizer, weights_only_loading
 
 
 def engine_layout(engine) -> dict[str, Any]:
@@ -102,91 +88,6 @@ def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
     if optimizer is engine.optimizer:
         facts["optimizer_param_names"] = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]]
     return facts
-
-
-def _pause_before_publish(staging: Path, step: int) -> None:
-    seconds, _, at_step = os.environ.get(PAUSE_BEFORE_PUBLISH_ENV, "").partition("@")
-    if seconds and (not at_step or int(at_step) == step):
-        marker = staging / PAUSE_MARKER
-        marker.write_text(str(os.getpid()))
-        time.sleep(float(seconds))
-        marker.unlink(missing_ok=True)
-
-
-def _client_state_record(engine, step: int, client_state: dict | None, tokenizer_facts: dict | None, cfg) -> dict:
-    """``client_state.json``: the trainer's state, the engine's counters, the LR schedule, the
-    tokenizer's facts and the config."""
-    scheduler = getattr(engine, "lr_scheduler", None)
-    return {
-        "step": step,
-        "client": plain(client_state or {}),
-        "engine": {key: int(getattr(engine, key)) for key in ("global_steps", "global_samples", "skipped_steps")},
-        "lr_scheduler": plain(scheduler.state_dict()) if scheduler is not None else None,
-        "tokenizer": plain(tokenizer_facts),
-        "config": plain(cfg) if cfg is not None else None,
-    }
-
-
-def save_training_checkpoint(
-    engine,
-    checkpoint_dir: str | Path,
-    step: int,
-    client_state: dict | None = None,
-    *,
-    model=None,
-    cfg=None,
-    tokenizer_facts: dict | None = None,
-    keep_last: int = 0,
-    export_portable: bool = False,
-    tp_group=None,
-) -> Path:
-    """Save a training checkpoint of ``engine`` at ``step``, publish it atomically and return its
-    directory. Collective. Adds to the JSON-serializable ``client_state`` the engine's counters,
-    LR scheduler and every rank's RNG states; ``export_portable`` also writes ``model/``."""
-    checkpoint_dir = Path(checkpoint_dir)
-    model = model if model is not None else engine.module
-    tag, own_layout = layout.checkpoint_tag(step), engine_layout(engine)
-    staging = checkpoint_dir / f"{layout.STAGING_PREFIX}{tag}"
-    facts = _tensor_facts(engine, model, own_layout["tensor_parallel"])
-
-    def write(failures: list[str]) -> None:
-        with recording_write_errors(engine, failures):
-            engine.save_checkpoint(
-                str(checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False
-            )
-        rng_file = _rng_file(staging, _rank())
-        layout.attempt(failures, lambda: rng_file.parent.mkdir(exist_ok=True))
-        layout.attempt(failures, lambda: layout.write_json(rng_file, capture_rng_state(model), indent=None))
-        if export_portable:  # collective: every rank takes part, whatever happened to its own files
-            failures += write_portable(model, staging / layout.PORTABLE_DIR, cfg, tokenizer_facts, tp_group, step=step)
-        if is_main():
-            state = _client_state_record(engine, step, client_state, tokenizer_facts, cfg)
-            layout.attempt(failures, lambda: layout.write_json(staging / layout.CLIENT_STATE_FILE, state))
-
-    def finish() -> None:
-        info = {
-            "tag": tag,
-            "step": step,
-            "layout": own_layout,
-            "portable": export_portable,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "deepspeed_version": import_deepspeed().__version__,
-            **facts,
-            "files": file_record(staging),  # what the files are: a resume checks them first
-        }
-        layout.write_json(staging / layout.INFO_FILE, info)  # written last: marks the directory complete
-        _pause_before_publish(staging, step)
-        layout.publish_checkpoint(checkpoint_dir, staging, tag)
-
-    failure = layout.save_collectively(staging, write, finish)
-    if failure is not None:
-        latest = layout.find_latest_checkpoint(checkpoint_dir)
-        last = f"step {layout.read_info(latest)['step']}" if latest is not None else "none"
-        where = f"({checkpoint_dir}); the last complete checkpoint is {last}"
-        raise CheckpointSaveError(f"checkpoint at step {step} not written: {failure} {where}")
-    if is_main():
-        layout.prune_checkpoints(checkpoint_dir, keep_last)
-    return checkpoint_dir / tag
 
 
 def saved_client_state(path: str | Path) -> dict:

@@ -55,14 +55,16 @@ def _load_train_config(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
-def _torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """torchrun through the agent of :mod:`parallel_latent.console` (one line per failure)."""
+def _torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun through the agent of :mod:`parallel_latent.console` (one line per failure), which
+    restarts the ranks up to ``max_restarts`` times when one fails."""
     return [
         sys.executable,
         "-m",
         "parallel_latent.console",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
         "-m",
         "parallel_latent",
         *argv,
@@ -94,7 +96,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir_existed: bool | None = None) -> int:
+def _launch_local(
+    nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir_existed: bool | None = None, max_restarts: int = 0
+) -> int:
     """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return the exit status of
     the first rank that failed (0 if none did).
 
@@ -107,7 +111,9 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir
     ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
     one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
 
-    ``lock``: the run directory's (:mod:`parallel_latent.training.run_lock`), held for the ranks, then released.
+    ``lock``: the run directory's (:mod:`parallel_latent.training.run_lock`), held for the ranks (across
+    restarts), then released. ``max_restarts``: how often torchrun restarts every rank when one fails;
+    each restart resumes from the newest complete checkpoint, and says so in one line.
     """
     from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
     from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV
@@ -118,7 +124,7 @@ def _launch_local(nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir
     # One compute thread per rank unless told otherwise: ranks share the machine's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     process = subprocess.Popen(
-        _torchrun_command(nproc, argv),
+        _torchrun_command(nproc, argv, max_restarts),
         env=env,
         start_new_session=True,
         # A single prctl() call, and this process has started no thread.
@@ -179,7 +185,7 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # only if empty
         raise
-    return _launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed)
+    return _launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts)
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -197,6 +203,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
     if args.wait_for_lock < 0:
         raise UsageError(f"--wait-for-lock={args.wait_for_lock:g} must be >= 0")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts={args.max_restarts} must be >= 0")
+    if args.max_restarts and (under_launcher() or not args.nproc or args.nproc < 2):
+        raise UsageError(
+            "--max-restarts restarts the ranks that --nproc N (N > 1) starts; under a launcher use its own "
+            "(torchrun --max-restarts, a SLURM requeue)"
+        )
     cfg = _load_train_config(args)
     if not under_launcher():
         if args.nproc and args.nproc > 1:
@@ -287,6 +300,14 @@ def add_subcommands(sub) -> None:
         metavar="JSON|FILE",
         help="DeepSpeed config entries merged into the generated config "
         '(e.g. \'{"zero_optimization": {"reduce_bucket_size": 5e7}}\')',
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --nproc: when a rank fails, restart every rank up to N times, each time resuming from the newest "
+        "complete checkpoint (default 0: the job ends with the failing rank's one line)",
     )
     train.add_argument(
         "--wait-for-lock",

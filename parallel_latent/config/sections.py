@@ -392,6 +392,13 @@ class CheckpointConfig:
         "a checkpoint when training reaches max_steps (false: none, e.g. for a benchmark; a stop by a signal "
         "checkpoints whatever this says)",
     )
+    background: bool = setting(
+        True,
+        "write checkpoints on a thread while training goes on: the step after a save starts once the state is "
+        "copied to host memory (one copy of each rank's checkpoint state), the files are published once complete, "
+        "at most one save is in flight, and the next save, the final one and a stop by a signal wait for it; "
+        "false: every rank waits for the files",
+    )
 
 
 @dataclass

@@ -125,7 +125,7 @@ def _stop_together(failed: bool, state) -> bool:
     return bool(flag.item())
 
 
-def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state, progress) -> None:
+def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state, progress, watching=None) -> None:
     """This rank's share of the missing shards, encoded batch by batch and (on the first rank of
     its tensor-parallel group) written; ExportWriteError when writing fails."""
 
@@ -140,6 +140,8 @@ def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state
                 if writer is not None:
                     writer.begin(index, first, end - first)
                 for start in range(first, end, export.batch_size):
+                    if watching is not None:
+                        watching.progress.enter("encoding", index)  # the shard being encoded
                     rows = np.arange(start, min(start + export.batch_size, end))
                     batch = data.rows(rows)
                     mask = batch["attention_mask"]
@@ -238,16 +240,18 @@ def remove_work_files(out: Path, keep_logs: bool) -> None:
         work.rmdir()  # only if empty
 
 
-def export_latents(autoencoder, plan: ExportPlan, out: str | Path, *, progress: bool | None = None) -> dict:
+def export_latents(autoencoder, plan: ExportPlan, out: str | Path, *, progress: bool | None = None, watch=None) -> dict:
     """Encode every sample of ``plan``'s corpus with ``autoencoder`` (a
     :class:`parallel_latent.api.TextAutoencoder` loaded from ``plan.directory`` at the job's TP
     degree, in ``export.precision``) into the latent dataset ``out`` (see :mod:`parallel_latent.latents`);
     returns its index. Collective over the process groups of :mod:`parallel_latent.parallel.state`
     (world = TP x DP; every rank calls it). A directory holding this very export, partly or wholly,
     is continued (nothing done twice); one holding another export or anything else is refused
-    (ExportError, one line), as is a second export into it while one runs."""
+    (ExportError, one line), as is a second export into it while one runs. ``watch(directory)``: a
+    hang watchdog started over the export once its work directory is taken (its records go there),
+    returning what has ``progress.enter(phase, step)`` and ``stop()``."""
 
-    out, cfg, state = Path(out), plan.cfg, get_parallel_state()
+    out, cfg = Path(out), plan.cfg
     wanted = torch.bfloat16 if plan.export.precision == "bf16" else torch.float32
     if next(autoencoder.model.parameters()).dtype != wanted:
         raise ExportError(f"export.precision={plan.export.precision} but the model holds other than {wanted} weights")
@@ -257,33 +261,55 @@ def export_latents(autoencoder, plan: ExportPlan, out: str | Path, *, progress: 
         status, done = coordination.decided_by_main(_start, plan, out, prepared, lock)
         if status == "complete":
             return read_json(out / INDEX_FILE)
-        num_shards = math.ceil(len(prepared) / plan.export.shard_size)
-        finished = {record["first"] // plan.export.shard_size for record in done}
-        pending = [index for index in range(num_shards) if index not in finished]
-        mine = pending[state.dp_rank :: state.dp_size]
-        enabled = cfg.logging.progress_bar if progress is None else progress
-        initial = sum(record["count"] for record in done)
-        error = None
-        with _progress_bar(enabled, len(prepared), initial) as bar:
-            try:
-                _encode_shards(autoencoder, prepared, mine, plan, out, state, bar)
-            except ExportWriteError as caught:
-                error = caught
-        # Every rank learns whether any shard failed, so that none waits for the index forever.
-        failure = coordination.first_failure(None if error is None else str(error))
-        if error is not None:
-            raise error
-        if failure is not None:
-            raise ExportWriteError(failure)
-        index = None
-        if coordination.is_main():
-            try:
-                index = _finish(plan, out, prepared)
-            except OSError as caught:
-                error = ExportWriteError(f"{out}: index not written: {os_reason(caught)}")
-        message = coordination.broadcast_value(None if error is None else str(error))
-        if error is not None:
-            raise error
-        if message is not None:
-            raise ExportWriteError(message)
+        watching = watch(out / WORK_DIR) if watch is not None else None
+        try:
+            _encode_all(autoencoder, prepared, plan, out, done, progress, watching)
+        finally:
+            if watching is not None:
+                watching.stop()  # every rank, before rank 0 removes the work files (and the records in them)
+        index = _finish_on_main(plan, out, prepared)
     return index if index is not None else read_json(out / INDEX_FILE)
+
+
+def _encode_all(autoencoder, prepared, plan: ExportPlan, out: Path, done: list[dict], progress, watching) -> None:
+    """This rank's share of the missing shards; every rank learns whether any rank failed (any error
+    at all: none may go on to wait for an index that will not come)."""
+    state = get_parallel_state()
+    num_shards = math.ceil(len(prepared) / plan.export.shard_size)
+    finished = {record["first"] // plan.export.shard_size for record in done}
+    mine = [index for index in range(num_shards) if index not in finished][state.dp_rank :: state.dp_size]
+    enabled = plan.cfg.logging.progress_bar if progress is None else progress
+    error = None
+    with _progress_bar(enabled, len(prepared), sum(record["count"] for record in done)) as bar:
+        try:
+            _encode_shards(autoencoder, prepared, mine, plan, out, state, bar, watching)
+        except Exception as caught:
+            error = caught
+    report = None if error is None else (isinstance(error, ExportWriteError), _failure_words(error))
+    if watching is not None:
+        watching.progress.enter("writing")
+    failure = next((r for r in coordination.all_gather_value(report) if r is not None), None)
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise ExportWriteError(failure[1]) if failure[0] else RuntimeError(f"another rank failed: {failure[1]}")
+
+
+def _failure_words(error: BaseException) -> str:
+    return str(error) if isinstance(error, ExportWriteError) else f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _finish_on_main(plan: ExportPlan, out: Path, prepared) -> dict | None:
+    """Rank 0 writes the index (collective: every rank learns whether it could)."""
+    index, error = None, None
+    if coordination.is_main():
+        try:
+            index = _finish(plan, out, prepared)
+        except OSError as caught:
+            error = ExportWriteError(f"{out}: index not written: {os_reason(caught)}")
+    message = coordination.broadcast_value(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ExportWriteError(message)
+    return index

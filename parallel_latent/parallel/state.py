@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from parallel_latent.errors import BadInput
 
+from .rendezvous import job_store
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -196,26 +198,33 @@ DEFAULT_TIMEOUT_S = 3600.0 + 120.0
 
 
 def init_distributed(
-    tensor_parallel: int = 1, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+    tensor_parallel: int = 1,
+    backend: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    startup_timeout_s: float | None = None,
 ) -> ParallelState:
     """Join (or create) the default process group from the launcher's environment, then build
-    the TP and DP groups (every group, the gloo control group included, with ``timeout_s``). Safe to
-    call when the default group already exists (tests, DeepSpeed)."""
+    the TP and DP groups (every group, the gloo control group included, with ``timeout_s``). The
+    ranks meet in a store of this attempt's own (:mod:`.rendezvous`): every rank is there within
+    ``startup_timeout_s`` (default ``timeout_s``), or the job ends with one line naming the missing
+    ones. Safe to call when the default group already exists (tests, DeepSpeed)."""
     if not dist.is_initialized():
         env = launcher_environment()
         backend = _choose_backend(backend)
+        device_id = None
         if backend == "nccl":
             torch.cuda.set_device(select_device_index(env["local_rank"], torch.cuda.device_count()))
+            device_id = torch.device("cuda", torch.cuda.current_device())  # communicators made now, not in step 1
         timeout = datetime.timedelta(seconds=timeout_s)
         if env["world_size"] == 1 and env["master_addr"] is None:
-            # No launcher: a private in-memory store, no port to pick.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            store = dist.HashStore()  # no launcher: a private in-memory store, no port to pick
         else:
             os.environ.setdefault("MASTER_ADDR", env["master_addr"])
             os.environ.setdefault("MASTER_PORT", env["master_port"])
-            dist.init_process_group(
-                backend, init_method="env://", rank=env["rank"], world_size=env["world_size"], timeout=timeout
-            )
+            store = job_store(env, startup_timeout_s or timeout_s, timeout)
+        dist.init_process_group(
+            backend, store=store, rank=env["rank"], world_size=env["world_size"], timeout=timeout, device_id=device_id
+        )
         os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
     state = initialize_model_parallel(tensor_parallel, timeout_s)
     if state.backend == "nccl":  # over gloo, before any NCCL collective

@@ -26,8 +26,9 @@ from parallel_latent.checkpoint import (
     resumable,
     saved_client_state,
 )
+from parallel_latent.checkpoint.layout import read_info
 from parallel_latent.config import Config, ConfigError, save_config
-from parallel_latent.console import WORKER_LOGS_ENV, report_hang
+from parallel_latent.console import WORKER_LOGS_ENV, report_hang, restart_line
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets, check_source
 from parallel_latent.deepspeed_patches import require_supported_deepspeed
@@ -35,10 +36,11 @@ from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
+from parallel_latent.parallel.rendezvous import StartupTimeout
 
 from .engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
-from .watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s
+from .watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
 from .world import keep_global_batch, validate_world
 
 __all__ = [
@@ -188,11 +190,11 @@ class Run:
     def is_main(self) -> bool:
         return self.state.rank == 0
 
-    def release(self) -> None:
-        """This rank is done: the watchdog leaves it out from now on, and rank 0 gives the run
-        directory's lock up (if it, not its launcher, holds it)."""
+    def release(self, failure: str | None = None) -> None:
+        """This rank is done (``failure``: why, if it failed): the watchdog leaves it out from now
+        on, and rank 0 gives the run directory's lock up (if it, not its launcher, holds it)."""
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(failure)
         if self.run_lock is not None:
             self.run_lock.release()
 
@@ -221,36 +223,48 @@ def _abandon_watch(watchdog: Watchdog | None, run_dir: Path) -> None:
         shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
 
 
-def take_run_lock(run_dir: Path, wait_for_lock_s: float) -> RunLock | None:
+def take_run_directory(run_dir: Path, wait_for_lock_s: float) -> tuple[RunLock | None, str | None]:
     """Rank 0: the run directory's lock (:mod:`parallel_latent.training.run_lock`), unless the ``train
-    --nproc`` that started this job holds it; every rank raises the same one line if another job
-    holds it (collective)."""
-    lock, refusal = None, None
-    if is_main() and os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
+    --nproc`` that started this job holds it, then how the job that ran there before ended (its
+    progress records, which go: :func:`.watchdog.previous_job_failure`). Every rank raises the same
+    one line if another job holds the directory (collective). Returns (the lock, how the last job
+    ended) on rank 0, (None, None) elsewhere."""
+    lock, refusal, before = None, None, None
+    if is_main():
         try:
-            lock = acquire_run_lock(run_dir, wait_for_lock_s)
+            if os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
+                lock = acquire_run_lock(run_dir, wait_for_lock_s)
+            before = previous_job_failure(run_dir)
+            clear_progress(run_dir)  # before any rank's watchdog starts: they start once all hear back
         except RunDirLocked as error:
             refusal = str(error)
     refusal = broadcast_value(refusal)
     if refusal is not None:
         raise RunDirLocked(refusal)
-    return lock
+    return lock, before
 
 
 def start_run(
     cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>", wait_for_lock_s: float = 0.0
 ) -> Run:
-    """Everything a rank needs before its first step (collective: every rank calls it)."""
+    """Everything a rank needs before its first step (collective: every rank calls it). No wait in
+    it is longer than ``training.hang_long_phase_s``: the ranks meet within it (or the job ends with
+    one line naming the missing ones), and the hang watchdog watches everything after."""
     started = time.perf_counter()
     launcher = launcher_environment()
     preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
-    state = init_distributed(cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s)
-    run_dir_existed = run_dir.exists()
-    run_lock = take_run_lock(run_dir, wait_for_lock_s)  # before anything in the run directory changes
     try:
-        return _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock)
+        state = init_distributed(
+            cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s, training.hang_long_phase_s or None
+        )
+    except StartupTimeout as error:
+        raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None
+    run_dir_existed = run_dir.exists()
+    run_lock, before = take_run_directory(run_dir, wait_for_lock_s)  # before anything in it changes
+    try:
+        return _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock, before)
     except BaseException:
         if run_lock is not None:
             run_lock.release(remove=True)
@@ -260,20 +274,19 @@ def start_run(
         raise
 
 
-def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock) -> Run:
-    """The rest of :func:`start_run`, with the run directory locked: the watchdog starts as soon as
-    the run directory is known to be one for every rank."""
+def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock, before) -> Run:
+    """The rest of :func:`start_run`, with the run directory locked and under the watchdog's eye
+    (in its start-up phase)."""
     run_dir = Path(cfg.logging.run_dir)
-    if state.rank == 0:
-        # Before anything is written: a save killed half-way may have left the disk full.
-        for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
-            print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
-        clear_progress(run_dir)  # a previous job's (before any rank's watchdog starts)
-    require_shared_run_dir(run_dir, source)
     progress = Progress()
     watchdog = start_watchdog(cfg, state, progress)
     try:
-        run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
+        if state.rank == 0:
+            # Before anything is written: a save killed half-way may have left the disk full.
+            for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
+                print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
+        require_shared_run_dir(run_dir, source)
+        run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog, before)
         run.run_lock = run_lock
         return run
     except BaseException:
@@ -281,8 +294,9 @@ def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock) -
         raise
 
 
-def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog) -> Run:
-    """The rest of :func:`start_run`, under the watchdog's eye (in its start-up phase)."""
+def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog, before) -> Run:
+    """The rest of :func:`start_run`: the tokenizer, the checkpoint to resume, the data, the model and
+    the engine; ``before``: how the job that ran in the run directory before ended (rank 0)."""
     tokenizer = load_tokenizer_once_per_node(cfg)
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
@@ -292,6 +306,8 @@ def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog)
     path = choose_checkpoint_to_resume(cfg) if is_main() else None
     path = broadcast_value(None if path is None else str(path))
     resume_path = None if path is None else Path(path)
+    if is_main() and (line := restart_line(before, None if resume_path is None else read_info(resume_path)["step"])):
+        print(line, flush=True)
     cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)

@@ -35,7 +35,7 @@ import contextlib
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,13 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_latent.checkpoint import checkpoints_dir, load_training_checkpoint, save_training_checkpoint
+from parallel_latent.checkpoint import load_training_checkpoint
 from parallel_latent.config import Config
 from parallel_latent.data import ShardedBatchSampler
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches, to_device
-from parallel_latent.errors import ExitStatus
+from parallel_latent.errors import ExitStatus, one_line
 from parallel_latent.quality import LOSS_SUM, NUM_STATS, SAMPLES, output_totals
 
+from .checkpointer import Checkpointer
 from .evaluation import Evaluator, reduce_stats
 from .flops import model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from .metrics import MetricsLogger, Window, counting_syncs, progress_postfix, train_record
@@ -131,19 +132,20 @@ class NonFiniteWatch:
         self.consecutive = 0 if applied else self.consecutive + 1
         self.skipped += not applied
 
-    def check_streak(self, step: int, last: str) -> None:
+    def check_streak(self, step: int, last: Callable[[], str]) -> None:
+        """``last()``: the words on the last complete checkpoint, asked for only when the run stops."""
         if self.limit and self.consecutive >= self.limit:
             raise NonFiniteTrainingError(
                 f"stopped at step {step}: {self.consecutive} consecutive steps with a non-finite loss or gradient "
-                f"(training.max_nonfinite_steps={self.limit}); they were skipped and {last} from before them; try a "
+                f"(training.max_nonfinite_steps={self.limit}); they were skipped and {last()} from before them; try a "
                 "lower optimizer.lr, optimizer.grad_clip > 0, or fp32/bf16 instead of fp16"
             )
 
-    def check_bf16_loss(self, loss_sum: float, steps: int, step: int, last: str) -> None:
+    def check_bf16_loss(self, loss_sum: float, steps: int, step: int, last: Callable[[], str]) -> None:
         if self.precision == "bf16" and not math.isfinite(loss_sum):
             raise NonFiniteTrainingError(
                 f"stopped at step {step}: a non-finite loss in the last {steps} steps under bf16, whose steps are "
-                f"applied without an overflow check; {last} from before it; try a lower optimizer.lr or "
+                f"applied without an overflow check; {last()} from before it; try a lower optimizer.lr or "
                 "optimizer.grad_clip > 0"
             )
 
@@ -165,9 +167,8 @@ class Trainer:
         )  # fmt: skip
         self.prefetcher: BatchPrefetcher | None = None
         self.step, self.step_lr = 0, math.nan
-        self.last_saved_step: int | None = None
-        self.last_checkpoint: Path | None = None
         self.evaluator = Evaluator(run)
+        self.checkpointer = Checkpointer(run, self.state_dict, self.evaluator.latent_stats_at)
         self.nonfinite = NonFiniteWatch(self.cfg)
         features = self.model.feature_model  # the GPT-2 that was loaded, not the YAML's widths
         self.flops_per_sample = model_flops_per_sample(self.cfg, features.blocks, features.width)["train"]
@@ -203,7 +204,7 @@ class Trainer:
             self.engine, self.job.resume_path, model=self.model, tp_group=self.state.tp_group
         )
         self.load_state_dict(loaded.client_state, loaded.step)
-        self.last_saved_step, self.last_checkpoint = self.step, loaded.path
+        self.checkpointer.resumed(self.step, loaded.path)
         if self.is_main:
             layout = " (resharded from another layout)" if loaded.resharded else ""
             print(f"resumed from {loaded.path} at step {self.step}{layout}", flush=True)
@@ -211,19 +212,8 @@ class Trainer:
                 print(self.job.batch_note, flush=True)
 
     def save(self) -> Path:
-        """A training checkpoint of this step (collective), with the portable weights if
-        ``checkpoint.export_portable``; ``latest`` moves only once it is complete. A save that cannot
-        be written raises CheckpointSaveError on every rank, which ends the run with its one line."""
-        checkpoint = self.cfg.checkpoint
-        self.progress.enter("save")
-        self.evaluator.latent_stats_at(self.step)  # the model's latent_stats: the checkpoint records them
-        path = save_training_checkpoint(
-            self.engine, checkpoints_dir(self.run_dir), self.step, self.state_dict(), model=self.model, cfg=self.cfg,
-            tokenizer_facts=self.job.tokenizer_facts, keep_last=checkpoint.keep_last,
-            export_portable=checkpoint.export_portable, tp_group=self.state.tp_group,
-        )  # fmt: skip
-        self.last_saved_step, self.last_checkpoint = self.step, path
-        return path
+        """A checkpoint of this step (:meth:`.checkpointer.Checkpointer.save`)."""
+        return self.checkpointer.save(self.step)
 
     # -- data ----------------------------------------------------------------- #
 
@@ -315,11 +305,6 @@ class Trainer:
 
     # -- what the loop does between steps ------------------------------------- #
 
-    def _last_checkpoint_words(self) -> str:
-        if self.last_checkpoint:
-            return f"the last checkpoint, {self.last_checkpoint} (step {self.last_saved_step}), is"
-        return "no checkpoint had been written yet, nothing is"
-
     def _refuse_nonfinite_bf16(self, window: Window, totals: torch.Tensor | None = None) -> None:
         """Under bf16 a non-finite loss since the last check means the weights are spoiled: stop
         before they are logged as fine or published (collective: the window is reduced over the world)."""
@@ -327,7 +312,7 @@ class Trainer:
             return  # (an empty window was checked when it was logged: the same on every rank)
         if totals is None:
             totals = reduce_stats(window.stats, self.device, self.state.tp_size)
-        self.nonfinite.check_bf16_loss(float(totals[LOSS_SUM]), window.steps, self.step, self._last_checkpoint_words())
+        self.nonfinite.check_bf16_loss(float(totals[LOSS_SUM]), window.steps, self.step, self.checkpointer.last_words)
 
     def _log(self, window: Window) -> dict[str, str]:
         """Write the window's metrics line; return the progress bar's new postfix. The one place per
@@ -357,11 +342,6 @@ class Trainer:
             self.evaluator.write_reconstructions(self.step, self.logger.tensorboard)
         return result
 
-    def _save_due(self) -> bool:
-        # No checkpoint in the middle of a non-finite streak: `latest` keeps naming weights from before it.
-        every = self.cfg.checkpoint.save_every
-        return bool(every and self.step % every == 0 and self.nonfinite.consecutive == 0)
-
     # -- the loop ------------------------------------------------------------ #
 
     def run(self, stop: StopRequest) -> TrainResult:
@@ -388,19 +368,20 @@ class Trainer:
             self.logger.advance(1, **postfix)
             if self.evaluator.due(self.step):
                 final_eval, eval_step = self._evaluate_and_log(), self.step
-            self.nonfinite.check_streak(self.step, self._last_checkpoint_words())
+            self.nonfinite.check_streak(self.step, self.checkpointer.last_words)
             if outcome.stop:
                 stopped_by = "signal"
                 break
-            if self._save_due():
+            if self.checkpointer.due(self.step, self.nonfinite.consecutive):
                 self._refuse_nonfinite_bf16(window)
                 self.save()
         self._stop_prefetcher()
         if stopped_by == "max_steps" and eval_step != self.step and training.eval_every:
             final_eval = self._evaluate_and_log()
-        if self.last_saved_step != self.step and (stopped_by == "signal" or self.cfg.checkpoint.save_final):
+        if self.checkpointer.saved_step != self.step and (stopped_by == "signal" or self.cfg.checkpoint.save_final):
             self._refuse_nonfinite_bf16(window)
             self.save()
+        self.checkpointer.finish()  # the final save, and a stop by a signal, wait for the save in flight
         return self._finish(stopped_by, final_eval, stop.signal_name)
 
     def _new_window(self) -> Window:
@@ -410,14 +391,14 @@ class Trainer:
         if stopped_by == "signal":
             self.logger.print(
                 f"stop requested ({signal_name or 'signal on another rank'}): "
-                f"checkpoint {self.last_checkpoint} written at step {self.step}"
+                f"checkpoint {self.checkpointer.last_path} written at step {self.step}"
             )
         samples = self.cfg.logging.print_samples
         examples = self.evaluator.reconstructions(samples, self.step) if stopped_by == "max_steps" and samples else []
         self.logger.close()
         result = TrainResult(
             run_dir=self.run_dir, step=self.step, stopped_by=stopped_by, final_eval=final_eval,
-            checkpoint=self.last_checkpoint, skipped_steps=self.nonfinite.skipped,
+            checkpoint=self.checkpointer.last_path, skipped_steps=self.nonfinite.skipped,
             wall_time_s=time.perf_counter() - self.job.started, reconstructions=examples,
         )  # fmt: skip
         if self.is_main:
@@ -432,11 +413,15 @@ def train(
     stop = StopRequest()
     with stop.installed():
         run = start_run(cfg, deepspeed_overrides, source, wait_for_lock_s)
+        failure = None
         try:
             trainer = Trainer(run)
             try:
                 return trainer.run(stop)
             finally:
                 trainer.close()
+        except BaseException as error:
+            failure = f"{type(error).__name__}: {one_line(error)}"
+            raise
         finally:
-            run.release()
+            run.release(failure)

@@ -52,6 +52,7 @@ __all__ = [
     "collective_timeout_s",
     "find_stall",
     "hang_line",
+    "previous_job_failure",
 ]
 
 PROGRESS_DIR = "progress"
@@ -147,6 +148,32 @@ def find_stall(
     return rank, allowance, True
 
 
+def _where(record: dict) -> str:
+    return (
+        f"rank {record.get('rank')} (host {record.get('host', '?')}, pid {record.get('pid', '?')}; last seen at step "
+        f"{record.get('step', 0)} in {record.get('phase', 'start-up')})"
+    )
+
+
+def previous_job_failure(run_dir: Path) -> str | None:
+    """How the job that ran last in ``run_dir`` ended, from its progress records (read before
+    :func:`clear_progress`): the rank the watchdog found stalled; else the ranks whose record was
+    never closed (they died without a word: killed, their node gone); else the first rank that
+    failed, with its reason; None when every rank finished, or there are no records."""
+    directory = Path(run_dir) / PROGRESS_DIR
+    stalled = _read_json(directory / MARKER)
+    if stalled is not None:
+        return f"{_where(stalled)} stalled (no progress for {stalled.get('idle_s', 0):.0f} s)"
+    records = [r for r in (_read_json(p) for p in sorted(directory.glob("rank_*.json"))) if r]
+    unclosed = [r for r in records if r.get("state") == "running"]
+    if unclosed:
+        return "; ".join(_where(r) for r in unclosed) + " stopped without a word"
+    failed = sorted((r for r in records if r.get("failure")), key=lambda r: (r.get("written_at", 0), r.get("rank", 0)))
+    if failed:
+        return f"{_where(failed[0])} failed: {failed[0]['failure']}"
+    return None
+
+
 def clear_progress(run_dir: Path) -> None:
     """Remove a previous job's records (rank 0, before any rank's watchdog starts)."""
     directory = Path(run_dir) / PROGRESS_DIR
@@ -208,20 +235,21 @@ class Watchdog:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """This rank is done (or failing by itself): leave it out of the watch from now on."""
+    def stop(self, failure: str | None = None) -> None:
+        """This rank is done, or failing by itself (``failure``: its one line, which its record keeps
+        for the restart that follows): leave it out of the watch from now on."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval + 1)
             self._thread = None
             with contextlib.suppress(OSError):
-                self._write("exited")
+                self._write("exited", failure)
 
-    def _write(self, state: str) -> None:
+    def _write(self, state: str, failure: str | None = None) -> None:
         p = self.progress
         record = {
             "rank": self.rank, "host": self.host, "pid": self.pid, "step": p.step, "phase": p.phase, "at": p.at,
-            "long": p.long, "written_at": time.time(), "state": state,
+            "long": p.long, "written_at": time.time(), "state": state, "failure": failure,
         }  # fmt: skip
         replace_file(_record_path(self.directory, self.rank), json.dumps(record))
 

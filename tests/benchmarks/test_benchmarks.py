@@ -29,7 +29,12 @@ QUICK_FIGURES = {
         "TP=2 step split feature pass / replicated",
     ],
     "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
-    "bench_checkpoint.py": ["portable load (checksums verified) / torch.load", "portable bytes / torch.save bytes"],
+    "bench_checkpoint.py": [
+        "portable load (checksums verified) / torch.load",
+        "portable bytes / torch.save bytes",
+        "training loop stall per save, background / synchronous",
+    ],
+    "bench_restart.py": ["restart: kill to the first step after it", "restart / cold start"],
     "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
     "bench_export.py": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
     "bench_quality.py": [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import sys
 
+import pytest
 import torch.distributed as dist
 
 from parallel_latent.checkpoint import load_training_checkpoint, save_portable, save_training_checkpoint
@@ -78,6 +79,7 @@ def checkpoint_path_task(directory: str):
     return recorder.calls + resharded.calls
 
 
+@pytest.mark.slow
 def test_checkpoint_collectives_use_the_control_group(pool4, tmp_path):
     for calls in pool4.run(checkpoint_path_task, str(tmp_path)):
         ours = {(name, group) for name, caller, group in calls if caller.startswith("parallel_latent")}

@@ -50,6 +50,7 @@ def damaged_copy(straight: Path, tmp_path: Path, kind: str) -> Path:
     return copy
 
 
+@pytest.mark.slow
 def test_a_checkpoint_records_its_files_when_published(straight):
     step_dir = straight / "checkpoints" / f"step_{STEPS:08d}"
     record = json.loads((step_dir / "checkpoint.json").read_text())["files"]
@@ -58,6 +59,7 @@ def test_a_checkpoint_records_its_files_when_published(straight):
     assert checkpoint_damage(step_dir) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_each_kind_of_damage_is_found_and_passed_over(straight, tmp_path, kind):
     copy = damaged_copy(straight, tmp_path, kind)
@@ -82,6 +84,7 @@ def test_checkpoints_saved_before_the_record_are_checked_for_what_can_be(tmp_pat
     assert checkpoint_damage(copy) == f"{shard}: empty"
 
 
+@pytest.mark.slow
 def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_before(straight, tmp_path):
     copy = damaged_copy(straight, tmp_path, "truncated optimizer shard")
     result = run(torchrun_command(copy, *RECIPE, nproc=2), timeout=400)
@@ -107,6 +110,25 @@ def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_befor
     assert checkpoint_damage(copy / "checkpoints" / newest) is None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_the_fallback_says_which_file_how_and_where_it_went_once(straight, tmp_path, kind):
+    """Under ``train --nproc 2``: one line names the damaged file, what is wrong with it and where
+    the checkpoint was moved, and nothing else on the terminal speaks of the damaged checkpoint."""
+    copy = damaged_copy(straight, tmp_path, kind)
+    result = run(cli_command(copy, *RECIPE, nproc=2), timeout=400)
+    assert result.returncode == 0, describe(result)
+    newest = f"step_{STEPS:08d}"
+    said = [line for line in (result.stdout + result.stderr).splitlines() if newest in line and "latest" not in line]
+    [line] = [line for line in said if "truncated or damaged" in line]
+    assert line.startswith(str(copy / "checkpoints" / newest / DAMAGE[kind][0]) + ": "), line
+    assert line.endswith(
+        f"checkpoint {newest} is truncated or damaged; moved to .damaged-{newest}; resuming from step_{HALF:08d}"
+    )
+    assert "which is not a complete checkpoint" not in result.stdout + result.stderr, describe(result)
+
+
+@pytest.mark.slow
 def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tmp_path):
     copy = damaged_copy(straight, tmp_path, "zero-byte RNG file")
     step_dir = copy / "checkpoints" / f"step_{STEPS:08d}"
@@ -124,6 +146,7 @@ def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tm
     assert step_dir.is_dir()  # nothing moved, nothing removed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("named", ["../x", "/x", "step_00000010/../../x", "model"])
 def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named):
     from parallel_latent.checkpoint import CheckpointError, find_latest_checkpoint

@@ -30,7 +30,7 @@ from parallel_latent.checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from parallel_latent.checkpoint.training import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
+from parallel_latent.checkpoint.saving import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
 from tests.helpers.checkpoint_engines import make_engine, train_step
 from tests.helpers.distributed import DistributedPool
 from tests.helpers.make_fixture import FIXTURE
@@ -108,6 +108,7 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.slow
 def test_full_disk_under_the_trainer_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """One TP=2 checkpoint of the tiny model is 14 MB: 22 MB hold the step-2 save, not step 4's."""
     with small_filesystem(tmp_path / "disk", "22m") as disk:
@@ -129,6 +130,7 @@ def test_full_disk_under_the_trainer_is_one_line_and_keeps_the_last_checkpoint(t
         assert find_latest_checkpoint(checkpoints).name == "step_00000002"
 
 
+@pytest.mark.slow
 def test_killed_save_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"

@@ -22,8 +22,8 @@ from parallel_latent.checkpoint import (
     safe_torch_load,
     save_training_checkpoint,
 )
+from parallel_latent.checkpoint.saving import PAUSE_MARKER
 from parallel_latent.checkpoint.shards import PortableCheckpoint
-from parallel_latent.checkpoint.training import PAUSE_MARKER
 from parallel_latent.checkpoint.zero_access import import_deepspeed
 from tests.helpers.checkpoint_engines import (
     ADAM_EPS,
@@ -289,3 +289,29 @@ def test_offline_conversion_equals_the_engine_state(source_tp2_zero2, tmp_path):
     assert converted.tensors.keys() == want.keys()
     for name in want:
         assert torch.equal(converted.read_full(name), want[name]), name
+
+
+def test_a_snapshot_keeps_a_tied_weight_one_tensor_and_is_not_changed_by_later_steps():
+    """The state a background save takes off the training tensors: a weight under two names (a
+    tied table; module.state_dict gives each name its own detached view) stays one tensor, so
+    torch.save writes it once, as the synchronous save does; later in-place updates do not reach it;
+    the next save copies into the same host buffers (a fresh buffer's page faults are most of a
+    copy's time on a CPU)."""
+    from parallel_latent.checkpoint.zero_access import HostCopies, snapshot
+
+    table, flat = torch.randn(8, 4), torch.zeros(10)
+    state = {"module": {"encoder.table": table.detach(), "head.weight": table.detach(), "part": flat[2:6]},
+             "groups": [{"lr": 0.1}]}  # fmt: skip
+    copies = HostCopies()
+    copies.begin()
+    copied, before = snapshot(state, copies, ("file",)), table.clone()
+    assert copied["module"]["encoder.table"] is copied["module"]["head.weight"]
+    assert copied["module"]["part"].untyped_storage().nbytes() == 4 * 4  # the view's elements, not the flat's
+    table.add_(1.0)
+    flat.add_(1.0)
+    assert torch.equal(copied["module"]["head.weight"], before) and not copied["module"]["part"].any()
+    assert copied["groups"] == [{"lr": 0.1}] and copied["groups"] is not state["groups"]
+    copies.begin()
+    again = snapshot(state, copies, ("file",))
+    assert again["module"]["head.weight"] is copied["module"]["head.weight"]  # the same buffer, refilled
+    assert torch.equal(again["module"]["head.weight"], table) and again["module"]["part"].eq(1.0).all()

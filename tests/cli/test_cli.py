@@ -156,7 +156,9 @@ def test_ranks_run_the_command_without_nproc():
     )
     assert cli.train._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
     command = cli.train._torchrun_command(4, cli.train._rank_argv(args))
-    assert command[1:6] == ["-m", "parallel_latent.console", "--standalone", "--nproc_per_node=4", "-m"]
+    assert command[1:7] == ["-m", "parallel_latent.console", "--standalone", "--nproc_per_node=4",
+                            "--max-restarts=0", "-m"]  # fmt: skip
+    assert "--max-restarts=2" in cli.train._torchrun_command(4, cli.train._rank_argv(args), max_restarts=2)
 
 
 def test_deepspeed_launchers_local_rank_argument_is_accepted():

@@ -440,6 +440,7 @@ def test_prepare_command_and_what_triggers_a_new_preparation(tmp_path, capsys):
     assert len(preparations(cache)) == 3
 
 
+@pytest.mark.slow
 def test_a_killed_preparer_leaves_nothing_a_later_run_accepts(tmp_path):
     bundled = (REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt").read_text()
     corpus = tmp_path / "big.txt"

@@ -17,7 +17,7 @@ def main(directory: str, mode: str) -> None:
 
     dist.init_process_group("gloo")
     from parallel_latent.checkpoint import load_training_checkpoint, save_training_checkpoint
-    from parallel_latent.checkpoint.training import PAUSE_BEFORE_PUBLISH_ENV
+    from parallel_latent.checkpoint.saving import PAUSE_BEFORE_PUBLISH_ENV
     from tests.helpers.checkpoint_engines import make_engine, train_step
 
     engine, model = make_engine(1, 2)

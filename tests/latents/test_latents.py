@@ -433,6 +433,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_under_nproc_2_ends_with_one_line_and_exit_4_and_the_rerun_completes(
     setup, one_process, small_disk, tmp_path
 ):
@@ -449,6 +450,25 @@ def test_a_real_full_disk_under_nproc_2_ends_with_one_line_and_exit_4_and_the_re
     rerun = cli([*command(setup, out), "--nproc", "2"])
     assert rerun.returncode == 0, describe(rerun)
     assert directory_bytes(out) == directory_bytes(one_process)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_writer_fails_ends_every_rank_with_its_line(setup, tmp_path):
+    """Rank 1's shard writer raises (not a full disk: any error): rank 0, done with its own shards,
+    does not wait for an index that cannot come; the job ends at once with rank 1's line."""
+    out = tmp_path / "failed"
+    faults = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "worker_faults"), "PL_FAULT_RANK": "1"}
+    started = time.monotonic()
+    result = cli(
+        [*command(setup, out), "--nproc", "2"], timeout=300, env={**faults, "PL_FAULT": "export", "PL_FAULT_STEP": "1"}
+    )
+    assert result.returncode == 1, describe(result)
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == "parallel-latent: error: rank 1: RuntimeError: injected fault in shard 1"
+    )
+    assert time.monotonic() - started < 120  # the hang watchdog's allowance is 600 s: it did not come to that
+    assert not (out / INDEX_FILE).exists()
 
 
 @pytest.mark.slow

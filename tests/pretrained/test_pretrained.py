@@ -216,6 +216,7 @@ def test_offline_hub_id_not_in_the_cache_is_one_line(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_offline_cli_reads_a_cached_hub_id_and_cannot_push(saved, tmp_path):
     directory, _ = saved
     put_in_hub_cache(directory, tmp_path, "test-org/cached")

@@ -14,9 +14,12 @@ from tests.helpers.trainer_runs import TINY, run_two_nodes
 pytestmark = pytest.mark.slow
 
 
-def test_node_local_run_directories_are_refused_quickly(tmp_path):
+def test_node_local_run_directories_are_refused_quickly(tmp_path, monkeypatch):
     """Two agents (NNODES=2, 2 ranks each) on 127.0.0.1, each in its own working directory, with a
-    relative logging.run_dir: the two "nodes" see different directories, like node-local disks."""
+    relative logging.run_dir: the two "nodes" see different directories, like node-local disks.
+    (torchrun would restart a job that fails this way too, and each attempt fail the same: no
+    restarts here, so that the time is one attempt's.)"""
+    monkeypatch.setenv("MAX_RESTARTS", "0")
     overrides = [*TINY, "parallel.tensor_parallel=2", "logging.run_dir=run", "training.max_steps=2"]
     workdirs = (tmp_path / "node0", tmp_path / "node1")
     for workdir in workdirs:

@@ -133,6 +133,7 @@ def _kill(job: subprocess.Popen) -> None:
     job.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_second_train_on_the_directory_is_refused_while_the_first_goes_on(tmp_path):
     run_dir = tmp_path / "run"
     first = _start(run_dir)
@@ -160,6 +161,7 @@ def test_a_second_train_on_the_directory_is_refused_while_the_first_goes_on(tmp_
     assert [r["step"] for r in train_records(run_dir)] == list(range(1, 401))  # no record lost or doubled
 
 
+@pytest.mark.slow
 def test_a_rerun_after_kill_9_takes_the_stale_lock_over(tmp_path):
     run_dir = tmp_path / "run"
     first = _start(run_dir)

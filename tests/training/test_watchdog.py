@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from parallel_latent.errors import ExitStatus
-from parallel_latent.training.watchdog import PROGRESS_DIR, Progress, Watchdog, find_stall
+from parallel_latent.training.watchdog import PROGRESS_DIR, Progress, Watchdog, find_stall, previous_job_failure
 from tests.helpers.trainer_runs import REPO, TINY, TINY_CONFIG, cli_command, rank_env, rank_pids, run, train_args
 
 # ------------------------------------------------------------------------------------------- #
@@ -68,6 +68,55 @@ def test_ranks_that_have_exited_are_left_out():
     done = record(LONG * 10, written=LONG * 10, state="exited")
     assert stall(done, record(1)) is None
     assert stall(done, done) is None
+
+
+# ------------------------------------------------------------------------------------------- #
+# How the job before ended, read from its records when a restarted one starts.
+# ------------------------------------------------------------------------------------------- #
+
+
+def write_records(tmp_path: Path, *records: dict, marker: dict | None = None) -> Path:
+    directory = tmp_path / PROGRESS_DIR
+    directory.mkdir(parents=True)
+    for rank, fields in enumerate(records):
+        base = {"rank": rank, "host": f"node{rank}", "pid": 100 + rank, "step": 37, "phase": "backward"}
+        (directory / f"rank_{rank:05d}.json").write_text(json.dumps({**base, **fields}))
+    if marker is not None:
+        (directory / "hang.json").write_text(json.dumps(marker))
+    return tmp_path
+
+
+def test_the_job_before_ended_by_a_rank_that_died_without_a_word(tmp_path):
+    run_dir = write_records(
+        tmp_path,
+        {"state": "exited", "failure": "RuntimeError: Connection reset by peer", "written_at": 5.0},
+        {"state": "running", "written_at": 4.0},
+    )
+    assert previous_job_failure(run_dir) == (
+        "rank 1 (host node1, pid 101; last seen at step 37 in backward) stopped without a word"
+    )
+
+
+def test_the_job_before_ended_by_the_first_rank_that_failed(tmp_path):
+    run_dir = write_records(
+        tmp_path,
+        {"state": "exited", "failure": "RuntimeError: Connection reset by peer", "written_at": 6.0},
+        {"state": "exited", "failure": "CheckpointSaveError: disk full", "written_at": 5.0},
+    )
+    assert previous_job_failure(run_dir) == (
+        "rank 1 (host node1, pid 101; last seen at step 37 in backward) failed: CheckpointSaveError: disk full"
+    )
+
+
+def test_the_job_before_ended_by_a_stall_or_cleanly(tmp_path):
+    hang = {"rank": 1, "host": "node1", "pid": 101, "step": 9, "phase": "optimizer", "idle_s": 61.4}
+    run_dir = write_records(tmp_path / "a", {"state": "running"}, {"state": "running"}, marker=hang)
+    assert previous_job_failure(run_dir) == (
+        "rank 1 (host node1, pid 101; last seen at step 9 in optimizer) stalled (no progress for 61 s)"
+    )
+    clean = write_records(tmp_path / "b", {"state": "exited"}, {"state": "exited"})
+    assert previous_job_failure(clean) is None
+    assert previous_job_failure(tmp_path / "nothing") is None
 
 
 # ------------------------------------------------------------------------------------------- #
@@ -179,6 +228,7 @@ def _assert_names(line: str, rank: int, stopped_pid: int) -> None:
     assert "its process does not run" in line and "it wrote no stack" in line
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
     run_dir = tmp_path / "run"
     job = subprocess.Popen(
@@ -204,6 +254,7 @@ def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
     _rerun_resumes(run_dir, *OVERRIDES)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_0_that_hosts_the_store_ends_the_job(tmp_path):
     """As srun or the deepspeed launcher start a job: each rank from its environment, the
     rendezvous store in rank 0's process, which is the one stopped."""

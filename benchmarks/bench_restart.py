@@ -1,0 +1,104 @@
+"""A job that heals itself, timed: ``parallel-latent train --config configs/tiny.yaml --nproc 2
+--max-restarts 1``, one rank killed (SIGKILL) mid-run, and the time from the kill to the first
+training step after it (the restart: torchrun's teardown, the new ranks' start-up, the resume from
+the newest checkpoint, one step). The baseline, in the same invocation: the same command's cold
+start, from its launch to its first step.
+
+    python benchmarks/bench_restart.py [--json out.json]
+    python benchmarks/bench_restart.py --quick    # the same, tiny.yaml at width 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO, Report, add_common_arguments, run
+
+KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint, at step 30 or just after
+
+
+def records(run_dir: Path) -> list[int]:
+    from parallel_latent.files import read_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    return [r["step"] for r in read_jsonl(metrics) if r.get("kind") == "train"] if metrics.exists() else []
+
+
+def rank_of(run_dir: Path, rank: int) -> int:
+    """The pid of the rank ``rank`` of the job training into ``run_dir``."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = f"RANK={rank}".encode() in environ and f"logging.run_dir={run_dir}".encode() in cmdline
+        if ours and b"parallel_latent" in cmdline and b"parallel_latent.console" not in cmdline:
+            return int(entry.name)
+    raise RuntimeError(f"rank {rank} not found")
+
+
+def wait(condition, timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout:g} s")
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def body(args, report: Report) -> None:
+    overrides = [
+        f"training.max_steps={KILL_AT + 20}", f"checkpoint.save_every={EVERY}", "training.eval_every=0",
+        "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1",
+    ]  # fmt: skip
+    if args.quick:
+        overrides += ["model.d_model=32", "feature_model.n_embd=32", "feature_model.n_layer=3"]
+    scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    run_dir = scratch / "run"
+    launched = time.monotonic()
+    job = subprocess.Popen(
+        [*command, *overrides, f"logging.run_dir={run_dir}", "--nproc=2", "--max-restarts=1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        first_step = wait(lambda: records(run_dir), 600, "first step") - launched
+        wait(lambda: max(records(run_dir), default=0) >= KILL_AT, 600, f"step {KILL_AT}")
+        killed_at_step = max(records(run_dir))
+        os.kill(rank_of(run_dir, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        # The restarted attempt's first record: at the resume the dead attempt's records past the
+        # checkpoint move aside, then the file grows again past the checkpoint's step.
+        aside = run_dir / f"metrics.after-step_{EVERY:08d}.jsonl"
+        wait(lambda: aside.exists() and max(records(run_dir), default=0) > EVERY, 600, "step after the restart")
+        restart = time.monotonic() - killed
+        output, _ = job.communicate(timeout=600)
+    finally:
+        job.kill()
+    if job.returncode != 0:
+        raise RuntimeError(f"the restarted job ended with status {job.returncode}: {output[-2000:]}")
+    [line] = [line for line in output.splitlines() if line.startswith("restart 1 of 1")]
+    print(line)
+    print(f"cold start to the first step: {first_step:.1f} s; kill at step {killed_at_step} to the first step "
+          f"after it: {restart:.1f} s")  # fmt: skip
+    report.figure("restart: kill to the first step after it, tiny.yaml, 2 ranks", restart, "s", at_most=60)
+    report.figure("restart / cold start (launch to the first step)", restart / first_step, "x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    return run("bench_restart", parser, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

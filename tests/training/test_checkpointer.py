@@ -1,0 +1,66 @@
+"""The trainer's checkpoints written in the background (``checkpoint.background``, the default): the
+steps after a save go on while its files are written, ``latest`` moves only once they are complete,
+at most one save is in flight (the next save waits for it), and the run ends only once the last is
+published; with ``checkpoint.background=false`` training waits for the files instead. A real run in
+one process, its save held just before it publishes (the publish pause of the checkpoint code)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from parallel_latent.checkpoint.saving import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
+from tests.helpers.trainer_runs import REPO, cli_command, rank_env, train_records
+
+pytestmark = pytest.mark.slow
+
+EVERY, STEPS, PAUSE_S = 4, 12, 12
+RECIPE = ["parallel.tensor_parallel=1", f"training.max_steps={STEPS}", f"checkpoint.save_every={EVERY}"]
+
+
+def steps_while_paused(run_dir, job) -> list[int]:
+    """The steps recorded while the step-4 save is held before its publish (sampled for ~2 s after
+    they stop moving)."""
+    marker = run_dir / "checkpoints" / f".tmp-step_{EVERY:08d}" / PAUSE_MARKER
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert job.poll() is None and time.monotonic() < deadline, "the step-4 save never reached its publish"
+        time.sleep(0.1)
+    seen, last_change, previous = [], time.monotonic(), None
+    while marker.exists() and time.monotonic() - last_change < 2.0:
+        steps = [r["step"] for r in train_records(run_dir)]
+        if steps != previous:
+            previous, last_change = steps, time.monotonic()
+        seen = steps
+        assert not (run_dir / "checkpoints" / "latest").exists(), "published before it was complete"
+        time.sleep(0.1)
+    assert marker.exists(), "the pause ended before the steps stopped moving"
+    return seen
+
+
+@pytest.mark.parametrize(("background", "steps_during_the_save"), [(True, 2 * EVERY), (False, EVERY)])
+def test_the_steps_after_a_save_go_on_while_it_is_written(background, steps_during_the_save, tmp_path):
+    run_dir = tmp_path / "run"
+    command = cli_command(run_dir, *RECIPE, f"checkpoint.background={str(background).lower()}")
+    job = subprocess.Popen(
+        command, cwd=REPO, env=rank_env({PAUSE_BEFORE_PUBLISH_ENV: f"{PAUSE_S}@{EVERY}"}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        seen = steps_while_paused(run_dir, job)
+        # Background: training went on to the next save, which waits for this one; otherwise it
+        # waited at this one.
+        assert max(seen) == steps_during_the_save, seen
+        stdout, stderr = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, STEPS + 1))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:08d}"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        f"step_{2 * EVERY:08d}",
+        f"step_{STEPS:08d}",
+    ]
+    assert f"checkpoint: {run_dir / 'checkpoints' / f'step_{STEPS:08d}'}" in stdout
