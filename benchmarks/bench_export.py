@@ -1,4 +1,6 @@
-"""Corpus export benchmarks (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1.
+"""Corpus export benchmarks (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1
+(``--config`` another; ``--device cuda`` part 1 on a GPU, ``--throughput-only`` part 1 alone: what
+benchmarks/gpu.sh's encode-corpus row runs).
 
 1. **Throughput**: :func:`parallel_latent.latents.export_latents` (encode, Arrow shards written on a
    background thread, checksums, statistics, index) against a bare loop of the model's ``encode``
@@ -46,15 +48,15 @@ BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
 SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
 
 
-def make_checkpoint(directory: Path) -> Path:
-    """configs/tiny.yaml's model (its initial weights: the speed does not depend on them), saved as
-    a portable checkpoint."""
+def make_checkpoint(directory: Path, config: Path = TINY) -> Path:
+    """``config``'s model (its initial weights, a random GPT-2 where it has one: the speed does not
+    depend on them), saved as a portable checkpoint."""
     from parallel_latent.checkpoint import save_portable
     from parallel_latent.config import load_config
     from parallel_latent.model import build_model
     from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
-    cfg = load_config(TINY, ["parallel.tensor_parallel=1"])
+    cfg = load_config(config, ["parallel.tensor_parallel=1", "feature_model.pretrained=false"])
     tokenizer = load_tokenizer(cfg.tokenizer)
     cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
     save_portable(build_model(cfg), directory, cfg, tokenizer_facts(tokenizer))
@@ -77,7 +79,9 @@ def prepare(checkpoint: Path, corpus: Path, cache: Path, shard_size: int):
     return open_for_training(plan.cfg, load_tokenizer(plan.cfg.tokenizer), announce=False)
 
 
-def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int, shard_size: int) -> dict:
+def bench_throughput(
+    checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int, shard_size: int, device: str = "cpu"
+) -> dict:
     import numpy as np
     import torch
 
@@ -89,7 +93,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
 
     plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
     init_distributed(1, "gloo")
-    autoencoder = TextAutoencoder.from_checkpoint(plan.directory)
+    autoencoder = TextAutoencoder.from_checkpoint(plan.directory, device=device)
     data = open_for_training(plan.cfg, autoencoder.tokenizer, announce=False)
     batch_size, model = plan.export.batch_size, autoencoder.model
 
@@ -98,7 +102,8 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, re
         with torch.no_grad(), eval_mode(model):
             for start in range(0, len(data), batch_size):
                 batch = data.rows(np.arange(start, min(start + batch_size, len(data))))
-                model.encode(batch["input_ids"], batch["attention_mask"]).float().numpy()
+                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                model.encode(ids, mask).float().cpu().numpy()
         return time.perf_counter() - started
 
     def export() -> float:
@@ -176,21 +181,25 @@ def body(args, report: Report) -> None:
     work.mkdir(parents=True, exist_ok=True)
     cache = work / "cache"
     try:
-        print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
-        checkpoint = make_checkpoint(work / "checkpoint")
+        print(f"work directory {work}; {os.cpu_count()} CPUs; device {args.device}", flush=True)
+        checkpoint = make_checkpoint(work / "checkpoint", Path(args.config))
         large = work / f"corpus-{args.lines}.txt"
         write_corpus(large, args.lines)
         large_samples = len(prepare(checkpoint, large, cache, args.shard_size))
-        prepare(checkpoint, BUNDLED, cache, args.shard_size)
 
         print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
-        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size)
+        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size, args.device)
         print(
             f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} samples/s "
             f"({speed['samples']:,} samples)",
             flush=True,
         )
         report.figure("export / bare encode loop, samples per second", speed["ratio"], "x", at_least=0.9)
+        report.figure("export samples/s", speed["export_per_s"], "samples/s")
+        report.figure("bare encode samples/s", speed["bare_per_s"], "samples/s")
+        if args.throughput_only:
+            return
+        prepare(checkpoint, BUNDLED, cache, args.shard_size)
 
         print("\n2. peak RSS of encode-corpus, one process:", flush=True)
         runs = {}
@@ -239,6 +248,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
     parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
     parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
+    parser.add_argument("--throughput-only", action="store_true", help="part 1 alone (benchmarks/gpu.sh's row)")
+    parser.add_argument("--device", default="cpu", help="where the model encodes (part 1): cpu or cuda")
+    parser.add_argument("--config", default=str(TINY), help="the model's config (default configs/tiny.yaml)")
     add_common_arguments(parser)
     return run("bench_export", parser, body)
 

@@ -1,32 +1,33 @@
 """The runs behind benchmarks/gpu.sh: configs/gpt2.yaml in bf16 through the real trainer (so each run
 is also a smoke test of the GPU path: NCCL, bf16, DeepSpeed ZeRO, the compiled dropout kernel), one
-short run per setting, then one table. Built to be run blind on a machine lent for minutes:
+short run per row, then one table. Built to be run blind on a machine lent for minutes:
 
-* first the facts (torch, CUDA, DeepSpeed, Triton, transformers, the device, a C compiler), then a
-  check that the compiled dropout kernel gives the eager bits on this device for two shapes (if it
-  does not, or does not compile, the runs use eager dropout and the table says so);
-* NPROC is clamped to the visible GPUs; ZeRO-2 alone at DP=1 (stages 1 and 2 are the same there);
-* the matrix, most informative first: dropout 0.1 / 0.0 x micro-batch 256 / 32, then
-  ``training.compile=true`` at dropout 0.1, micro-batch 256 (last: compiling may take minutes); with
-  more than one data-parallel rank (NPROC / TP > 1) each row runs with ``parallel.zero_overlap_comm``
-  on and off (launch/README.md says why both);
-* no run writes a checkpoint (``checkpoint.save_final=false``: a final save of gpt2.yaml is ~1.5 GB);
-* every run has a timeout, and the whole a deadline (DEADLINE_S, default 420 s, start-up
-  included): when it is hit, the table of the runs finished so far, and which ran out;
-* a failed run shows the last 20 lines of its output;
-* per row: tokens/s (real tokens, padding excluded), MFU, peak memory, the host-device
-  synchronisations of one step after warm-up (``logging.count_syncs_at_step``:
-  torch.cuda.set_sync_debug_mode), the first window's time (start-up of the step: allocator, kernel
-  selection, compilation), positions/s (every position of the batch, padding included: what MFU
-  counts), and what fell back to eager because compiling failed (from the run's warnings);
-* beside the measured columns, the projected ones where ``benchmarks/bench_projection.py`` (its
-  ``project_row(setting)``) is importable.
+* first the facts (torch, CUDA, DeepSpeed, Triton, transformers, the device, a C compiler); gpu.sh
+  has run the GPU tests (``pytest -m gpu``) before: if the compiled dropout kernel's test failed
+  (its junit file, GPU_TESTS_XML), the rows run eager dropout and the table says so;
+* NPROC is clamped to the visible GPUs; ZeRO-2 at DP=1, ZeRO-1 beyond (the same optimizer state,
+  no gradient partitioning to pay for);
+* the rows, the goals' first: the default (dropout 0.1, micro-batch 256), ``training.compile``,
+  micro-batch 32, then dropout 0.0 at both micro-batches, then ``encode-corpus`` (export samples/s
+  against the bare encode loop on the same device: benchmarks/bench_export.py);
+* every row has its own timeout (:data:`ROWS`), and they add up inside the deadline (DEADLINE_S,
+  default 480 s from gpu.sh's start, install and GPU tests included): a row gets its timeout or
+  what is left, whichever is less, and the table lists what ran out;
+* a window of steps ends with a device synchronisation (the trainer synchronises at each log line
+  and after the first step), so each time counts what the GPU did; per row: the start-up (process
+  start to the first step), the first step (allocator, kernel selection, compilation), the steady
+  step time, tokens/s and MFU (the windows after the first), peak memory, the host-device
+  synchronisations of one step (``logging.count_syncs_at_step``), and the kernels of one step with
+  the attention kernel torch chose (``logging.profile_kernels_at_step``, in the first window);
+* no run writes a checkpoint (``checkpoint.save_final=false``); a failed run shows its last 20 lines;
+* after the rows, if time is left, the projection of each row (benchmarks/bench_projection.py, in a
+  process that sees no GPU), never beside them: it would take the cores the host-bound rows need.
 
-Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (420, from gpu.sh's start: its
-GPU_SH_STARTED_AT), RUN_TIMEOUT_S (180),
-DROPOUTS ("0.1 0.0"), MICRO_BATCHES ("256 32"), COMPILE_ROW (1), PRETRAINED (false: a random GPT-2
-of gpt2's shape; the weights do not change the cost), ALLOW_CPU (1: run on the CPU, for tests).
-Arguments: --quick (a shrunk model, micro-batches 8 and 4, no compile row: the CPU test), --json
+Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (480, from gpu.sh's start: its
+GPU_SH_STARTED_AT), ROWS (names of :data:`ROWS`, all by default), PRETRAINED (false: a random GPT-2
+of gpt2's shape; the weights do not change the cost), ALLOW_CPU (1: run on the CPU, for tests),
+GPU_TESTS_XML (the GPU tests' junit file), PROJECTION (1; 0: none).
+Arguments: --quick (a shrunk model, micro-batches 8 and 4, the CPU's timeouts: the CPU test), --json
 PATH, then config overrides for every run.
 """
 
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import itertools
 import json
 import os
 import re
@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from common import REPO, Report, add_common_arguments, run
@@ -56,7 +57,21 @@ QUICK_OVERRIDES = [
     "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
     "data.max_samples=400",
 ]  # fmt: skip
-MFU_GOALS = {256: 0.35, 32: 0.20}  # at dropout 0.1, TP=1, bf16, one H200 (the host-free step's goals)
+# name -> (setting, timeout s on a GPU, on a CPU with --quick). "B" / "S": the big and small
+# micro-batch (256 / 32; quick: 8 / 4). On a GPU the timeouts (350 s) leave the deadline's other
+# 130 s to an install (60 s) and the GPU tests (GPU_TESTS_S, 60 s); a CPU compiles slowly.
+ROWS = {
+    "default": ({"model.dropout": "0.1", "training.micro_batch_size": "B"}, 55, 120),
+    "compile": ({"model.dropout": "0.1", "training.micro_batch_size": "B", "training.compile": "true"}, 120, 300),
+    "micro32": ({"model.dropout": "0.1", "training.micro_batch_size": "S"}, 40, 120),
+    "dropout0": ({"model.dropout": "0.0", "training.micro_batch_size": "B"}, 40, 120),
+    "dropout0 micro32": ({"model.dropout": "0.0", "training.micro_batch_size": "S"}, 35, 120),
+    "encode-corpus": ({}, 60, 120),
+}  # fmt: skip
+MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}  # one H200, TP=1, bf16 (the projection's)
+EXPORT_GOAL = 0.9  # export / bare encode loop samples/s
+DROPOUT_TEST = "test_on_cuda_the_compiled_mask_kernel_gives_the_eager_bits"
+PROFILE_STEP = 2  # in the first window: the profiler's overhead stays out of the steady ones
 
 
 def version(package: str) -> str:
@@ -79,45 +94,16 @@ def print_facts() -> None:
     )
 
 
-# The dropout check: several sites of one model (layer ids) at several steps and sample offsets, as
-# training calls the kernel (constant keys would compile a variant training never uses).
-DROPOUT_CHECK_SITES = 3
-DROPOUT_CHECK_KEYS = ((7, 0), (8, 32), (9, 96))  # (step, sample_offset)
-DROPOUT_CHECK_SHAPES = ((32, 64, 768), (8, 64, 3072))
-
-
-def compiled_dropout_matches_eager() -> bool:
-    """The compiled dropout kernel against eager, on this GPU (bits), over the sites, keys and
-    shapes above."""
-    import torch
-
-    from parallel_latent.parallel import DropoutRNG, ParallelDropout
-
-    if not torch.cuda.is_available():
-        print("compiled dropout check: skipped (no CUDA device; the CPU runs dropout eagerly)", flush=True)
-        return True
-    started = time.perf_counter()
-    eager_rng, compiled_rng = DropoutRNG(seed=3, compile_devices=()), DropoutRNG(seed=3)
-    eager = [ParallelDropout(0.1, eager_rng).train() for _ in range(DROPOUT_CHECK_SITES)]
-    compiled = [ParallelDropout(0.1, compiled_rng).train() for _ in range(DROPOUT_CHECK_SITES)]
-    same = True
-    for (step, offset), shape in itertools.product(DROPOUT_CHECK_KEYS, DROPOUT_CHECK_SHAPES):
-        for rng in (eager_rng, compiled_rng):
-            rng.step, rng.sample_offset = step, offset
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        same &= all(torch.equal(c(x), e(x)) for c, e in zip(compiled, eager, strict=True))
-    failure = getattr(compiled_rng.kernel(torch.device("cuda")), "failure", None)
-    seconds = time.perf_counter() - started
-    if failure:
-        print(f"compiled dropout check: compiling failed ({failure}): the runs use eager dropout", flush=True)
-        return False
-    checked = f"{DROPOUT_CHECK_SITES} sites x {len(DROPOUT_CHECK_KEYS)} keys x {len(DROPOUT_CHECK_SHAPES)} shapes"
-    print(
-        f"compiled dropout check: {'the same bits as eager' if same else 'DIFFERENT bits from eager'} for {checked} "
-        f"({seconds:.0f} s with compilation){'' if same else ': the runs use eager dropout'}",
-        flush=True,
-    )
-    return same
+def compiled_dropout_passed(junit: str | None) -> bool | None:
+    """The GPU tests' verdict on the compiled dropout kernel (None: not run, or no such file)."""
+    if not junit or not Path(junit).is_file():
+        return None
+    for case in ElementTree.parse(junit).iter("testcase"):
+        if case.get("name") == DROPOUT_TEST:
+            if case.find("skipped") is not None:
+                return None
+            return case.find("failure") is None and case.find("error") is None
+    return None
 
 
 def visible_gpus() -> int:
@@ -126,21 +112,22 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def settings(compile_ok: bool, quick: bool, data_parallel: int) -> list[dict]:
-    dropouts = os.environ.get("DROPOUTS", "0.1 0.0").split()
-    micro_batches = os.environ.get("MICRO_BATCHES", "8 4" if quick else "256 32").split()
-    pairs = itertools.product(dropouts, micro_batches)
-    matrix = [{"model.dropout": d, "training.micro_batch_size": m} for d, m in pairs]
-    # Compiling the blocks takes minutes on a CPU: no compile row in the CPU test unless asked. On a
-    # GPU it runs last, so that a slow compilation costs only its own row.
-    if os.environ.get("COMPILE_ROW", "0" if quick else "1") == "1":
-        matrix.append({**matrix[0], "training.compile": "true"})
-    if data_parallel > 1:  # DeepSpeed's overlapped reduction synchronises the device: measure both
-        matrix = [{**s, "parallel.zero_overlap_comm": overlap} for s in matrix for overlap in ("on", "off")]
-    if not compile_ok:
-        for setting in matrix:
+def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, float]]:
+    """(name, setting, timeout) of the rows to run, in their order."""
+    names = os.environ.get("ROWS", "").split(",") if os.environ.get("ROWS") else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"bench_gpu: ROWS names {', '.join(unknown)}: expected some of {', '.join(ROWS)}")
+    big, small = ("8", "4") if quick else ("256", "32")
+    rows = []
+    for name in names:
+        setting, on_gpu, on_cpu = ROWS[name]
+        timeout = on_cpu if quick else on_gpu
+        setting = {k: {"B": big, "S": small}.get(v, v) for k, v in setting.items()}
+        if not compile_dropout and name != "encode-corpus":
             setting["training.compile_dropout"] = "false"
-    return matrix
+        rows.append((name, setting, timeout))
+    return rows
 
 
 def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, zero_stage: int) -> list[str]:
@@ -149,10 +136,10 @@ def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, ze
         sys.executable, "-m", "parallel_latent", "train", "--config", "configs/gpt2.yaml", "--nproc", str(nproc),
         f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
         f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
-        f"logging.count_syncs_at_step={int(log_every) + 1}", "training.eval_every=0", "checkpoint.save_every=0",
-        "checkpoint.save_final=false", "checkpoint.export_portable=false", "checkpoint.resume=never",
-        "logging.print_samples=0", f"logging.run_dir={run_dir}", "logging.tensorboard=false",
-        "logging.progress_bar=false",
+        f"logging.count_syncs_at_step={int(log_every) + 1}", f"logging.profile_kernels_at_step={PROFILE_STEP}",
+        "training.eval_every=0", "checkpoint.save_every=0", "checkpoint.save_final=false",
+        "checkpoint.export_portable=false", "checkpoint.resume=never", "logging.print_samples=0",
+        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
         *[f"{key}={value}" for key, value in setting.items()], *extra,
     ]  # fmt: skip
 
@@ -172,27 +159,36 @@ def fallbacks(log_text: str) -> dict[str, str]:
     return found
 
 
-def run_one(command: list[str], run_dir: Path, timeout: float, positions_per_sample: int) -> dict:
-    """One training run in its own session (so a timeout takes down its ranks too)."""
+def run_process(command: list[str], log: Path, timeout: float, cwd: Path = REPO) -> int | None:
+    """Exit status of ``command`` in its own session (a timeout takes down its ranks too); None: timed out."""
     env = dict(os.environ)
     if os.environ.get("PRETRAINED", "false") != "true":
         env.setdefault("HF_HUB_OFFLINE", "1")
-    log = run_dir.with_suffix(".log")
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
         try:
-            status = process.wait(timeout=max(1.0, timeout))
+            return process.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            return {"timeout": True}
-    if status != 0:
-        return {"error": log.read_text(errors="replace").splitlines()[-20:]}
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            return None
+
+
+def attention_kernels(names: dict) -> str:
+    """The SDPA backends among a step's attention kernel names."""
+    kinds = {"fmha": "efficient", "flash": "flash", "cudnn": "cudnn"}
+    found = sorted({kind for name in names for word, kind in kinds.items() if word in name.lower()})
+    return "+".join(found) or ("math" if names else "-")
+
+
+def training_row(records: list[dict], log_text: str, positions_per_sample: int) -> dict:
+    """A training row's figures from its metrics.jsonl records."""
     train = [r for r in records if r["kind"] == "train"]
-    syncs = [r for r in records if r["kind"] == "syncs"]
-    steady = train[1:] or train  # the first window holds warm-up (allocator, kernel selection, compile)
+    first = next((r for r in records if r["kind"] == "first_step"), None)
+    syncs = next((r for r in records if r["kind"] == "syncs"), None)
+    kernels = next((r for r in records if r["kind"] == "kernels"), None)
+    steady = train[1:] or train  # the first window holds the first step (allocator, kernel selection, compile)
 
     def mean(key: str) -> float:
         values = [r[key] for r in steady if r.get(key) is not None]
@@ -204,62 +200,114 @@ def run_one(command: list[str], run_dir: Path, timeout: float, positions_per_sam
         "step_ms": mean("step_time_s") * 1e3,
         "mfu": mean("mfu"),
         "peak_gib": max(r["peak_memory_gb"] for r in train),
-        "syncs": syncs[0]["count"] if syncs else None,
-        "warmup_s": train[0]["step_time_s"] * train[0]["steps_in_window"],
+        "syncs": syncs["count"] if syncs else None,
+        "kernels": kernels["count"] if kernels else None,
+        "attention": attention_kernels(kernels["attention"]) if kernels else "-",
+        "first_step_s": first["seconds"] if first else float("nan"),
+        "startup_s": first["since_start_s"] - first["seconds"] if first else float("nan"),
         "loss": steady[-1]["loss"],
         "positions_per_s": mean("samples_per_s") * positions_per_sample,
-        "fallbacks": fallbacks(log.read_text(errors="replace")),
+        "fallbacks": fallbacks(log_text),
     }
+
+
+def run_training(setting: dict, extra: list[str], run_dir: Path, timeout: float, context: dict) -> dict:
+    command = train_command(setting, extra, run_dir, context["nproc"], context["zero_stage"])
+    log = run_dir.with_suffix(".log")
+    status = run_process(command, log, timeout)
+    if status is None:
+        return {"timeout": True}
+    if status != 0:
+        return {"error": log.read_text(errors="replace").splitlines()[-20:]}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return training_row(records, log.read_text(errors="replace"), context["positions"])
+
+
+def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
+    """benchmarks/bench_export.py's throughput part on this device: export / bare encode samples/s."""
+    device = "cuda" if context["gpus"] else "cpu"
+    figures = run_dir.with_suffix(".json")
+    lines, shard = ("2000", "256") if context["quick"] else ("20000", "2048")
+    size = ["--lines", lines, "--shard-size", shard]
+    config = "configs/tiny.yaml" if context["quick"] else "configs/gpt2.yaml"
+    command = [sys.executable, "benchmarks/bench_export.py", "--throughput-only", "--device", device,
+               "--config", config, *size, "--repeats", "1", "--json", str(figures)]  # fmt: skip
+    status = run_process(command, run_dir.with_suffix(".log"), timeout)
+    if status is None:
+        return {"timeout": True}
+    if status != 0 or not figures.is_file():
+        return {"error": run_dir.with_suffix(".log").read_text(errors="replace").splitlines()[-20:]}
+    values = {f["name"]: f["value"] for f in json.loads(figures.read_text())["figures"]}
+    ratio = values["export / bare encode loop, samples per second"]
+    return {"export samples/s": values["export samples/s"], "bare samples/s": values["bare encode samples/s"],
+            "ratio": ratio}  # fmt: skip
+
+
+def label(setting: dict) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k != "training.compile_dropout")
+
+
+def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
+    """The training rows (the first three columns keep their places: tests and readers parse them),
+    then the export row."""
+    head = (f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} "
+            f"{'peak GiB':>8} {'syncs':>5} {'kernels':>7} {'start-up s':>10} {'1st step s':>10} "
+            f"{'attention':>10} {'fallback':>12} {'proj ms':>8} {'proj MFU %':>10}")  # fmt: skip
+    print(head)
+    for name, setting, r in rows:
+        if name == "encode-corpus":
+            continue
+        p = projected.get(name)
+        cells = [
+            f"{setting['model.dropout']:>7}", f"{setting['training.micro_batch_size']:>5}",
+            f"{setting.get('training.compile', 'false'):>7}", f"{r['tokens_per_s']:>12,.0f}", f"{r['step_ms']:>8.1f}",
+            f"{r['mfu'] * 100:>6.1f}", f"{r['peak_gib']:>8.2f}", f"{r['syncs'] if r['syncs'] is not None else '-':>5}",
+            f"{r['kernels'] if r['kernels'] is not None else '-':>7}", f"{r['startup_s']:>10.1f}",
+            f"{r['first_step_s']:>10.1f}", f"{r['attention']:>10}", f"{','.join(r['fallbacks']) or '-':>12}",
+            f"{p['step_ms_overlapped'] if p else float('nan'):>8.1f}",
+            f"{p['mfu_overlapped'] * 100 if p else float('nan'):>10.1f}",
+        ]  # fmt: skip
+        print(" ".join(cells))
+    for name, _, r in rows:
+        if name == "encode-corpus":
+            print(f"encode-corpus: export {r['export samples/s']:,.0f} samples/s, bare encode loop "
+                  f"{r['bare samples/s']:,.0f} samples/s: {r['ratio']:.3f}x")  # fmt: skip
+    for _, setting, r in rows:
+        for cause in r.get("fallbacks", {}).values():
+            print(f"fell back to eager in {label(setting)}: {cause}")
 
 
 PROJECT_ROWS = (
     "import json, sys\n"
     "from bench_projection import project_row\n"
-    "rows = [project_row(setting, quick=sys.argv[2] == '1') for setting in json.loads(sys.argv[1])]\n"
+    "rows = {name: project_row(setting, quick=sys.argv[2] == '1') for name, setting in json.loads(sys.argv[1])}\n"
     "print(json.dumps(rows))\n"
 )
 
 
-class BackgroundProjection:
-    """The projected step time and MFU of every setting (``project_row`` of
-    benchmarks/bench_projection.py), computed while the GPU runs, in a process that sees no GPU: its
-    DeepSpeed step runs on the CPU and must share neither this process's CUDA context nor its
-    DeepSpeed accelerator, nor the runs' cores beyond a few threads."""
-
-    def __init__(self, settings: list[dict], quick: bool):
-        self.settings = settings
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PROJECT_ROWS, json.dumps(settings), "1" if quick else "0"],
-            cwd=Path(__file__).resolve().parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, start_new_session=True,
-        )  # fmt: skip
-
-    def lookup(self, timeout: float):
-        """``setting -> projection or None``, or None when the projection did not finish in ``timeout``
-        seconds or failed (the table then shows what was measured)."""
-        try:
-            out, _ = self.process.communicate(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.communicate()
-            print("projection: not finished within the deadline; measured columns only", flush=True)
-            return None
-        lines = out.strip().splitlines()
-        if self.process.returncode != 0 or not lines:
-            print(f"projection failed (exit {self.process.returncode}); measured columns only", flush=True)
-            return None
-        projected = {
-            json.dumps(s, sort_keys=True): row for s, row in zip(self.settings, json.loads(lines[-1]), strict=True)
-        }
-        return lambda setting: projected.get(json.dumps(setting, sort_keys=True))
-
-
-def start_projection(settings: list[dict], quick: bool) -> BackgroundProjection | None:
-    """A :class:`BackgroundProjection` where benchmarks/bench_projection.py is importable."""
-    if importlib.util.find_spec("bench_projection") is None:
-        return None
-    return BackgroundProjection(settings, quick)
+def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: float) -> dict:
+    """name -> projected step and MFU of each training row, computed now (the GPU runs are over) in a
+    process that sees no GPU, within ``seconds``; {} where it cannot be."""
+    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("bench_projection") is None:
+        return {}
+    if seconds < 30:
+        print(f"projection: skipped ({seconds:.0f} s left; python benchmarks/bench_projection.py on any CPU)")
+        return {}
+    settings = [(name, {k: v for k, v in s.items() if k != "training.compile_dropout"})
+                for name, s, _ in rows if name != "encode-corpus"]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    command = [sys.executable, "-c", PROJECT_ROWS, json.dumps(settings), "1" if quick else "0"]
+    try:
+        done = subprocess.run(command, cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True,
+                              timeout=seconds, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        print(f"projection: not finished in the {seconds:.0f} s left; measured columns only")
+        return {}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        print(f"projection failed (exit {done.returncode}); measured columns only")
+        return {}
+    return {name: row for name, row in json.loads(lines[-1]).items() if row}
 
 
 def positions_per_sample(extra: list[str]) -> int:
@@ -269,44 +317,61 @@ def positions_per_sample(extra: list[str]) -> int:
     return load_config(REPO / "configs" / "gpt2.yaml", extra).model.max_length
 
 
-def label(setting: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k != "training.compile_dropout")
+def run_rows(planned, extra, deadline: float, context: dict):
+    """Each row within its timeout or what is left of the deadline; (finished rows, unfinished)."""
+    rows, unfinished = [], []
+    budget = sum(timeout for *_, timeout in planned)
+    print(f"rows: {', '.join(n for n, *_ in planned)}; timeouts {budget:.0f} s in all, "
+          f"{deadline - time.monotonic():.0f} s left of the deadline", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="parallel-latent-gpu-bench.") as scratch:
+        for index, (name, setting, timeout) in enumerate(planned):
+            left = deadline - time.monotonic()
+            if left < 5:
+                unfinished.append((name, "not started: deadline reached"))
+                continue
+            run_dir = Path(scratch) / f"row{index}"
+            limit = min(timeout, left)
+            if name == "encode-corpus":
+                result = run_export(run_dir, limit, context)
+            else:
+                result = run_training(setting, extra, run_dir, limit, context)
+            if "timeout" in result:
+                unfinished.append((name, f"ran out of time ({'its timeout' if limit == timeout else 'deadline'}, "
+                                         f"{limit:.0f} s)"))  # fmt: skip
+                print(f"{name}: ran out of time", flush=True)
+            elif "error" in result:
+                unfinished.append((name, "failed"))
+                print(f"{name}: FAILED; its last lines:\n" + "\n".join(f"    {line}" for line in result["error"]))
+            else:
+                rows.append((name, setting, result))
+                print(f"{name} ({label(setting)}): {json.dumps({k: v for k, v in result.items() if k != 'fallbacks'})}",
+                      flush=True)  # fmt: skip
+    return rows, unfinished
 
 
-def span(low: float, high: float, scale: float = 1.0) -> str:
-    return f"{low * scale:.0f}-{high * scale:.0f}"
-
-
-def print_table(rows: list[tuple[dict, dict]], project) -> None:
-    """The measured columns (the first nine keep their places: tests and readers parse them), then
-    positions/s, what fell back to eager, the ZeRO overlap setting, and the projection if any."""
-    projected = ["proj ms", "proj MFU %"] if project else []
-    print(f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} {'peak GiB':>8} "
-          f"{'syncs':>5} {'warm-up s':>9} {'positions/s':>12} {'fallback':>15} {'zero_ovl':>8}"
-          + "".join(f" {name:>10}" for name in projected))  # fmt: skip
-    for setting, r in rows:
-        cells = [
-            f"{setting['model.dropout']:>7}", f"{setting['training.micro_batch_size']:>5}",
-            f"{setting.get('training.compile', 'false'):>7}", f"{r['tokens_per_s']:>12,.0f}", f"{r['step_ms']:>8.1f}",
-            f"{r['mfu'] * 100:>6.1f}", f"{r['peak_gib']:>8.2f}", f"{r['syncs'] if r['syncs'] is not None else '-':>5}",
-            f"{r['warmup_s']:>9.1f}", f"{r['positions_per_s']:>12,.0f}", f"{','.join(r['fallbacks']) or '-':>15}",
-            f"{setting.get('parallel.zero_overlap_comm', '-'):>8}",
-        ]  # fmt: skip
-        if project:
-            p = project(setting)
-            cells += [f"{span(p['step_ms_overlapped'], p['step_ms_summed']) if p else '-':>10}",
-                      f"{span(p['mfu_summed'], p['mfu_overlapped'], 100) if p else '-':>10}"]  # fmt: skip
-        print(" ".join(cells))
-    for setting, r in rows:
-        for cause in r["fallbacks"].values():
-            print(f"fell back to eager in {label(setting)}: {cause}")
+def report_rows(rows, report: Report, gpus: int, quick: bool) -> None:
+    for name, _, r in rows:
+        if name == "encode-corpus":
+            goal = EXPORT_GOAL if gpus and not quick else None
+            report.figure("encode-corpus export / bare encode loop", r["ratio"], "x", at_least=goal)
+            report.figure("encode-corpus export samples/s", r["export samples/s"], "samples/s")
+            continue
+        goal = MFU_GOALS.get(name) if gpus and not quick else None
+        report.figure(f"tokens/s, {name}", r["tokens_per_s"], "tokens/s")
+        report.figure(f"MFU, {name}", r["mfu"], "", at_least=goal)
+        report.figure(f"steady step, {name}", r["step_ms"], "ms")
+        report.figure(f"first step, {name}", r["first_step_s"], "s")
+        report.figure(f"start-up to the first step, {name}", r["startup_s"], "s")
+        if r["syncs"] is not None:
+            report.figure(f"host syncs per step, {name}", r["syncs"], "")
+        if r["kernels"] is not None:
+            report.figure(f"kernels per step, {name}", r["kernels"], "")
 
 
 def body(args, report: Report) -> None:
-    # From gpu.sh's start where it says when that was (its import check and install count too).
+    # From gpu.sh's start where it says when that was (its install, import check and tests count too).
     started_ago = time.time() - float(os.environ.get("GPU_SH_STARTED_AT", time.time()))
-    deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "420")) - max(0.0, started_ago)
-    run_timeout = float(os.environ.get("RUN_TIMEOUT_S", "180"))
+    deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "480")) - max(0.0, started_ago)
     print_facts()
     gpus = visible_gpus()
     nproc = int(os.environ.get("NPROC", "1"))
@@ -317,54 +382,20 @@ def body(args, report: Report) -> None:
         raise RuntimeError("no CUDA device visible (ALLOW_CPU=1 runs on the CPU)")
     extra = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
     tp = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("parallel.tensor_parallel=")), 1)
-    zero_stage = 2 if nproc // tp == 1 else 1  # at DP=1 ZeRO 1 and 2 do the same; else the cheaper one
-    compile_ok = compiled_dropout_matches_eager() if not args.quick else True
-    positions = positions_per_sample(extra)
-    rows, unfinished = [], []
-    matrix = settings(compile_ok, args.quick, nproc // tp)
-    projection = start_projection(matrix, args.quick)
-    with tempfile.TemporaryDirectory(prefix="parallel-latent-gpu-bench.") as scratch:
-        for index, setting in enumerate(matrix):
-            left = deadline - time.monotonic()
-            if left < 5:
-                unfinished.append((setting, "not started: deadline reached"))
-                continue
-            run_dir = Path(scratch) / f"run{index}"
-            command = train_command(setting, extra, run_dir, nproc, zero_stage)
-            result = run_one(command, run_dir, min(run_timeout, left), positions)
-            if "timeout" in result:
-                why = "deadline" if left <= run_timeout else "RUN_TIMEOUT_S"
-                unfinished.append((setting, f"ran out of time ({why}, {min(run_timeout, left):.0f} s)"))
-                print(f"{label(setting)}: ran out of time", flush=True)
-                continue
-            if "error" in result:
-                unfinished.append((setting, "failed"))
-                print(f"{label(setting)}: FAILED; its last lines:", flush=True)
-                print("\n".join(f"    {line}" for line in result["error"]), flush=True)
-                continue
-            rows.append((setting, result))
-            print(
-                f"{label(setting)}, steps {result['steps']}: {result['tokens_per_s']:,.0f} tokens/s "
-                f"({result['positions_per_s']:,.0f} positions/s), MFU {result['mfu'] * 100:.1f}%, "
-                f"peak {result['peak_gib']:.2f} GiB, syncs/step {result['syncs']}, "
-                f"first window {result['warmup_s']:.1f} s"
-                + (f", fell back to eager: {', '.join(result['fallbacks'])}" if result["fallbacks"] else ""),
-                flush=True,
-            )
-    print(f"\nconfigs/gpt2.yaml, bf16, {nproc} process(es), ZeRO-{zero_stage}, dropout kernel "
-          f"{'compiled' if compile_ok and gpus else 'eager'}:")  # fmt: skip
-    print_table(rows, projection.lookup(deadline - time.monotonic()) if projection else None)
-    for setting, why in unfinished:
-        print(f"not in the table: {label(setting)}: {why}")
-    for setting, r in rows:
-        name = label(setting)
-        micro, dropout = int(setting["training.micro_batch_size"]), float(setting["model.dropout"])
-        goal = MFU_GOALS.get(micro) if dropout > 0 and gpus and not args.quick else None
-        report.figure(f"tokens/s, {name}", r["tokens_per_s"], "tokens/s")
-        report.figure(f"positions/s, {name}", r["positions_per_s"], "positions/s")
-        report.figure(f"MFU, {name}", r["mfu"], "", at_least=goal)
-        if r["syncs"] is not None:
-            report.figure(f"host syncs per step, {name}", r["syncs"], "")
+    verdict = compiled_dropout_passed(os.environ.get("GPU_TESTS_XML"))
+    if verdict is False:
+        print("the compiled dropout kernel failed its GPU test: the rows run eager dropout", flush=True)
+    context = {"nproc": nproc, "zero_stage": 2 if nproc // tp == 1 else 1, "gpus": gpus, "quick": args.quick,
+               "positions": positions_per_sample(extra)}  # fmt: skip
+    planned = chosen_rows(args.quick, compile_dropout=verdict is not False)
+    rows, unfinished = run_rows(planned, extra, deadline, context)
+    projected = projection_after(rows, args.quick, deadline - time.monotonic() - 5)
+    dropout = "compiled" if verdict is not False and gpus else "eager"
+    print(f"\nconfigs/gpt2.yaml, bf16, {nproc} process(es), ZeRO-{context['zero_stage']}, dropout kernel {dropout}:")
+    print_table(rows, projected)
+    for name, why in unfinished:
+        print(f"not in the table: {name}: {why}")
+    report_rows(rows, report, gpus, args.quick)
     if not rows:  # nothing finished: say so, but the script did its job within the deadline
         report.figure("runs finished within the deadline", 0, "")
 

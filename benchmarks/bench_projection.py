@@ -1,35 +1,47 @@
-"""The H200 step of configs/gpt2.yaml, projected on a CPU: one training step traced on the meta
-device (bf16, the real model and loss, no FLOP spent), every dispatched operator recorded with its
-FLOPs, bytes read and written and the kernels it costs, then a roofline with pinned constants for
-each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch 256 / 32, and
-``training.compile`` at dropout 0.1, micro-batch 256).
+"""The H200 step of configs/gpt2.yaml, projected on a CPU: the whole of one ``Trainer.train_step``
+traced (benchmarks/step_trace.py: the model's forward and backward on the meta device at the row's
+batch, the rest of the step, DeepSpeed's backward work and optimizer step included, from a real step
+on the CPU), every operator charged with the kernels CUDA launches for it, then a roofline with
+pinned constants for each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch
+256 / 32, and ``training.compile`` at dropout 0.1, micro-batch 256).
 
 Pinned rules, so that figures stay comparable from change to change:
 
 * MFU against 989 TFLOP/s dense bf16, with ``training/flops.py``'s model FLOPs (the traced matmul FLOPs
   equal them within 1%: a test);
 * a matmul takes max(FLOPs / 700 TFLOP/s above 20 GFLOP, or / 593 TFLOP/s below; bytes / 4.0 TB/s);
-  every other kernel bytes / 4.0 TB/s; 5 us per kernel launch (eager; none inside a CUDA graph);
+  every other kernel bytes / 4.0 TB/s; no kernel less than 2 us of device time (a kernel's launch
+  to retirement on the device, however little it touches); 5 us of host time per launch (eager;
+  none inside a CUDA graph);
+* the kernels an operator launches on CUDA: one, except where :data:`CUDA_KERNELS` says (an
+  operator whose CUDA implementation is several kernels), a multi-tensor operator (``_foreach_*``,
+  fused AdamW) as many as torch's ``multi_tensor_apply`` launches for its tensors
+  (:func:`multi_tensor_launches`), a ``cat`` one per 128 inputs, and none for an operator that
+  only makes a host scalar;
 * a region compiled with torch.compile is one kernel per run of consecutive non-matmul,
   non-collective operators between matmuls and collectives, whose bytes are the run's external
-  inputs and outputs only;
+  inputs and outputs only; a scatter (an indexed write) and an operator of several CUDA kernels
+  end the run (inductor materialises around them);
 * per row: device + launch time summed, and the overlapped max of the two; the top ten costs.
 
-What runs is what the code does on CUDA: the dropout mask is one compiled region per site where
-``training.compile_dropout`` is on (``DropoutRNG.kernel``), the loss's per-chunk work is compiled
-where the model's ``LossKernels`` say so for a CUDA device, ``training.compile`` compiles each
-Perceiver block (forward and backward: the autograd nodes a region created count as the region;
-a ``torch.compiler.disable`` function inside it runs eagerly and starts a new forward graph after it).
-Attention is the kernel CUDA picks for a masked bf16 SDPA (memory-efficient attention, its bias
-from the boolean mask): on meta, SDPA would otherwise decompose into its math path.
+What the CPU trace cannot show, and is added here (:func:`cuda_only`): the micro-batch's
+host-to-device copies (on a CPU the batch is already where the model is). What is left out: the
+CUDA caching allocator (no kernels), NCCL's internal work at DP=1 (there is no collective), cuBLAS
+split-K reductions (none at these shapes is assumed) and the compiled regions' autotuning.
 
-The optimizer step cannot run on meta: it is measured by running the real ``Trainer.train_step``
-(DeepSpeed's engine, ZeRO-2, bf16) on the CPU at gpt2.yaml's parameter count (micro-batch 1: the
-step's cost does not depend on the batch) under a dispatch mode around ``engine.step``, with
-torch's fused AdamW (``optimizer.fused=on``: what CUDA runs, whose kernel the CPU has too); every
-operator it dispatches counts as one kernel (a CUDA fused or foreach op over ZeRO's flat partition
-is one or a few), its bytes those of its real tensors, and its host synchronisations
-(``aten._local_scalar_dense``) are reported.
+What runs is what the code does on CUDA: the dropout mask is one compiled region per site where
+``training.compile_dropout`` is on, the loss's per-chunk work is compiled where the model's
+``LossKernels`` say so for a CUDA device, ``training.compile`` compiles each Perceiver block
+(forward and backward: the autograd nodes a region created count as the region; a
+``torch.compiler.disable`` function inside it runs eagerly and starts a new forward graph after
+it). Attention is the kernel CUDA picks for a masked bf16 SDPA (memory-efficient attention, its
+bias from the boolean mask).
+
+The rest of the step is a real ``Trainer.train_step`` on the CPU at gpt2.yaml's parameter count
+(micro-batch 1: DeepSpeed's work does not depend on the batch) with torch's fused AdamW
+(``optimizer.fused=on``: what CUDA runs); its host synchronisations (``aten._local_scalar_dense``)
+and its Python hook calls are reported. DeepSpeed's kernels per step (its backward work and its
+step) are counted at DP=1 and, over two real gloo ranks, at DP=2.
 
 Usage: python benchmarks/bench_projection.py [--quick] [--json PATH]
 """
@@ -37,314 +49,91 @@ Usage: python benchmarks/bench_projection.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
-import os
+import math
 import sys
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from step_trace import (  # noqa: F401 (the tracer's names, for the tests)
+    REPO,
+    Op,
+    StepTracer,
+    real_step,
+    real_step_on_ranks,
+    real_step_overrides,
+    row_config,
+    trace_model,
+)
 
-from common import REPO, Report, add_common_arguments, run
+from common import Report, add_common_arguments, run
 
 PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator
 BIG_MATMUL_FLOPS, BIG_MATMUL_RATE, SMALL_MATMUL_RATE = 20e9, 700e12, 593e12
 BANDWIDTH = 4.0e12  # bytes/s
 LAUNCH_S = 5e-6  # per kernel launch (the project captures no CUDA graph: every kernel is launched)
-MFU_GOALS = {"default": 0.35, "compile": 0.45, "micro32": 0.20}  # overlapped figure, dropout 0.1
+MIN_KERNEL_S = 2e-6  # device time of the smallest kernel
+MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}  # overlapped figure, dropout 0.1
+DEEPSPEED_KERNEL_GOALS = {1: 250, 2: 300}  # DeepSpeed's backward work + its step, per DP size
+HOOK_CALL_GOAL = 20
 
-SHRINK = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
-          "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
-# Operators that launch nothing: allocation, metadata, aliasing.
-NO_KERNEL = {
-    "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.new_empty.default",
-    "aten.new_empty_strided.default", "aten.detach.default", "aten._unsafe_view.default", "aten.alias.default",
-    "aten.lift_fresh.default", "aten.set_.source_Storage_storage_offset", "aten.resize_.default",
+# Operators whose CUDA implementation launches more than one kernel, and what they are.
+CUDA_KERNELS = {
+    "aten.native_layer_norm_backward.default": (2, "the input gradient, then the weight and bias gradients' "
+                                                "reduction over rows"),
+    "aten._scaled_dot_product_efficient_attention_backward.default": (2, "the row sums of dO * O (delta), then "
+                                                                      "the backward kernel"),
+    "aten.embedding_dense_backward.default": (6, "a sort of the indices, the segment offsets and sizes, partial "
+                                              "sums per segment, their reduction into the table"),
+    "aten._foreach_norm.Scalar": (None, "multi_tensor_apply's launches, then one cleanup kernel"),
 }  # fmt: skip
-COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+SCATTERS = ("aten.index_put", "aten._index_put_impl_", "aten.index_add", "aten.scatter", "aten.index_copy")
+# torch's multi_tensor_apply: per launch at most this many tensors (by the number of tensor lists
+# the operator takes) and 320 blocks of 65536 elements.
+MULTI_TENSOR_LISTS = {"aten._foreach_copy_": 2, "aten._foreach_norm": 1, "aten._foreach_zero_": 1,
+                      "aten._foreach_add_": 1, "aten._foreach_mul_": 1, "aten._fused_adamw_": 4}  # fmt: skip
+MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+MAX_BLOCKS, CHUNK = 320, 65536
 
 
 # --------------------------------------------------------------------------- #
-# Tracing.
+# Kernels of an operator.
 # --------------------------------------------------------------------------- #
 
 
-@dataclasses.dataclass
-class Op:
-    name: str
-    kind: str  # "matmul", "collective" or "other"
-    flops: float
-    reads: list[tuple[int, tuple, int]]  # (storage key, (first element, elements spanned, element size), bytes)
-    writes: list[tuple[int, tuple, int]]
-    region: tuple[str, int] | None  # the compiled region's label and call it runs in, None: eager
-    phase: str  # "forward", "backward", "optimizer"
-    part: str  # "loss" (the cross-entropy, forward and backward) or "model"
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for *_, b in self.reads) + sum(b for *_, b in self.writes)
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+def multi_tensor_launches(numels: list[int], lists: int) -> int:
+    """Kernel launches of torch's CUDA ``multi_tensor_apply`` over tensors of ``numels`` elements
+    with ``lists`` tensor lists: a launch whenever its tensor or block table fills, and at the end."""
+    launches, tensors, blocks = 0, 0, 0
+    live = [n for n in numels if n > 0]
+    for index, numel in enumerate(live):
+        tensors += 1
+        chunks = math.ceil(numel / CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            last = index == len(live) - 1 and chunk == chunks - 1
+            if blocks == MAX_BLOCKS or tensors == MAX_TENSORS[lists] or last:
+                launches += 1
+                blocks = 0
+                tensors = 0 if chunk == chunks - 1 else 1  # a tensor split over launches starts the next
+    return launches
 
 
-def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and which of them
-    it only writes (``out=``: not read)."""
-    written, only_written = [], []
-    for index, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
-        tensors = _tensors(value)
-        written += tensors
-        if argument.is_out:
-            only_written += tensors
-    return written, only_written
-
-
-class StepTracer(TorchDispatchMode):
-    """Records every operator that launches a kernel, with the compiled region it belongs to:
-    in forward the innermost :meth:`region` being run, in backward the region whose forward
-    created the autograd node being run."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[Op] = []
-        self.phase = "forward"
-        self.in_loss = False
-        self._region: tuple[str, int] | None = None
-        self._calls = 0
-        self._node_regions: dict = {}
-        self._storages: list = []  # kept alive: a storage key is never reused within the trace
-
-    def _access(self, tensor: torch.Tensor) -> tuple[int, tuple, int]:
-        storage = tensor.untyped_storage()
-        self._storages.append(storage)
-        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-        view = (tensor.storage_offset(), span if tensor.numel() else 0, tensor.element_size())
-        return storage._cdata, view, tensor.numel() * tensor.element_size()
-
-    def _current_region(self) -> tuple[str, int] | None:
-        if self._region is not None:
-            return self._region
-        node = torch._C._current_autograd_node()
-        return None if node is None else self._node_regions.get(node)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = str(func)
-        if func.is_view or name in NO_KERNEL:
-            return out
-        flops = 0.0
-        if func.overloadpacket in flop_registry:
-            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
-        kind = "collective" if name.startswith(COLLECTIVE_PREFIXES) else ("matmul" if flops > 0 else "other")
-        mutated, out_args = _written_arguments(func, args, kwargs)
-        inputs = [t for t in _tensors((args, kwargs)) if not any(t is o for o in out_args)]
-        outputs = [t for t in _tensors(out) if not any(t is i for i in [*inputs, *out_args])] + mutated
-        written, read = [self._access(t) for t in outputs], [self._access(t) for t in inputs]
-        node = torch._C._current_autograd_node()
-        loss = self.in_loss or (node is not None and "CrossEntropy" in node.name())
-        self.ops.append(
-            Op(name, kind, flops, read, written, self._current_region(), self.phase, "loss" if loss else "model")
-        )
-        return out
-
-    def region(self, fn, label: str):
-        """``fn`` as a compiled region: its forward operators and the backward of the autograd
-        nodes it creates count as ``label``'s (a region inside a region is the outer one's)."""
-        tracer = self
-
-        def traced(*args, **kwargs):
-            if tracer._region is not None:
-                return fn(*args, **kwargs)
-            tracer._calls += 1  # each call its own kernels: a compiled graph does not fuse across calls
-            region = tracer._region = (label, tracer._calls)
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                tracer._region = None
-            stop = {t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None}
-            tracer._tag_nodes([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], stop, region)
-            return out
-
-        return traced
-
-    def graph_break(self, fn):
-        """``fn`` as code torch.compile leaves out of its graph (``torch.compiler.disable``): its
-        operators run eagerly, and the region's forward resumes in a new graph after it."""
-        tracer = self
-
-        def eager(*args, **kwargs):
-            if tracer._region is None:
-                return fn(*args, **kwargs)
-            label, tracer._region = tracer._region[0], None
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                tracer._calls += 1
-                tracer._region = (label, tracer._calls)
-
-        return eager
-
-    def _tag_nodes(self, frontier: list, stop: set, region: tuple[str, int]) -> None:
-        while frontier:
-            node = frontier.pop()
-            if node is None or node in stop or node in self._node_regions or node.name().endswith("AccumulateGrad"):
-                continue
-            self._node_regions[node] = region
-            frontier.extend(next_node for next_node, _ in node.next_functions)
-
-
-def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    """What a masked bf16 SDPA runs on CUDA: memory-efficient attention with an additive bias
-    (the boolean mask turned into one by one kernel, as torch's CUDA path does)."""
-    bias = None
-    if attn_mask is not None:
-        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        if attn_mask.dtype == torch.bool:
-            zero = torch.zeros((), dtype=query.dtype, device=query.device)
-            attn_mask = torch.where(attn_mask, zero, torch.finfo(query.dtype).min)
-        bias = attn_mask.expand(shape)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, needs_grad, dropout_p, is_causal and bias is None, scale=scale
-    )[0]
-
-
-def row_config(setting: dict, quick: bool):
-    from parallel_latent.config import load_config
-
-    overrides = [*(SHRINK if quick else []), "feature_model.pretrained=false", "training.precision=bf16"]
-    overrides += [f"{k}={v}" for k, v in setting.items()]
-    return load_config(REPO / "configs" / "gpt2.yaml", overrides)
-
-
-def meta_model(cfg, tracer: StepTracer):
-    """The model of ``cfg`` on the meta device in bf16, its compiled regions as CUDA would run them."""
-    from parallel_latent.model import build_model, perceiver
-    from parallel_latent.parallel import LossKernels
-    from parallel_latent.parallel.dropout import dropout_core
-
-    compile_blocks = cfg.training.compile  # (traced as regions below: compiling on meta fails)
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
-    # The head's scale reads the token table's std (a value meta has not got; it changes no cost).
-    with torch.device("meta"), _patched(perceiver, "token_table_scale", lambda table: 1.0):
-        model = build_model(cfg).to(torch.bfloat16).train()
-    kernels = LossKernels.compiled() if compile_blocks else model.loss_kernels.on(torch.device("cuda"))
-    rng = model.dropout_rng
-    if "cuda" in rng.compile_devices:  # the mask kernel, compiled on CUDA (training.compile_dropout)
-        rng.compile_devices = ("meta",)
-        rng._kernel = tracer.region(dropout_core, "dropout mask")
-    if compile_blocks:
-        for stack in (model.encoder.stack, model.decoder.stack):
-            for block in stack.blocks:
-                block.forward = tracer.region(block.forward, "Perceiver block")
-        for module in model.modules():  # where the compiled blocks' graphs break
-            for name in dir(type(module)):
-                if getattr(getattr(type(module), name, None), "_torchdynamo_disable", False):
-                    setattr(module, name, tracer.graph_break(getattr(module, name)))
-    if kernels.compiled_kernels:  # the plain functions (compiling on meta fails), traced as compiled regions
-        compiled = {f.name: getattr(kernels, f.name) for f in dataclasses.fields(kernels)}
-        traced = {name: tracer.region(k.fn, "loss chunk") for name, k in compiled.items() if hasattr(k, "fn")}
-        kernels = dataclasses.replace(kernels, **traced)
-    model.loss_kernels = kernels
-    return model
-
-
-def trace_forward_backward(cfg) -> StepTracer:
-    """One micro-batch's forward and backward of the training step, on meta."""
-    tracer = StepTracer()
-    model = meta_model(cfg, tracer)
-    micro, length = cfg.training.micro_batch_size, cfg.model.max_length
-    ids = torch.zeros(micro, length, dtype=torch.long, device="meta")
-    mask = torch.ones(micro, length, dtype=torch.long, device="meta")
-    with tracer, _patched(F, "scaled_dot_product_attention", cuda_attention), _loss_marked(tracer):
-        out = model(ids, mask)
-        tracer.phase = "backward"
-        (out.loss_sum * 1.0).backward()
-    return tracer
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement):
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _loss_marked(tracer: StepTracer):
-    """The model's loss call, its operators marked as the loss's (its backward is found by node name)."""
-    from parallel_latent.model import autoencoder
-
-    loss = autoencoder.vocab_parallel_cross_entropy
-
-    def marked(*args, **kwargs):
-        tracer.in_loss = True
-        try:
-            return loss(*args, **kwargs)
-        finally:
-            tracer.in_loss = False
-
-    return _patched(autoencoder, "vocab_parallel_cross_entropy", marked)
-
-
-# --------------------------------------------------------------------------- #
-# The optimizer step: the real DeepSpeed engine on the CPU.
-# --------------------------------------------------------------------------- #
-
-
-def trace_optimizer_step(quick: bool) -> StepTracer:
-    """The ops of DeepSpeed's ``engine.step`` inside a real ``Trainer.train_step`` at gpt2.yaml's
-    parameter count (micro-batch 1, a corpus of a few lines), after one step has built its state."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from parallel_latent.config import load_config
-    from parallel_latent.parallel import destroy_distributed
-    from parallel_latent.training.startup import start_run
-    from parallel_latent.training.trainer import Trainer
-
-    tracer = StepTracer()
-    tracer.phase = "optimizer"
-    with tempfile.TemporaryDirectory(prefix="bench-projection.") as scratch:
-        corpus = Path(scratch) / "corpus.txt"
-        corpus.write_text("\n".join(f"line {i} of a corpus for one optimizer step" for i in range(64)) + "\n")
-        overrides = [
-            *(SHRINK if quick else []), "feature_model.pretrained=false", "training.precision=bf16",
-            f"data.path={corpus}", "data.min_eval_samples=1", "data.eval_fraction=0.1", f"data.cache_dir={scratch}/c",
-            "training.micro_batch_size=1", "training.eval_every=0", "training.max_steps=3", "parallel.zero_stage=2",
-            f"logging.run_dir={scratch}/run", "logging.tensorboard=false", "logging.progress_bar=false",
-            "logging.print_samples=0", "checkpoint.save_every=0", "checkpoint.export_portable=false",
-            "checkpoint.resume=never", "training.device=cpu",
-            "optimizer.fused=on",  # what CUDA runs (torch's fused AdamW, one pass per group): the CPU has it too
-        ]  # fmt: skip
-        trainer = Trainer(start_run(load_config(REPO / "configs" / "gpt2.yaml", overrides)))
-        try:
-            trainer.train_step()  # builds the optimizer's state
-            engine_step = trainer.engine.step
-
-            def traced_step(*args, **kwargs):
-                with tracer:
-                    return engine_step(*args, **kwargs)
-
-            trainer.engine.step = traced_step
-            trainer.train_step()
-        finally:
-            trainer.close()
-            trainer.logger.close()
-            destroy_distributed()
-    return tracer
+def kernels_per_op(op: Op) -> int:
+    """The kernels CUDA launches for one traced operator."""
+    if op.host:
+        return 0
+    base = op.name.rsplit(".", 1)[0]
+    if base in MULTI_TENSOR_LISTS:
+        extra = 1 if base == "aten._foreach_norm" else 0
+        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + extra
+    if base == "aten.cat":
+        return max(1, math.ceil(len(op.reads) / 128))
+    if op.name.startswith("aten._local_scalar_dense"):
+        return 0  # a device-to-host copy: a synchronisation, reported apart
+    return CUDA_KERNELS.get(op.name, (1, ""))[0] or 1
 
 
 # --------------------------------------------------------------------------- #
@@ -393,6 +182,31 @@ def _fused_run(run: list[Op], later_reads: set[int]) -> int:
     return _distinct_bytes(inputs) + _distinct_bytes(outputs)
 
 
+def _fusible(op: Op) -> bool:
+    """Whether a compiled region's inductor code can fuse ``op`` with its neighbours."""
+    return (
+        op.region is not None
+        and op.kind == "other"
+        and not op.name.startswith(SCATTERS)
+        and kernels_per_op(op) == 1
+        and not op.host
+    )
+
+
+# Operators that read only the rows or elements their indices name, not the whole of their source.
+GATHERS = ("aten.gather", "aten.index_select", "aten.embedding.", "aten.index.Tensor")
+
+
+def op_bytes(op: Op) -> int:
+    """Bytes an eager kernel moves: every operand read and written, except a gather's source, of which
+    it reads as many elements as it writes."""
+    if not op.name.startswith(GATHERS):
+        return op.bytes
+    source, *others = op.reads
+    written = sum(b for *_, b in op.writes)
+    return min(source[2], written) + sum(b for *_, b in others) + written
+
+
 def kernels_of(ops: list[Op]) -> list[Kernel]:
     """The kernels a traced op list launches under the pinned rules."""
     reads_after: list[set[int]] = [set() for _ in ops]  # storage keys read by ops after index i
@@ -405,21 +219,34 @@ def kernels_of(ops: list[Op]) -> list[Kernel]:
     def close_run(end: int) -> None:
         if run:
             nbytes = _fused_run(run, reads_after[end])
-            kernels.append(Kernel(f"{run_region[0]} (fused)", nbytes / BANDWIDTH, 0.0, run[0].part))
+            kernels.append(Kernel(f"{run_region[0]} (fused)", max(nbytes / BANDWIDTH, MIN_KERNEL_S), 0.0, run[0].part))
             run.clear()
 
     for i, op in enumerate(ops):
-        fusible = op.region is not None and op.kind == "other"
+        fusible = _fusible(op)
         if run and (not fusible or op.region != run_region):
             close_run(i - 1)
         if fusible:
             run_region = op.region
             run.append(op)
             continue
-        seconds = matmul_seconds(op.flops, op.bytes) if op.kind == "matmul" else op.bytes / BANDWIDTH
-        kernels.append(Kernel(f"{op.name} [{op.phase}]", seconds, op.flops, op.part))
+        count = kernels_per_op(op)
+        if count == 0:
+            continue
+        seconds = matmul_seconds(op.flops, op.bytes) if op.kind == "matmul" else op_bytes(op) / BANDWIDTH
+        label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
+        # The bytes spread over the kernels, each no shorter than the minimum.
+        kernels += [Kernel(label, max(seconds / count, MIN_KERNEL_S), op.flops / count, op.part)] * count
     close_run(len(ops) - 1)
     return kernels
+
+
+def cuda_only(cfg) -> list[Kernel]:
+    """What CUDA runs that a CPU trace cannot show: the micro-batch's ids and mask copied to the
+    device (pinned host memory, one copy each)."""
+    nbytes = cfg.training.micro_batch_size * cfg.model.max_length * 8  # int64
+    copy = Kernel("host-to-device copy of the batch [step]", max(nbytes / BANDWIDTH, MIN_KERNEL_S), 0.0, "trainer")
+    return [copy] * 2
 
 
 def projection(kernels: list[Kernel], model_flops: float) -> dict:
@@ -429,8 +256,8 @@ def projection(kernels: list[Kernel], model_flops: float) -> dict:
     return {
         "step_ms_overlapped": overlapped * 1e3,
         "step_ms_summed": summed * 1e3,
-        "mfu_overlapped": model_flops / overlapped / PEAK_FLOPS,
-        "mfu_summed": model_flops / summed / PEAK_FLOPS,
+        "mfu_overlapped": model_flops / overlapped / PEAK_FLOPS if overlapped else 0.0,
+        "mfu_summed": model_flops / summed / PEAK_FLOPS if summed else 0.0,
         "device_ms": device * 1e3,
         "launch_ms": launch * 1e3,
         "kernels": len(kernels),
@@ -453,16 +280,33 @@ def model_flops(cfg) -> float:
     return model_flops_per_sample(cfg)["train"] * cfg.training.micro_batch_size
 
 
-@functools.cache  # one CPU step is enough for every row
-def optimizer_ops(quick: bool) -> list[Op]:
-    return trace_optimizer_step(quick).ops
+# --------------------------------------------------------------------------- #
+# The rest of the step, from real CPU steps (cached: one per size and DP).
+# --------------------------------------------------------------------------- #
 
 
-def project(setting: dict, quick: bool = False, optimizer: bool = True) -> dict:
+@functools.cache
+def rest_of_step(quick: bool, data_parallel: int = 1):
+    """The real step's operators outside the model's forward and backward, and its hook calls."""
+    if data_parallel > 1:
+        traced = real_step_on_ranks(data_parallel, quick)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-projection.") as scratch:
+            traced = real_step(real_step_overrides(Path(scratch), quick))
+    return traced.rest, traced.hook_calls
+
+
+def deepspeed_ops(rest: list[Op]) -> list[Op]:
+    return [op for op in rest if op.part in ("deepspeed backward", "optimizer")]
+
+
+def project(setting: dict, quick: bool = False, rest: bool = True) -> dict:
     """The projection of one gpu.sh setting, with its kernels and traced FLOPs."""
     cfg = row_config(setting, quick)
-    ops = trace_forward_backward(cfg).ops + (optimizer_ops(quick) if optimizer else [])
+    ops = trace_model(cfg, "cuda")
     kernels = kernels_of(ops)
+    if rest:
+        kernels += kernels_of(rest_of_step(quick, 1)[0]) + cuda_only(cfg)
     flops = model_flops(cfg)
     return {
         **projection(kernels, flops),
@@ -477,8 +321,8 @@ def project(setting: dict, quick: bool = False, optimizer: bool = True) -> dict:
 def project_row(setting: dict, *, quick: bool = False) -> dict | None:
     """Projected H200 step time and MFU of a gpu.sh setting (``model.dropout``,
     ``training.micro_batch_size``, ``training.compile``...), or None if it cannot be projected.
-    The first call runs one DeepSpeed step on the CPU (tens of seconds at gpt2.yaml's size; later
-    calls reuse it): call it before CUDA is initialised, or where DS_ACCELERATOR=cpu."""
+    The first call runs DeepSpeed steps on the CPU (tens of seconds at gpt2.yaml's size; later
+    calls reuse them): call it before CUDA is initialised, or where DS_ACCELERATOR=cpu."""
     try:
         result = project(setting, quick)
     except Exception as error:  # a projection must never stop the measured table
@@ -513,16 +357,29 @@ def label(setting: dict) -> str:
     return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items())
 
 
+def report_deepspeed(args, report: Report) -> None:
+    """DeepSpeed's kernels per step at DP 1 and 2, the step's host syncs and Python hook calls."""
+    for data_parallel in (1, 2):
+        rest, hooks = rest_of_step(args.quick, data_parallel)
+        ours = deepspeed_ops(rest)
+        counted = projection(kernels_of(ours), 0.0)
+        backward = len(kernels_of([op for op in ours if op.part == "deepspeed backward"]))
+        syncs = sum(op.name.startswith("aten._local_scalar_dense") for op in rest)
+        print(f"DeepSpeed at DP={data_parallel} (ZeRO-2 bf16, counted on the CPU): {counted['kernels']} kernels "
+              f"({backward} in backward, {counted['kernels'] - backward} in its step), {counted['device_ms']:.2f} ms "
+              f"device + {counted['launch_ms']:.2f} ms launches; the step: {syncs} host syncs, "
+              f"{hooks} Python hook calls")  # fmt: skip
+        goal = None if args.quick else DEEPSPEED_KERNEL_GOALS[data_parallel]
+        report.figure(f"DeepSpeed kernels per step, DP={data_parallel}", counted["kernels"], at_most=goal)
+        report.figure(f"DeepSpeed kernels in backward, DP={data_parallel}", backward)
+        report.figure(f"DeepSpeed device + launch per step, DP={data_parallel}",
+                      counted["device_ms"] + counted["launch_ms"], "ms")  # fmt: skip
+        report.figure(f"host synchronisations per step, DP={data_parallel}", syncs)
+        report.figure(f"Python hook calls per step, DP={data_parallel}", hooks, at_most=HOOK_CALL_GOAL)
+
+
 def body(args, report: Report) -> None:
-    optimizer = optimizer_ops(args.quick)
-    opt_kernels = kernels_of(optimizer)
-    syncs = sum(op.name.startswith("aten._local_scalar_dense") for op in optimizer)
-    opt = projection(opt_kernels, 0.0)
-    print(f"optimizer step (DeepSpeed ZeRO-2 bf16, counted on the CPU): {opt['kernels']} kernels, "
-          f"{opt['device_ms']:.2f} ms device + {opt['launch_ms']:.2f} ms launches, {syncs} host syncs")  # fmt: skip
-    report.figure("optimizer step kernels", opt["kernels"])
-    report.figure("optimizer step, device + launch", opt["device_ms"] + opt["launch_ms"], "ms")
-    report.figure("optimizer step host synchronisations", syncs)
+    report_deepspeed(args, report)
     for name, setting, goal in matrix(args.quick):
         result = project(setting, args.quick)
         loss = [k for k in result["kernel_list"] if k.part == "loss"]
@@ -544,9 +401,9 @@ def body(args, report: Report) -> None:
         report.figure(f"kernels per step, {name}", result["kernels"])
         report.figure(f"traced / model FLOPs, {name}", result["traced_flops"] / result["model_flops"], "x")
         report.figure(f"the loss, device + launch, {name}", loss_ms, "ms")
-        if name == "default":  # the page's top ten (every row's is printed above)
+        if name in ("default", "compile", "micro32"):  # the goals' rows' top ten on the page (all printed above)
             for rank, (cost_label, ms, count) in enumerate(result["top"], 1):
-                report.figure(f"top cost {rank}, default: {count} x {cost_label}", ms, "ms")
+                report.figure(f"top cost {rank}, {name}: {count} x {cost_label}", ms, "ms")
 
 
 def main() -> int:

@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # GPU throughput of the realistic model, configs/gpt2.yaml (6+6 Perceiver blocks of width 768 over a
 # 12-layer GPT-2, T=64), in bf16 through the real trainer, safe to run blind on a machine lent for
-# minutes: a deadline (DEADLINE_S, default 420 s), a timeout per run, and a table of whatever
-# finished (benchmarks/bench_gpu.py does the runs; its docstring lists the knobs).
+# minutes: every row measured within a deadline (DEADLINE_S, default 480 s from here: the install and
+# the GPU tests included), each row within its own timeout, and a table of whatever finished
+# (benchmarks/bench_gpu.py does the rows; its docstring lists the knobs).
 #
-#   benchmarks/gpu.sh                                  # 1 process: NCCL, bf16, the default matrix
+#   benchmarks/gpu.sh                                  # 1 process: NCCL, bf16, every row
 #   NPROC=8 benchmarks/gpu.sh parallel.tensor_parallel=2
-#   MICRO_BATCHES="256" DROPOUTS="0.1" benchmarks/gpu.sh   # one setting
+#   ROWS=default,compile benchmarks/gpu.sh             # some rows
 #   benchmarks/gpu.sh --json docs/benchmarks/gpu.json  # the figures for docs/benchmarks.md
 #   benchmarks/gpu.sh --wheelhouse DIR                 # a node without network (tools/wheelhouse.sh)
-#   ALLOW_CPU=1 DEADLINE_S=40 benchmarks/gpu.sh --quick    # the CPU test of this script
+#   ALLOW_CPU=1 benchmarks/gpu.sh --quick              # the CPU test of this script
 #
-# The interpreter is the first of $PYTHON, python3, python in which torch imports. --wheelhouse DIR
-# installs the packages the interpreter lacks from DIR alone (pip --isolated --no-index: no index,
-# config file or PIP_* variable can add a source) into a fresh prefix, put on the path of the runs.
-# Before any run, every import the runs need is checked (tools/check_imports.py): what is
-# missing is named in one line, and nothing runs.
+# In order: the interpreter (the first of $PYTHON, python3, python in which torch imports); its
+# `pip freeze`, saved in GPU_OUT (default $OUT where the machine's runner sets it, else ./gpu-run)
+# before anything is installed, so that the next wheelhouse for this node is exact
+# (tools/wheelhouse.sh --freeze); with --wheelhouse DIR, the packages the interpreter lacks from DIR
+# alone (pip --isolated --no-index into a fresh prefix, put on the path of the runs); the import
+# check (tools/check_imports.py: what is missing is named in one line, and nothing runs); the GPU
+# tests (`pytest -m gpu`, GPU_TESTS_S at most, their junit file in GPU_OUT: a failed dropout-kernel
+# test makes the rows run eager dropout); then the rows.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# DEADLINE_S counts from here: choosing the interpreter, a wheelhouse's install and the import check
-# are part of the minutes the machine is lent for.
+# DEADLINE_S counts from here: choosing the interpreter, a wheelhouse's install, the import check and
+# the GPU tests are part of the minutes the machine is lent for.
 export GPU_SH_STARTED_AT=$(date +%s.%N)
 
 interpreter() {
@@ -41,7 +45,7 @@ install_wheelhouse() {
     prefix=$(mktemp -d "${TMPDIR:-/tmp}/parallel-latent-prefix.XXXXXX")
     log="$prefix.pip.log"
     if ! "$PYTHON" -m pip --isolated install --no-index --find-links "$wheelhouse" --prefix "$prefix" \
-        --no-warn-script-location parallel-latent >"$log" 2>&1; then
+        --no-warn-script-location 'parallel-latent[gpu]' >"$log" 2>&1; then
         echo "gpu.sh: installing from $wheelhouse with $PYTHON failed: $(grep -m1 ERROR "$log" || tail -n1 "$log") (log: $log)" >&2
         exit 1
     fi
@@ -49,6 +53,20 @@ install_wheelhouse() {
     local site
     site=$(find "$prefix" -maxdepth 5 -type d -name 'parallel_latent-*.dist-info' -printf '%h\n' | head -n1)
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$prefix/bin:$PATH"
+}
+
+# The GPU tests, before the rows: on a CPU they are collected and skipped with their reason.
+gpu_tests() {
+    local junit="$GPU_OUT/gpu-tests.xml" status=0
+    if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+        echo "GPU tests: not run (pytest is not installed for $PYTHON; a wheelhouse installs it)"
+        return
+    fi
+    timeout "${GPU_TESTS_S:-60}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rs \
+        --junitxml "$junit" tests/parallel/test_dropout.py tests/parallel/test_cross_entropy.py \
+        tests/training/test_train_syncs.py tests/test_deepspeed_patches.py >"$GPU_OUT/gpu-tests.log" 2>&1 || status=$?
+    echo "GPU tests (pytest -m gpu, exit $status): $(tail -n1 "$GPU_OUT/gpu-tests.log")"
+    export GPU_TESTS_XML="$junit"
 }
 
 wheelhouse="" args=()
@@ -61,8 +79,12 @@ while (($#)); do
 done
 
 PYTHON=$(interpreter)
+GPU_OUT=${GPU_OUT:-${OUT:-gpu-run}}
+mkdir -p "$GPU_OUT"
+"$PYTHON" -m pip --isolated freeze >"$GPU_OUT/pip-freeze.txt" 2>/dev/null || true
 prefix=""
 trap '[[ -z "$prefix" ]] || rm -rf "$prefix"' EXIT
 [[ -z "$wheelhouse" ]] || install_wheelhouse "$wheelhouse"
 "$PYTHON" tools/check_imports.py
+gpu_tests
 "$PYTHON" benchmarks/bench_gpu.py ${args[@]+"${args[@]}"}

@@ -69,9 +69,10 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         ["benchmarks/bench_export.py"],
     ),
     "bench_projection": (
-        "configs/gpt2.yaml's step on one H200, projected from a trace on the meta device (pinned roofline: "
-        "989 TFLOP/s MFU peak, matmuls at 700/593 TFLOP/s, 4.0 TB/s, 5 us per eager launch); goals on the "
-        "overlapped MFU at dropout 0.1",
+        "configs/gpt2.yaml's whole step on one H200, projected (the model traced on the meta device, the rest "
+        "of the step, DeepSpeed's included, from a real CPU step; pinned roofline: 989 TFLOP/s MFU peak, "
+        "matmuls at 700/593 TFLOP/s, 4.0 TB/s, at least 2 us per kernel, 5 us per eager launch); goals on the "
+        "overlapped MFU at dropout 0.1 and on DeepSpeed's kernels and the hook calls per step",
         ["benchmarks/bench_projection.py"],
     ),
     "quality_tiny": (

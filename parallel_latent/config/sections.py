@@ -237,16 +237,25 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = setting("auto", "the process groups' backend; auto: nccl with CUDA")
     reduce_bucket_size: int = setting(
         25_000_000,
-        "ZeRO's gradient reduction in buckets of this many elements (reduced while backward still runs with "
-        "zero_overlap_comm); ~130M parameters in one default 5e8 bucket would reduce all at once after backward",
+        "zero_gradients=deepspeed: ZeRO's gradient reduction in buckets of this many elements (reduced while "
+        "backward still runs with zero_overlap_comm); ~130M parameters in one default 5e8 bucket would reduce all "
+        "at once after backward",
         at_least(1),
     )
     allgather_bucket_size: int = setting(50_000_000, "ZeRO's parameter all-gather bucket, in elements", at_least(1))
     zero_overlap_comm: Literal["auto", "on", "off"] = setting(
         "auto",
-        "overlap ZeRO's gradient reduction with backward; auto = on with CUDA and more than one data-parallel "
+        "zero_gradients=deepspeed: overlap ZeRO's gradient reduction with backward; auto = on with CUDA and more "
+        "than one data-parallel "
         "rank (with one there is nothing to reduce, and DeepSpeed's overlap would still synchronise the device "
         "at the end of every backward)",
+    )
+    zero_gradients: Literal["bulk", "deepspeed"] = setting(
+        "bulk",
+        "ZeRO-1/2's gradients: bulk = after backward, every gradient in one multi-tensor copy and one "
+        "all-reduce over the data-parallel ranks (not overlapped with backward); deepspeed = DeepSpeed's "
+        "per-parameter hooks and buckets (a kernel or two per parameter; overlapped with backward under "
+        "zero_overlap_comm, for many data-parallel ranks on a slow network)",
     )
     grad_reduce_dtype: Literal["fp32", "bf16"] = setting(
         "fp32",
@@ -415,6 +424,12 @@ class LoggingConfig:
         0,
         "on CUDA: count the host-device synchronisations of this one optimizer step (1-based; 0 = never) with "
         'torch.cuda.set_sync_debug_mode, into metrics.jsonl (kind "syncs")',
+        at_least(0),
+    )
+    profile_kernels_at_step: int = setting(
+        0,
+        "on CUDA: record the kernels this one optimizer step runs (torch.profiler; 1-based; 0 = never): their "
+        'count and the attention kernels torch chose, into metrics.jsonl (kind "kernels")',
         at_least(0),
     )
 

@@ -75,6 +75,8 @@ class ParallelAttention(nn.Module):
         tp = group_size(self.tp_group)
         device, batch = x.device, x.shape[0]
         prefix = None
+        if tp == 1:
+            return self._project_alone(x, context, context_mask, attend_to_self)
         if context is None:
             region_input, q_index, kv_index = x, None, None
             key_mask = None
@@ -114,6 +116,16 @@ class ParallelAttention(nn.Module):
             prefix=prefix,
         )
         return q, k, v, key_mask
+
+    def _project_alone(self, x, context, context_mask, attend_to_self):
+        """:meth:`_project` in one process: no region to enter, so the queries read the stream itself
+        and the keys ``cat(context, stream)`` (or the context), with no index into one region input
+        (its backward would scatter into a zeroed copy of it)."""
+        keys = x if context is None else (torch.cat([context, x], dim=1) if attend_to_self else context)
+        q = F.linear(x, self.query.weight, self.query.bias)
+        k, v = (F.linear(keys, p.weight, p.bias) for p in (self.key, self.value))
+        pieces = None if context_mask is None else [(context_mask, x.shape[1])]
+        return q, k, v, self._key_mask(context_mask, pieces, x.shape[0], attend_to_self)
 
     @staticmethod
     def _key_mask(context_mask, pieces, batch, attend_to_self):

@@ -92,13 +92,30 @@ def chunk_grad_into(out, logits, global_max, sum_exp, targets, hits, scale, real
     return torch.mul(softmax, scale[:, None], out=out)
 
 
+def chunk_grad_fused(out, logits, global_max, sum_exp, targets, hits, scale, real: int, compute_dtype):
+    """:func:`chunk_grad_into` as one elementwise expression, the chunk a compiled loss runs: the
+    target's one-hot subtracted by comparing each column with the row's target instead of by an
+    indexed write, which inductor cannot fuse with the work around it (it would write the fp32
+    softmax out and read it back). The same operations on the same values: the same bits eagerly."""
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    shifted = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))
+    if real < logits.shape[-1]:
+        shifted = shifted.masked_fill(columns >= real, float("-inf"))
+    softmax = shifted.exp() / sum_exp[:, None]
+    one_hot = torch.where(columns == targets[:, None], hits[:, None], 0.0)
+    grad = (softmax - one_hot) * scale[:, None]
+    if out is None:
+        return grad
+    return out.copy_(grad)
+
+
 @dataclass
 class LossKernels:
     """The loss's per-chunk work: plain functions, or compiled ones (``compiled()``: each chunk's
-    elementwise work fused into a kernel or two). Owned by a model, passed to the loss, which runs
-    :meth:`on` its logits' device: compiled there when ``compiled_on`` (an object with a
-    ``compile_devices`` attribute, read at each call: the model's dropout generator) names that
-    device's type."""
+    work fused into one kernel each way, the backward chunk written as :func:`chunk_grad_fused`).
+    Owned by a model, passed to the loss, which runs :meth:`on` its logits' device: compiled there
+    when ``compiled_on`` (an object with a ``compile_devices`` attribute, read at each call: the
+    model's dropout generator) names that device's type."""
 
     sum_exp: Callable = chunk_max_sum_exp  # the forward chunk: local max, argmax and sum of exp
     grad: Callable = chunk_grad_into  # the backward chunk, written into its rows of the gradient
@@ -109,7 +126,7 @@ class LossKernels:
     def compiled(cls) -> LossKernels:
         return cls(
             CompiledWithFallback(chunk_max_sum_exp, "the loss's forward chunk", dynamic=True),
-            CompiledWithFallback(chunk_grad_into, "the loss's backward chunk", dynamic=True),
+            CompiledWithFallback(chunk_grad_fused, "the loss's backward chunk", dynamic=True),
         )
 
     @property

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .compile import CompiledWithFallback
@@ -107,7 +108,7 @@ class DropoutRNG:
     def __init__(self, seed: int = 0, step: int = 0, sample_offset: int = 0, compile_devices=("cuda",)):
         self.compile_devices = tuple(compile_devices)
         self._next_layer_id = 0
-        self._kernel: CompiledWithFallback | None = None
+        self._kernels: dict[str, CompiledWithFallback] = {}  # by name (KERNELS), compiled on first use
         self._indices: dict = {}
         self._device_keys = torch.zeros(2, dtype=torch.int64)  # [step key, sample offset]
         self._seed, self._step, self._sample_offset = seed, step, sample_offset
@@ -152,18 +153,19 @@ class DropoutRNG:
             self._device_keys = self._device_keys.to(device)
         return self._device_keys
 
-    def kernel(self, device: torch.device) -> Callable | None:
-        """:func:`dropout_core` where it is compiled: inside a compiled region (whose compilation
-        fuses it) or on the ``compile_devices`` (compiled once per model, falling back to eager
-        with one warning if compiling fails). None elsewhere: the eager path, where the keys stay
-        host integers (scalar arguments, no device work to derive them)."""
+    def kernel(self, device: torch.device, name: str = "mask") -> Callable | None:
+        """``KERNELS[name]`` (:func:`dropout_core`, or :func:`gelu_dropout_core`) where it is
+        compiled: inside a compiled region (whose compilation fuses it) or on the
+        ``compile_devices`` (compiled once per model, falling back to eager with one warning if
+        compiling fails). None elsewhere: the eager path, where the keys stay host integers
+        (scalar arguments, no device work to derive them)."""
         if torch.compiler.is_compiling():
-            return dropout_core
+            return KERNELS[name]
         if device.type not in self.compile_devices:
             return None
-        if self._kernel is None:
-            self._kernel = CompiledWithFallback(dropout_core, "the dropout mask kernel")
-        return self._kernel
+        if name not in self._kernels:
+            self._kernels[name] = CompiledWithFallback(KERNELS[name], f"the dropout {name} kernel")
+        return self._kernels[name]
 
     def indices(self, shape, offsets, full_shape, device) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():  # in a graph the aranges fuse into the kernel: no cache
@@ -298,6 +300,16 @@ def dropout_core(
     return apply_mask(x, keep, scale)
 
 
+def gelu_dropout_core(x, row_index, columns, keys, layer_id, batch_stride: int, threshold: int, scale: float):
+    """:func:`dropout_core` of the exact GELU of ``x``: the activation, the mask and its application
+    in one kernel when compiled (eagerly, the same operations as ``F.gelu`` then dropout), and in
+    backward one kernel for the three, from the activation's input."""
+    return dropout_core(F.gelu(x), row_index, columns, keys, layer_id, batch_stride, threshold, scale)
+
+
+KERNELS = {"mask": dropout_core, "gelu": gelu_dropout_core}
+
+
 def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.where(keep, x * scale, 0.0)
 
@@ -328,16 +340,18 @@ class ParallelDropout(nn.Module):
             self.slice_index, self.slices = group_rank(tp_group), group_size(tp_group)
         self.threshold, self.scale = _threshold(p), 1.0 / (1.0 - p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+        """Dropout of ``x``, or with ``gelu`` of the exact GELU of ``x`` (one kernel with the mask
+        where the mask is compiled)."""
         if not self.training or self.p == 0.0:
-            return x
+            return F.gelu(x) if gelu else x
         row_index, columns, batch_stride = self._coordinates(x)
-        kernel, rng = self.rng.kernel(x.device), self.rng
+        kernel, rng = self.rng.kernel(x.device, "gelu" if gelu else "mask"), self.rng
         if kernel is None:  # eager: the same hash, from the host's integers
             if rng.sample_offset:  # (one small add on the rows, where a micro-batch is not the first)
                 row_index = row_index + rng.sample_offset * batch_stride
             keep = keep_mask_core(row_index, columns, *layer_key((rng.seed, rng.step, self.layer_id)), self.threshold)
-            return apply_mask(x, keep, self.scale)
+            return apply_mask(F.gelu(x) if gelu else x, keep, self.scale)
         keys = rng.device_keys(x.device)
         return kernel(x, row_index, columns, keys, self.layer_index, batch_stride, self.threshold, self.scale)
 

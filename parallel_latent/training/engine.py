@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from parallel_latent.config import Config, ConfigError, ScheduleConfig
-from parallel_latent.deepspeed_patches import report_grad_norm, skip_unused_cpu_comm_kernel, sync_free_zero_step
+from parallel_latent.deepspeed_patches import (
+    bulk_zero_gradients,
+    report_grad_norm,
+    skip_unused_cpu_comm_kernel,
+    sync_free_zero_step,
+)
 from parallel_latent.errors import BadInput
 from parallel_latent.parallel import ModelParallelUnit, device_kind
 
@@ -329,6 +334,8 @@ def initialize_engine(
         dist_init_required=False,
     )
     sync_free_zero_step(ds_optimizer)
+    if cfg.parallel.zero_gradients == "bulk":
+        bulk_zero_gradients(ds_optimizer)
     return EngineBundle(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler, config=ds_config)
 
 

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -233,3 +234,33 @@ def counting_syncs(enabled: bool, device: torch.device, logger: MetricsLogger, s
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     sources = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
     logger.write({"kind": "syncs", "step": step, "count": len(syncs), "sources": sources[:20]})
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on the device (CUDA): a time taken after it counts what the GPU did."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+ATTENTION_KERNEL_WORDS = ("fmha", "flash", "attention", "attn", "cudnn")
+
+
+@contextmanager
+def profiling_kernels(enabled: bool, device: torch.device, logger: MetricsLogger, step: int) -> Iterator[None]:
+    """On CUDA, the kernels the enclosed step ran (torch.profiler's CUDA activity): how many, the
+    most frequent, and the attention kernels by name (which SDPA backend torch chose), logged as
+    kind ``kernels``."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        yield
+        torch.cuda.synchronize(device)
+    names = Counter(e.name for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    attention = {
+        name[:120]: count for name, count in names.items() if any(w in name.lower() for w in ATTENTION_KERNEL_WORDS)
+    }
+    logger.write({"kind": "kernels", "step": step, "count": sum(names.values()), "attention": attention,
+                  "most_frequent": [[name[:120], count] for name, count in names.most_common(10)]})  # fmt: skip

@@ -24,10 +24,13 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
     ]
     zero = run.bundle.config["zero_optimization"]
     reduce_dtype = run.bundle.config.get("communication_data_type", cfg.training.precision)
-    lines.append(
-        f"data parallelism: gradients reduced in {reduce_dtype}"
-        + (f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}" if zero["stage"] else "")
-    )
+    if hasattr(run.bundle.optimizer, "bulk_gradients"):  # deepspeed_patches.bulk_zero_gradients applied
+        how = ", in bulk after backward (one multi-tensor copy, one all-reduce)"
+    elif zero["stage"]:
+        how = f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}"
+    else:
+        how = ""
+    lines.append(f"data parallelism: gradients reduced in {reduce_dtype}{how}")
     if not cfg.feature_model.pretrained:
         lines.append(random_features_notice(cfg.feature_model))
     model = cfg.model

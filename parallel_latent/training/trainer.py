@@ -54,7 +54,15 @@ from parallel_latent.quality import LOSS_SUM, NUM_STATS, SAMPLES, output_totals
 from .checkpointer import Checkpointer
 from .evaluation import Evaluator, reduce_stats
 from .flops import model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
-from .metrics import MetricsLogger, Window, counting_syncs, progress_postfix, train_record
+from .metrics import (
+    MetricsLogger,
+    Window,
+    counting_syncs,
+    profiling_kernels,
+    progress_postfix,
+    synchronize,
+    train_record,
+)
 from .report import banner_lines, summary_text
 from .startup import Run, preflight, start_run
 from .world import resolved_global_batch_size
@@ -353,17 +361,21 @@ class Trainer:
                 "nothing to train; raise training.max_steps to continue"
             )
             eval_step = self.step  # and no second evaluation of the same weights
+        first = self.step + 1
         while self.step < training.max_steps:
             started = time.perf_counter()
-            with counting_syncs(
-                self.step + 1 == self.cfg.logging.count_syncs_at_step, self.device, self.logger, self.step + 1
-            ):
+            with self._instrumented(self.step + 1):
                 outcome = self.train_step(stop.requested)
             self.step += 1
             self.nonfinite.record(outcome.applied)
+            log_due = self.step % training.log_every == 0 or self.step == training.max_steps
+            if log_due or self.step == first:  # a window ends when the device has done its work
+                synchronize(self.device)
             window.add(outcome, time.perf_counter() - started)
+            if self.step == first:
+                self._log_first_step(time.perf_counter() - started)
             postfix = {}
-            if self.step % training.log_every == 0 or self.step == training.max_steps:
+            if log_due:
                 postfix, window = self._log(window), self._new_window()
             self.logger.advance(1, **postfix)
             if self.evaluator.due(self.step):
@@ -383,6 +395,22 @@ class Trainer:
             self.save()
         self.checkpointer.finish()  # the final save, and a stop by a signal, wait for the save in flight
         return self._finish(stopped_by, final_eval, stop.signal_name)
+
+    @contextmanager
+    def _instrumented(self, step: int):
+        """The step's host syncs and CUDA kernels, where logging asks for them at this step."""
+        logging = self.cfg.logging
+        with (
+            counting_syncs(step == logging.count_syncs_at_step, self.device, self.logger, step),
+            profiling_kernels(step == logging.profile_kernels_at_step, self.device, self.logger, step),
+        ):
+            yield
+
+    def _log_first_step(self, seconds: float) -> None:
+        """The run's first step apart (allocator, kernel selection, compilation), with the time since
+        start-up began: what a job pays before its steady steps."""
+        since_start = time.perf_counter() - self.job.started
+        self.logger.write({"kind": "first_step", "step": self.step, "seconds": seconds, "since_start_s": since_start})
 
     def _new_window(self) -> Window:
         return Window(torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device))

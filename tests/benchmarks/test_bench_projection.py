@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ def test_quick_mode_produces_a_projection_for_every_row(tmp_path):
     for row in ("default", "compile", "micro32", "dropout0", "dropout0 micro32"):
         overlapped, summed = figures[f"projected MFU overlapped, {row}"], figures[f"projected MFU summed, {row}"]
         assert 0 < summed <= overlapped < 1, row
-    assert figures["optimizer step kernels"] > 0
+    assert figures["DeepSpeed kernels per step, DP=1"] > 0 and figures["DeepSpeed kernels per step, DP=2"] > 0
+    assert figures["Python hook calls per step, DP=1"] <= 20
     printed = [line for line in result.stdout.splitlines() if line.startswith("figure: ")]
     assert len(printed) == len(record["figures"])
 
@@ -39,7 +41,7 @@ def test_traced_flops_are_the_model_flops_of_metrics(setting):
     """configs/gpt2.yaml at full size (meta: no FLOP spent): the matmul FLOPs of one traced forward
     and backward (torch's FLOP formulas) are metrics.py's model FLOPs, counted from the config,
     within 1%."""
-    result = projection.project(setting, optimizer=False)
+    result = projection.project(setting, rest=False)
     assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
 
 
@@ -78,9 +80,10 @@ def test_a_compiled_region_is_one_kernel_per_run_between_matmuls_with_its_extern
 def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
     """On the default path (dropout compiled on CUDA) the loss's chunks are compiled regions: a
     forward kernel per chunk reading that chunk's logits once (the max with the sum of exp), a
-    backward kernel per chunk reading it and writing its gradient."""
+    backward kernel per chunk reading it and writing its gradient (chunk_grad_fused: no indexed
+    write, which would split it)."""
     cfg = projection.row_config({"model.dropout": "0.1", "training.micro_batch_size": "4"}, quick=True)
-    kernels = projection.kernels_of(projection.trace_forward_backward(cfg).ops)
+    kernels = projection.kernels_of(projection.trace_model(cfg))
     chunks = [k for k in kernels if k.label == "loss chunk (fused)"]
     rows, vocab = 4 * cfg.model.max_length, cfg.model.vocab_size
     padded = math.ceil(vocab / 128) * 128
@@ -110,3 +113,95 @@ def test_a_graph_break_inside_a_region_runs_eagerly_and_splits_the_fused_run():
             tracer.region(lambda t, plus_one=plus_one: plus_one(t * 2).relu(), "block")(x).sum()
         counts.append(len(projection.kernels_of(tracer.ops)) - 1)  # less the eager sum
     assert counts == [1, 3]
+
+
+# --------------------------------------------------------------------------- #
+# The whole step: the projection's operators are the real CPU step's.
+# --------------------------------------------------------------------------- #
+
+SMALL_ROW = {"model.dropout": "0.1", "training.micro_batch_size": "4"}
+
+
+@pytest.fixture(scope="module")
+def real_cpu_step(tmp_path_factory):
+    """A real bf16 ``Trainer.train_step`` of the shrunk gpt2.yaml on the CPU (DeepSpeed ZeRO-2 and
+    all), every operator it dispatched traced, with the config it ran."""
+    import os
+
+    from parallel_latent.config import load_config
+
+    scratch = tmp_path_factory.mktemp("real-step")
+    overrides = projection.real_step_overrides(scratch, quick=True, micro_batch=4) + ["model.dropout=0.1"]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return projection.real_step(overrides), load_config(projection.REPO / "configs" / "gpt2.yaml", overrides)
+
+
+def test_the_projected_step_is_every_operator_a_real_cpu_step_dispatches(real_cpu_step):
+    """The projection of a small config with the CPU's choices (its attention kernel, eager
+    dropout and loss), the model's forward and backward traced on meta plus the rest of the step
+    from the real one, dispatches exactly the operators of the real step: the model, the loss,
+    the trainer's work, DeepSpeed's in backward and its optimizer step. A part of the step the
+    projection leaves out, or a model operator meta does not see, fails it."""
+    real, cfg = real_cpu_step
+    projected = projection.trace_model(cfg, "cpu") + real.rest
+    assert Counter(op.name for op in projected) == Counter(op.name for op in real.ops)
+    parts = Counter(op.part for op in real.ops)
+    assert {"model", "loss", "trainer", "deepspeed backward", "optimizer"} <= parts.keys(), parts
+    # Each part is charged: the whole-step kernel list has a kernel from every one of them.
+    charged = {kernel.part for kernel in projection.kernels_of(projected)}
+    assert {"model", "loss", "trainer", "deepspeed backward", "optimizer"} <= charged
+
+
+def test_deepspeeds_backward_work_is_a_few_kernels_not_a_few_per_parameter(real_cpu_step, tmp_path):
+    """Under the bulk gradient path DeepSpeed's backward work is one multi-tensor copy per
+    parameter group and the loss's scaling, and the step's Python hook calls are a handful; with
+    DeepSpeed's own hooks (``parallel.zero_gradients=deepspeed``) it is at least a copy per
+    parameter and a hook call each."""
+    real, cfg = real_cpu_step
+    params = sum(1 for _ in _trainable(cfg))
+    ours = [op for op in real.ops if op.part == "deepspeed backward"]
+    assert Counter(op.name for op in ours)["aten._foreach_copy_.default"] == 2  # two parameter groups
+    assert len(ours) <= 8 and real.hook_calls <= projection.HOOK_CALL_GOAL, (ours, real.hook_calls)
+    overrides = projection.real_step_overrides(tmp_path, quick=True, micro_batch=4)
+    theirs = projection.real_step([*overrides, "model.dropout=0.1", "parallel.zero_gradients=deepspeed"])
+    their_ops = [op for op in theirs.rest if op.part == "deepspeed backward"]
+    assert len(their_ops) >= params and theirs.hook_calls >= params
+
+
+def _trainable(cfg):
+    from parallel_latent.model import build_model
+
+    return (p for p in build_model(cfg).parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("numels", "lists", "launches"),
+    [
+        ([320 * 65536], 2, 1),  # one launch holds 320 blocks of 65536 elements
+        ([320 * 65536 + 1], 2, 2),
+        ([10] * 64, 2, 1),  # and 64 tensors with two tensor lists
+        ([10] * 65, 2, 2),
+        ([10] * 110, 1, 1),  # 110 with one
+        ([10] * 111, 1, 2),
+        ([0, 10, 0], 4, 1),  # empty tensors take no place
+    ],
+)
+def test_multi_tensor_launches_follow_torchs_tables(numels, lists, launches):
+    assert projection.multi_tensor_launches(numels, lists) == launches
+
+
+def test_a_gather_reads_what_it_gathers_a_host_scalar_costs_nothing_and_no_kernel_is_free():
+    n = 4096
+    with torch.device("meta"):
+        table, rows = torch.empty(n, n, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.long)
+    tracer = projection.StepTracer()
+    tracer.on_meta = True
+    with tracer:
+        table.index_select(0, rows)
+        torch.scalar_tensor(1.0)  # made on the host: no kernel on CUDA
+        table[:1, :1].neg()  # one element: still a kernel's minimum
+    gather, host, _ = tracer.ops
+    assert projection.op_bytes(gather) == 2 * (8 * n * 2) + 8 * 8  # the rows read and written, the indices
+    assert host.host and projection.kernels_per_op(host) == 0
+    kernels = projection.kernels_of(tracer.ops)
+    assert len(kernels) == 2 and kernels[1].device_s == projection.MIN_KERNEL_S

@@ -195,3 +195,15 @@ def copy_checkpoint(source_run: Path, step: int, run_dir: Path) -> None:
 
 def by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in train_records(run_dir)}
+
+
+def trained_weights(trainer, steps: int) -> tuple[dict, list[float]]:
+    """After ``steps`` more steps of a real trainer: its trainable weights and ZeRO's fp32 masters (by
+    name, copied), and the gradient norm of each step."""
+    norms = []
+    for _ in range(steps):
+        trainer.train_step()
+        norms.append(float(trainer.engine.get_global_grad_norm()))
+    masters = trainer.bundle.optimizer.single_partition_of_fp32_groups
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    return {**weights, **{f"fp32 master {i}": m.detach().clone() for i, m in enumerate(masters)}}, norms

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from parallel_latent.parallel import vocab_parallel_cross_entropy
+from tests.helpers.gpu import gpu_test
 from tests.helpers.tp_compare import order_bound
 
 B, T, VOCAB, PADDED = 3, 5, 250, 256
@@ -128,16 +129,16 @@ def test_ties_take_the_lowest_index_padding_never_wins_and_ignored_rows_get_noth
     assert loss[0, 4].item() == 0.0 and not leaf.grad[0, 4].any() and not leaf.grad[..., VOCAB:].any()
 
 
-@pytest.mark.slow
-def test_compiled_chunks_equal_the_plain_ones_on_cpu_inductor():
-    """LossKernels.compiled() (what a CUDA device runs when the dropout mask is compiled) against the
-    plain chunks, bf16 logits in chunks of 4 rows (the last one shorter): within another summation
-    order's bound, and no graph broken."""
+def assert_compiled_chunks_equal_the_plain_ones(device: str) -> None:
+    """LossKernels.compiled() against the plain chunks on ``device``, bf16 logits in chunks of 4 rows
+    (the last one shorter): the same predictions, the loss within another summation order's bound,
+    and each gradient element (p - 1[target], rounded once to bf16) within one bf16 step of the
+    largest plus the fp32 order bound of the softmax's sum."""
     from parallel_latent.parallel import LossKernels
 
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(B, T, PADDED, generator=gen).to(torch.bfloat16)
-    target = torch.randint(0, VOCAB, (B, T), generator=gen)
+    logits = torch.randn(B, T, PADDED, generator=gen).to(torch.bfloat16).to(device)
+    target = torch.randint(0, VOCAB, (B, T), generator=gen).to(device)
     target[1, 2] = -100
     results = []
     with torch._inductor.config.patch(compile_threads=1):
@@ -146,14 +147,18 @@ def test_compiled_chunks_equal_the_plain_ones_on_cpu_inductor():
             loss, correct = vocab_parallel_cross_entropy(leaf, target, VOCAB, chunk_rows=4, kernels=kernels)
             loss.sum().backward()
             results.append((loss.detach(), correct, leaf.grad.float()))
-        assert kernels.sum_exp.succeeded and kernels.grad.succeeded
+        assert kernels.sum_exp.succeeded and kernels.grad.succeeded  # no graph broken
     (want_loss, want_correct, want_grad), (loss, correct, grad) = results
     assert torch.equal(correct, want_correct)
     assert (loss - want_loss).abs().max().item() <= order_bound(VOCAB, want_loss.abs().max().item())
-    # A gradient element is p - 1[target], rounded once to bf16: one bf16 step of the largest, plus
-    # the fp32 order bound of the softmax's sum.
     bf16_step = torch.finfo(torch.bfloat16).eps * want_grad.abs().max().item()
     assert (grad - want_grad).abs().max().item() <= bf16_step + order_bound(VOCAB, 1.0)
+
+
+@pytest.mark.slow
+def test_compiled_chunks_equal_the_plain_ones_on_cpu_inductor():
+    """What a CUDA device runs when the dropout mask is compiled, through inductor's CPU backend."""
+    assert_compiled_chunks_equal_the_plain_ones("cpu")
 
 
 def test_the_loss_is_fused_where_the_dropout_mask_is_compiled():
@@ -169,3 +174,58 @@ def test_the_loss_is_fused_where_the_dropout_mask_is_compiled():
         kernels = build_model(cfg).loss_kernels
         assert kernels.on(cuda).compiled_kernels is compile_dropout
         assert not kernels.on(cpu).compiled_kernels and kernels.on(cuda) is kernels.on(cuda)
+
+
+def chunk_arguments(dtype, rows: int = 6, real: int = VOCAB):
+    """One chunk of the backward's arguments, as the loss computes them, over ``PADDED`` columns."""
+    from parallel_latent.parallel.cross_entropy import chunk_max_sum_exp
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, PADDED, generator=gen).to(dtype)
+    row_max, argmax, row_sum = logits.new_empty(rows), torch.empty(rows, dtype=torch.long), torch.empty(rows)
+    chunk_max_sum_exp(row_max, argmax, row_sum, logits, real, torch.float32)
+    targets = torch.randint(0, real, (rows,), generator=gen)
+    hits = (torch.arange(rows) % 3 != 0).float()  # some targets on another rank: no one-hot here
+    scale = torch.rand(rows, generator=gen)
+    return logits, row_max.float(), row_sum, targets, hits, scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("real", [VOCAB, PADDED])
+def test_the_fused_backward_chunk_gives_the_indexed_ones_bits(dtype, real):
+    """chunk_grad_fused (what the compiled loss runs) is chunk_grad_into's arithmetic on the same
+    values: eagerly, the same bits, padding columns 0."""
+    from parallel_latent.parallel.cross_entropy import chunk_grad_fused, chunk_grad_into
+
+    logits, row_max, row_sum, targets, hits, scale = chunk_arguments(dtype, real=real)
+    outs = [torch.empty_like(logits) if dtype != torch.float32 else None for _ in range(2)]
+    want = chunk_grad_into(outs[0], logits.clone(), row_max, row_sum, targets, hits, scale, real, torch.float32)
+    got = chunk_grad_fused(outs[1], logits.clone(), row_max, row_sum, targets, hits, scale, real, torch.float32)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert not got[:, real:].any()
+
+
+@pytest.mark.slow
+def test_the_compiled_backward_chunk_is_one_kernel_and_the_indexed_one_is_not():
+    """Inductor (its CPU code generator, the same scheduler as CUDA's) fuses the whole fused chunk
+    into one kernel that writes only the bf16 gradient; the indexed write of chunk_grad_into splits
+    it (what benchmarks/bench_projection.py charges for a scatter inside a compiled region)."""
+    from torch._inductor import metrics
+
+    from parallel_latent.parallel.cross_entropy import chunk_grad_fused, chunk_grad_into
+
+    logits, row_max, row_sum, targets, hits, scale = chunk_arguments(torch.bfloat16)
+    kernels = {}
+    with torch._inductor.config.patch(compile_threads=1):
+        for fn in (chunk_grad_fused, chunk_grad_into):
+            torch._dynamo.reset()
+            metrics.reset()
+            out = torch.empty_like(logits)
+            torch.compile(fn, dynamic=True)(out, logits, row_max, row_sum, targets, hits, scale, VOCAB, torch.float32)
+            kernels[fn.__name__] = metrics.generated_kernel_count
+    assert kernels["chunk_grad_fused"] == 1 and kernels["chunk_grad_into"] > 1, kernels
+
+
+@gpu_test
+def test_on_cuda_the_compiled_loss_equals_eager_within_its_bound():
+    assert_compiled_chunks_equal_the_plain_ones("cuda")

