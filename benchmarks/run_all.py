@@ -97,22 +97,17 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
             *(str(s) for s in range(1, 11)),
         ],
     ),
-    "quality_compressed": (
-        "Held-out reconstruction of configs/compressed.yaml (32 floats per token) over three seeds",
-        ["benchmarks/bench_quality.py", "--config", "configs/compressed.yaml", "--seeds", "1", "2", "1234"],
+    "bench_readout": (
+        "What limits narrow latents, without training: a k-dimensional code of a token read back over the whole "
+        "vocabulary by the tied head's inner product and by the nearest head's nearest normalised code, and how "
+        "much of a token a k-dimensional linear map of the frozen GPT-2's features holds",
+        ["benchmarks/bench_readout.py"],
     ),
-    "quality_compressed_16": (
-        "configs/compressed.yaml at 16 floats per token (latents of 16 features) over three seeds",
-        [
-            "benchmarks/bench_quality.py",
-            "--config",
-            "configs/compressed.yaml",
-            "model.latent_dim=16",
-            "--seeds",
-            "1",
-            "2",
-            "1234",
-        ],
+    "quality_frontier": (
+        "The compression frontier: configs/compressed.yaml and its points (N latents x k features for T = 32 "
+        "tokens), each over the seeds its command names: held-out BLEU, exact match, BLEU under noise, length "
+        "accuracy, out-of-domain BLEU, wall time",
+        ["benchmarks/bench_frontier.py"],
     ),
 }
 GPU = "gpu"

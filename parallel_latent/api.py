@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent import pretrained
-from parallel_latent.checkpoint import CheckpointError, PortableCheckpoint, load_portable, resolve_portable_dir
+from parallel_latent.checkpoint import (
+    CheckpointError,
+    PortableCheckpoint,
+    load_portable,
+    read_newest,
+    resolve_portable_dir,
+)
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.console import report_hang
@@ -117,12 +123,17 @@ class TextAutoencoder:
         """Load from a run directory, a checkpoints directory, a training checkpoint, or a portable
         or consolidated directory, saved at any TP degree (``tp_group=None``: one process), onto
         ``device`` (default: the CPU)."""
-        directory = resolve_portable_dir(path)
-        manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
-        model = load_autoencoder(directory, tp_group)
+
+        def load(directory: Path) -> TextAutoencoder:
+            manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
+            model = load_autoencoder(directory, tp_group)
+            return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), source=directory)
+
+        # A run that trains meanwhile may prune the checkpoint found first: the newest is read.
+        autoencoder = read_newest(path, load)
         if device is not None:
-            model = model.to(device)
-        return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), source=directory)
+            autoencoder.model = autoencoder.model.to(device)
+        return autoencoder
 
     @classmethod
     def from_pretrained(

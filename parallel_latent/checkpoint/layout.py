@@ -24,13 +24,14 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from parallel_latent.coordination import broadcast_value, first_failure, is_main
 from parallel_latent.errors import BadInput, ExitStatus, first_line
 from parallel_latent.files import Staged, discard, publish, replace_file
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RUN_CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -151,6 +152,27 @@ def resolve_portable_dir(path: str | Path) -> Path:
             f"run `parallel-latent export {step_dir} OUT` first"
         )
     return step_dir / PORTABLE_DIR
+
+
+# A newest checkpoint that a running job prunes while it is being read is resolved this many times.
+READ_ATTEMPTS = 3
+
+
+def read_newest(path: str | Path, read: Callable[[Path], T]) -> T:
+    """``read(resolve_portable_dir(path))``. Where ``path`` names a run or its checkpoints (not one
+    checkpoint), a job that trains in it meanwhile may prune the checkpoint found before ``read`` has
+    opened it (``checkpoint.keep_last``): the newest is then resolved again. A checkpoint that is
+    still there when ``read`` fails is damaged, not pruned: its error is raised."""
+    attempt = 1
+    while True:
+        directory = resolve_portable_dir(path)
+        try:
+            return read(directory)
+        except (CheckpointError, OSError):
+            pruned = not directory.exists() and Path(path) not in (directory, directory.parent)
+            if not pruned or attempt == READ_ATTEMPTS:
+                raise
+        attempt += 1
 
 
 def write_json(path: Path, data: Any, indent: int | None = 1) -> None:

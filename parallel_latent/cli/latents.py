@@ -69,7 +69,8 @@ def add_subcommands(sub) -> None:
         "datasets.load_from_disk and parallel_latent.latents.open_latents memory-map. Rerun the same "
         "command to continue an export that was stopped. key=value: export.batch_size, export.shard_size, "
         "export.precision (fp32 | bf16), data.* (how to read the corpus), parallel.tensor_parallel, "
-        "parallel.backend, training.device, logging.progress_bar.",
+        "parallel.backend, training.device, training.hang_timeout_s / hang_long_phase_s (the hang watchdog), "
+        "logging.progress_bar.",
     )
     encode.add_argument(
         "--checkpoint",

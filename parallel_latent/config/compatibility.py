@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["KEYS_ADDED_LATER", "RUNTIME_ONLY_KEYS", "model_difference", "saved_model_config"]
 
 # Keys that do not change the weights: a checkpoint loads whatever they are set to.
-RUNTIME_ONLY_KEYS: frozenset[str] = frozenset({"dropout", "activation_checkpointing", "init_std"})
+RUNTIME_ONLY_KEYS: frozenset[str] = frozenset({"dropout", "activation_checkpointing", "init_std", "latent_noise"})
 # Keys added after checkpoints were already written, with the value such a checkpoint means.
 KEYS_ADDED_LATER: dict[str, Any] = {
     "head": "normal",
@@ -23,6 +23,7 @@ KEYS_ADDED_LATER: dict[str, Any] = {
     "num_latents": 0,
     "latent_dim": 0,
     "predict_length": False,
+    "latent_noise": 0.0,
 }
 
 

@@ -49,12 +49,14 @@ class ModelConfig:
     mask_token_id: int = setting(50257, "the mask token every decoder query starts from (set from the tokenizer)")
     pad_token_id: int = setting(50258, "the padding token (set from the tokenizer)")
     activation_checkpointing: bool = setting(False, "recompute each block's activations in backward")
-    head: Literal["tied", "token_table_init", "normal"] = setting(
+    head: Literal["tied", "nearest", "token_table_init", "normal"] = setting(
         "tied",
         "the decoder's projection to the vocabulary. tied: the feature model's (resized) token table itself, "
         "times a learned scale (GPT-2's weight tying; no weight of its own, and tokens that never occur in "
-        "training stay reachable); token_table_init: a trainable copy of that table, rescaled to rows of norm "
-        "~1; normal: a trainable matrix drawn from N(0, init_std)",
+        "training stay reachable); nearest: that table too, read in as many features as the latents hold per "
+        "token (N x k / T), each token scored against its normalised code there: nearest-neighbour decoding, "
+        "what narrow latents need (docs/quality.md); token_table_init: a trainable copy of that table, rescaled "
+        "to rows of norm ~1; normal: a trainable matrix drawn from N(0, init_std)",
     )
 
     encoder_context_positions: bool = setting(
@@ -82,6 +84,13 @@ class ModelConfig:
         False,
         "the decoder also learns where the text ends (the pad token at every position past the end, trained "
         "like a token), so latents decode without an attention mask; false: the loss covers the real tokens only",
+    )
+    latent_noise: float = setting(
+        0.0,
+        "standard deviation of Gaussian noise added to the latents the decoder reads in training (narrow "
+        "latents have a root-mean-square of 1): it learns to read latents as a diffusion sampler leaves them; "
+        "the noise is keyed like dropout (TP=N draws TP=1's), and evaluation reads clean latents",
+        at_least(0.0),
     )
 
     @property

@@ -137,11 +137,13 @@ def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state
             for index in shards:
                 first = index * export.shard_size
                 end = min(first + export.shard_size, len(data))
+                if watching is not None:
+                    watching.progress.enter("encoding", index)  # the shard being encoded
                 if writer is not None:
                     writer.begin(index, first, end - first)
                 for start in range(first, end, export.batch_size):
                     if watching is not None:
-                        watching.progress.enter("encoding", index)  # the shard being encoded
+                        watching.progress.enter("encoding", index)
                     rows = np.arange(start, min(start + export.batch_size, end))
                     batch = data.rows(rows)
                     mask = batch["attention_mask"]
@@ -150,6 +152,8 @@ def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state
                         return
                     if writer is not None:
                         writer.put(_stored(latents), mask.numpy(), rows, mask.sum(1).numpy(), data.truncated[rows])
+                    if watching is not None:  # past the first batch (its allocations): the short allowance
+                        watching.progress.finished_step()
                     # Rank 0 counts the other data-parallel ranks' batches as its own (they run abreast).
                     progress.update(max(0, min(len(rows) * state.dp_size, progress.total - progress.n)))
                 if writer is not None:

@@ -30,7 +30,10 @@ from .format import FORMAT, IDENTITY_WORDS, INDEX_FILE, RUN_FILE, WORK_DIR, Expo
 __all__ = ["ExportPlan", "identity_difference", "output_state", "plan_export"]
 
 # The keys of a training config that an export reads; everything else comes from the checkpoint.
-OVERRIDABLE = ("data.", "parallel.tensor_parallel", "parallel.backend", "training.device", "logging.progress_bar")
+OVERRIDABLE = (
+    "data.", "parallel.tensor_parallel", "parallel.backend", "training.device", "training.hang_timeout_s",
+    "training.hang_long_phase_s", "logging.progress_bar",
+)  # fmt: skip
 
 
 @dataclass

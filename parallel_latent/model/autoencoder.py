@@ -21,6 +21,7 @@ from parallel_latent.parallel import (
     CompileOutcome,
     DropoutRNG,
     LossKernels,
+    ParallelGaussianNoise,
     TensorParallelOptions,
     gather_from_sequence_parallel_region,
     group_size,
@@ -122,6 +123,11 @@ class LatentAutoencoder(nn.Module):
                 token_embedding=self.feature_model.gpt2.wte,
                 options=options,
             )
+        # Last, so that the dropout sites built before it keep their keys.
+        self.latent_noise = ParallelGaussianNoise(
+            model_cfg.latent_noise, self.dropout_rng, partition_dim=1 if self.sequence_parallel else None,
+            tp_group=tp_group,
+        )  # fmt: skip
         mark_replicated(self)
         # The latents' per-feature statistics at the last evaluation (the trainer's evaluator sets
         # them, a loader reads them back): every checkpoint records them for downstream models.
@@ -212,7 +218,8 @@ class LatentAutoencoder(nn.Module):
     ) -> AutoencoderOutput:
         cfg = self.model_cfg
         latents = self._encode_local(input_ids, attention_mask)
-        logits = self.decoder(latents, input_ids.shape[1])  # this rank's vocabulary slice, never gathered
+        # This rank's vocabulary slice, never gathered; in training from noised latents (model.latent_noise).
+        logits = self.decoder(self.latent_noise(latents), input_ids.shape[1])
         is_token = attention_mask.bool()
         if cfg.predict_length:  # every position is a target: a token, or the pad past the end
             target = input_ids.masked_fill(~is_token, cfg.pad_token_id)

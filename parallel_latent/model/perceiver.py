@@ -41,7 +41,7 @@ from parallel_latent.parallel import (
     split_along_sequence,
     with_gradients_summed_together,
 )
-from parallel_latent.parallel.layers import InitMethod, TiedVocabParallelHead
+from parallel_latent.parallel.layers import InitMethod, NearestVocabParallelHead, TiedVocabParallelHead
 from parallel_latent.parallel.utils import SINGLE_PROCESS
 
 # How a position lookup starts (the decoder's blocks, and the encoder's with
@@ -428,6 +428,16 @@ def build_head(
             f"model.head={cfg.head}: the token table is {list(table.shape)}, the head needs "
             f"[model.vocab_size={cfg.vocab_size}, model.d_model={cfg.d_model}]"
         )
+    if cfg.head == "nearest":
+        # Decodes in as many features as the latents hold per token (N x k / T; k with one latent per
+        # position): a code wider than what reaches a position would be read by a projection of it,
+        # and a projected code scores the longest codes highest again. The softmax scale starts
+        # where a reading on its token's code (|code|^2 = rank) scores it ln(V) above an unrelated
+        # token, whatever the rank.
+        rank = max(1, cfg.latent_count * cfg.latent_width // cfg.max_length)
+        return NearestVocabParallelHead(
+            token_embedding, cfg.vocab_size, rank, **split, scale=math.log(cfg.vocab_size) / rank
+        )
     factor = token_table_scale(table)
     if cfg.head == "tied":
         return TiedVocabParallelHead(token_embedding, cfg.vocab_size, **split, scale=factor)
@@ -505,8 +515,6 @@ class LatentDecoder(nn.Module):
         if self.sequence_parallel:
             _mark_sequence_parallel(tp_group, self.positions, self.ln_f)
             _mark_latent_side(tp_group, self._latent_side_params())
-            if isinstance(self.head, TiedVocabParallelHead):
-                _mark_sequence_parallel(tp_group, self.head.log_scale)  # applied on this rank's positions
 
     def _latent_side_params(self) -> list[nn.Parameter]:
         """What this side uses on the latents only: their own position table (fewer latents than

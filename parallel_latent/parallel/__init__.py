@@ -4,7 +4,7 @@ coordinate-keyed dropout and the vocabulary-parallel loss. Nothing here knows th
 from .attention import ParallelAttention
 from .compile import CompiledWithFallback, CompileOutcome
 from .cross_entropy import LossKernels, vocab_parallel_argmax, vocab_parallel_cross_entropy
-from .dropout import DropoutRNG, ParallelDropout
+from .dropout import DropoutRNG, ParallelDropout, ParallelGaussianNoise
 from .layers import (
     ColumnParallelLinear,
     ColumnParallelWeights,
@@ -54,6 +54,7 @@ __all__ = [
     "ModelParallelUnit",
     "ParallelAttention",
     "ParallelDropout",
+    "ParallelGaussianNoise",
     "ParallelMLP",
     "ParallelState",
     "RowParallelLinear",

@@ -42,6 +42,12 @@ def _argmax_from_local(local_max, local_argmax, global_max, start, group) -> tor
 # fp32 elements of one chunk of rows: the loss never holds an fp32 copy of the whole [rows, V/t]
 # logits (1.6 GB at B*T = 8192 and GPT-2's vocabulary), only one chunk of this size at a time.
 CHUNK_ELEMENTS = 2**25
+# Shifted logits at or below this are taken as exp() = 0 exactly. Left alone, a confident model's
+# logits fall 87 to 103 below the row's max, where exp() returns subnormal numbers: a CPU makes them
+# in a slow path (measured: the loss's exp 20x slower late in a compressed run than at its start).
+# What is dropped, e^-64 = 1.6e-28 a column, is below fp64's resolution of a sum that is at least 1
+# (the max's own term) for any vocabulary under 10^12 columns.
+EXP_CUTOFF = -64.0
 
 
 def _rows_per_chunk(local_vocab: int, chunk_rows: int | None) -> int:
@@ -65,7 +71,7 @@ def _shifted_exp(logits, row_max, real: int, compute_dtype, out=None) -> torch.T
     exp_logits = torch.sub(logits, row_max.unsqueeze(-1).to(compute_dtype), out=out)
     if real < logits.shape[-1]:
         exp_logits[..., real:].fill_(float("-inf"))  # (an assignment would build a tensor from Python data)
-    return exp_logits.exp_()
+    return torch.nn.functional.threshold_(exp_logits, EXP_CUTOFF, float("-inf")).exp_()
 
 
 def chunk_max_sum_exp(out_max, out_argmax, out_sum, logits, real: int, compute_dtype) -> None:
@@ -101,7 +107,7 @@ def chunk_grad_fused(out, logits, global_max, sum_exp, targets, hits, scale, rea
     shifted = torch.sub(logits, global_max.unsqueeze(-1).to(compute_dtype))
     if real < logits.shape[-1]:
         shifted = shifted.masked_fill(columns >= real, float("-inf"))
-    softmax = shifted.exp() / sum_exp[:, None]
+    softmax = torch.nn.functional.threshold(shifted, EXP_CUTOFF, float("-inf")).exp() / sum_exp[:, None]
     one_hot = torch.where(columns == targets[:, None], hits[:, None], 0.0)
     grad = (softmax - one_hot) * scale[:, None]
     if out is None:

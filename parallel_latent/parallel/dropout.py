@@ -262,11 +262,9 @@ def _threshold(p: float) -> int:
     return round(p * 2**32) + _INT32_MIN
 
 
-def keep_mask_core(
-    row_index: torch.Tensor, columns: torch.Tensor, k_low, k_high, k_col, threshold: int
-) -> torch.Tensor:
+def element_hash(row_index: torch.Tensor, columns: torch.Tensor, k_low, k_high, k_col) -> torch.Tensor:
     """The hash itself: index tensors and the layer's keys (integers, or 0-dim tensors of
-    :func:`device_layer_key`) in, a bool tensor out."""
+    :func:`device_layer_key`) in, every element's uint32 hash out (as int32 bits)."""
     row_hash = _mix32_int64((row_index & _MASK32) ^ k_low)
     row_hash = _mix32_int64(row_hash ^ (row_index >> 32) ^ k_high)
     row_hash = torch.where(row_hash >= (1 << 31), row_hash - (1 << 32), row_hash).to(torch.int32)
@@ -274,9 +272,15 @@ def keep_mask_core(
     scratch = torch.empty_like(h)
     _mix32_(h, scratch)
     h ^= k_col
-    _mix32_(h, scratch)
+    return _mix32_(h, scratch)
+
+
+def keep_mask_core(
+    row_index: torch.Tensor, columns: torch.Tensor, k_low, k_high, k_col, threshold: int
+) -> torch.Tensor:
+    """The keep-mask from :func:`element_hash`: a bool tensor."""
     # Compare as unsigned: flipping the sign bit maps uint32 order onto int32 order.
-    return (h ^ _INT32_MIN) >= threshold
+    return (element_hash(row_index, columns, k_low, k_high, k_col) ^ _INT32_MIN) >= threshold
 
 
 def dropout_core(
@@ -314,30 +318,52 @@ def apply_mask(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tenso
     return torch.where(keep, x * scale, 0.0)
 
 
-class ParallelDropout(nn.Module):
-    """Dropout keyed on global coordinates.
+class _KeyedSite(nn.Module):
+    """A site whose random numbers are keyed on global coordinates (see the module).
 
     ``partition_dim`` names the dimension that is split over ``tp_group`` (the slice of this rank
     starts at ``tp_rank * local_size``); ``None`` means the activation is replicated over the group.
-    Dimension 0 is the batch, offset by ``rng.sample_offset``.
-    """
+    Dimension 0 is the batch, offset by ``rng.sample_offset``."""
 
-    def __init__(self, p: float, rng: DropoutRNG | None, *, partition_dim: int | None = None, tp_group=None):
+    def __init__(self, rng: DropoutRNG | None, partition_dim: int | None, tp_group) -> None:
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        if p > 0 and rng is None:
-            raise ValueError("dropout > 0 needs a DropoutRNG")
-        self.p = p
         self.rng = rng
         self.layer_id = rng.new_layer_id() if rng is not None else -1
-        # The id as a device tensor for the kernel (every block then shares one compiled graph); a
-        # buffer so that it moves with the model, not persistent: checkpoints stay as they are.
-        self.register_buffer("layer_index", torch.tensor(self.layer_id, dtype=torch.int64), persistent=False)
         self.partition_dim = partition_dim
         self.tp_group = tp_group
         if partition_dim is not None:  # where this rank's slice starts, in units of its size
             self.slice_index, self.slices = group_rank(tp_group), group_size(tp_group)
+
+    def _coordinates(self, x: torch.Tensor) -> tuple:
+        """The index tensors of this site's random numbers for ``x``, counted from the micro-batch's
+        first sample, and the rows of one sample in the full tensor (what the sample offset is scaled
+        by). Only shapes and this rank's place in its group enter: the same every step, so a
+        compiled region neither breaks nor recompiles here."""
+        shape = tuple(x.shape)
+        offsets = [0] * x.dim()
+        full_shape = list(shape)
+        if self.partition_dim is not None:
+            dim = self.partition_dim % x.dim()
+            offsets[dim] = self.slice_index * shape[dim]
+            full_shape[dim] = self.slices * shape[dim]
+        # The batch dim is outermost, so its full extent never enters the index: any value works.
+        row_index, columns = self.rng.indices(shape, tuple(offsets), tuple(full_shape), x.device)
+        return row_index, columns, math.prod(full_shape[1:-1])
+
+
+class ParallelDropout(_KeyedSite):
+    """Dropout keyed on global coordinates (:class:`_KeyedSite`)."""
+
+    def __init__(self, p: float, rng: DropoutRNG | None, *, partition_dim: int | None = None, tp_group=None):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        if p > 0 and rng is None:
+            raise ValueError("dropout > 0 needs a DropoutRNG")
+        super().__init__(rng, partition_dim, tp_group)
+        self.p = p
+        # The id as a device tensor for the kernel (every block then shares one compiled graph); a
+        # buffer so that it moves with the model, not persistent: checkpoints stay as they are.
+        self.register_buffer("layer_index", torch.tensor(self.layer_id, dtype=torch.int64), persistent=False)
         self.threshold, self.scale = _threshold(p), 1.0 / (1.0 - p)
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
@@ -355,21 +381,43 @@ class ParallelDropout(nn.Module):
         keys = rng.device_keys(x.device)
         return kernel(x, row_index, columns, keys, self.layer_index, batch_stride, self.threshold, self.scale)
 
-    def _coordinates(self, x: torch.Tensor) -> tuple:
-        """The index tensors of this site's mask for ``x``, counted from the micro-batch's first
-        sample, and the rows of one sample in the full tensor (what the sample offset is scaled
-        by). Only shapes and this rank's place in its group enter: the same every step, so a
-        compiled region neither breaks nor recompiles here."""
-        shape = tuple(x.shape)
-        offsets = [0] * x.dim()
-        full_shape = list(shape)
-        if self.partition_dim is not None:
-            dim = self.partition_dim % x.dim()
-            offsets[dim] = self.slice_index * shape[dim]
-            full_shape[dim] = self.slices * shape[dim]
-        # The batch dim is outermost, so its full extent never enters the index: any value works.
-        row_index, columns = self.rng.indices(shape, tuple(offsets), tuple(full_shape), x.device)
-        return row_index, columns, math.prod(full_shape[1:-1])
-
     def extra_repr(self) -> str:
         return f"p={self.p}, layer_id={self.layer_id}, partition_dim={self.partition_dim}"
+
+
+class ParallelGaussianNoise(_KeyedSite):
+    """``x + std * n`` in training, ``n`` standard normal keyed on global coordinates
+    (:class:`_KeyedSite`): Box-Muller from two hashes of each element's coordinates, so a TP=N run
+    adds the very noise of a TP=1 run, and DP ranks and accumulated micro-batches their own. Its
+    gradient is the identity. Eager (a few small kernels): it runs where the activation is small."""
+
+    def __init__(self, std: float, rng: DropoutRNG, *, partition_dim: int | None = None, tp_group=None):
+        if std < 0:
+            raise ValueError(f"noise standard deviation must be >= 0, got {std}")
+        super().__init__(rng, partition_dim, tp_group)
+        self.std = std
+        self.second_layer_id = rng.new_layer_id()  # the second uniform's key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.std == 0.0:
+            return x
+        row_index, columns, batch_stride = self._coordinates(x)
+        rng = self.rng
+        if rng.sample_offset:
+            row_index = row_index + rng.sample_offset * batch_stride
+        first, second = (
+            _unit_interval(element_hash(row_index, columns, *layer_key((rng.seed, rng.step, layer_id))))
+            for layer_id in (self.layer_id, self.second_layer_id)
+        )
+        normal = torch.sqrt(-2.0 * torch.log(first)) * torch.cos((2.0 * math.pi) * second)
+        return x + (self.std * normal).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"std={self.std}, layer_ids=({self.layer_id}, {self.second_layer_id}), partition_dim={self.partition_dim}"
+        )
+
+
+def _unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """uint32 hashes (held in int32 bits) as float64 in the open interval (0, 1)."""
+    return ((h.to(torch.int64) & _MASK32).double() + 0.5) * 2.0**-32

@@ -51,7 +51,9 @@ def model_flops_per_sample(
     * the query MLP (d -> r*d -> d): 4r * T * d^2 when it runs per position (training with
       dropout: each query draws its own mask); otherwise it runs once per micro-batch on the one
       mask vector, 4r * d^2 / micro_batch_size per sample;
-    * the vocabulary head: 2 * T * d * V;
+    * the vocabulary head: 2 * T * d * V; the ``nearest`` head reads r = N * k / T features of the d
+      and scores in r dimensions, 2 * T * d * r + 2 * T * r * V, against the codes of the whole table,
+      computed once per micro-batch, 2 * V * d * r / micro_batch_size per sample;
     * one GPT-2 block (width f, MLP ratio 4, causal attention counted in full):
       24 * T * f^2 + 4 * T^2 * f.
 
@@ -59,9 +61,9 @@ def model_flops_per_sample(
     hub's widths, whatever the YAML says); by default ``n_layer - 2`` and ``n_embd`` of the config.
 
     ``train = 3 * trainable_forward + frozen_forward`` (if the feature model is configured
-    trainable, it moves to the first term), less one head forward when the head is tied to the
-    frozen token table: its backward computes the input's gradient only (2x, not 3x).  The
-    returned dict also holds the parts.
+    trainable, it moves to the first term), less one forward of what reads the frozen token table
+    (the tied head's product, the nearest head's codes): its backward computes the other operand's
+    gradient only (2x, not 3x).  The returned dict also holds the parts.
     """
     model, feature = cfg.model, cfg.feature_model
     d, t, r = model.d_model, model.max_length, model.mlp_ratio
@@ -81,13 +83,19 @@ def model_flops_per_sample(
         "bottleneck": float(4 * n * d * k if model.has_bottleneck else 0),
         "query_mlp": float(4 * r * query_rows * d * d),
         "head": float(2 * t * d * model.vocab_size),
+        "head_codes": 0.0,
         "gpt2_linear": float(gpt2_blocks * 24 * t * f * f),
         "gpt2_attention": float(gpt2_blocks * 4 * t * t * f),
     }
+    head = getattr(model, "head", "normal")
+    if head == "nearest":
+        rank = max(1, n * k // t)
+        parts["head"] = float(2 * t * d * rank + 2 * t * rank * model.vocab_size)
+        parts["head_codes"] = float(2 * model.vocab_size * d * rank / max(1, cfg.training.micro_batch_size))
     perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["bottleneck"]
-    perceiver += parts["query_mlp"] + parts["head"]
+    perceiver += parts["query_mlp"] + parts["head"] + parts["head_codes"]
     gpt2 = parts["gpt2_linear"] + parts["gpt2_attention"]
-    head_weight_frozen = getattr(model, "head", "normal") == "tied" and feature.frozen
+    table_read = {"tied": parts["head"], "nearest": parts["head_codes"]}.get(head, 0.0) if feature.frozen else 0.0
     if feature.frozen:
         trainable_forward, frozen_forward = perceiver, gpt2
     else:
@@ -96,7 +104,7 @@ def model_flops_per_sample(
         **parts,
         "trainable_forward": trainable_forward,
         "frozen_forward": frozen_forward,
-        "train": 3 * trainable_forward + frozen_forward - (parts["head"] if head_weight_frozen else 0.0),
+        "train": 3 * trainable_forward + frozen_forward - table_read,
     }
 
 

@@ -4,6 +4,7 @@ weights-only unpickling, and resharded resume at another TP x DP x ZeRO with Ada
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from parallel_latent.checkpoint import (
     find_latest_checkpoint,
     inspect,
     load_training_checkpoint,
+    read_newest,
     safe_torch_load,
     save_training_checkpoint,
 )
@@ -315,3 +317,41 @@ def test_a_snapshot_keeps_a_tied_weight_one_tensor_and_is_not_changed_by_later_s
     again = snapshot(state, copies, ("file",))
     assert again["module"]["head.weight"] is copied["module"]["head.weight"]  # the same buffer, refilled
     assert torch.equal(again["module"]["head.weight"], table) and again["module"]["part"].eq(1.0).all()
+
+
+def _published(checkpoints, step: int) -> Path:
+    step_dir = checkpoints / f"step_{step:08d}"
+    (step_dir / "model").mkdir(parents=True)
+    (step_dir / "model" / "manifest.json").write_text("{}")
+    (step_dir / "checkpoint.json").write_text("{}")
+    (checkpoints / "latest").write_text(step_dir.name + "\n")
+    return step_dir
+
+
+def test_a_reader_of_a_run_that_prunes_meanwhile_reads_the_newest_checkpoint(tmp_path):
+    """A read-only command on a run that trains: the checkpoint ``latest`` named is pruned (a newer
+    one published) before the reader opens it; the reader resolves the newest again. A checkpoint
+    named explicitly, or one still there when reading fails, is not retried."""
+    checkpoints = tmp_path / "checkpoints"
+    _published(checkpoints, 1)
+    seen = []
+
+    def read(directory: Path) -> str:
+        seen.append(directory.parent.name)
+        if len(seen) == 1:  # the job publishes step 2 and prunes step 1 under the reader
+            _published(checkpoints, 2)
+            shutil.rmtree(directory.parent)
+            raise CheckpointError(f"{directory}: not a portable checkpoint (manifest.json missing)")
+        return directory.parent.name
+
+    assert read_newest(tmp_path, read) == "step_00000002"
+    assert seen == ["step_00000001", "step_00000002"]
+
+    def damaged(directory: Path) -> str:
+        seen.append(directory.parent.name)
+        raise CheckpointError(f"{directory}: damaged")
+
+    seen.clear()
+    with pytest.raises(CheckpointError, match="damaged"):
+        read_newest(tmp_path, damaged)
+    assert seen == ["step_00000002"]

@@ -305,12 +305,12 @@ def test_bf16_export_equals_bf16_encode_bit_for_bit(setup, tmp_path):
 
 
 def test_a_compressed_model_exports_its_own_latent_shape(setup, tmp_path):
-    """Fewer, narrower latents (model.num_latents, model.latent_dim): the export is the model's
-    own encode, [N, k] per sample, bit for bit."""
+    """Fewer, narrower latents (model.num_latents, model.latent_dim) with the head made for them: the
+    export is the model's own encode, [N, k] per sample, bit for bit."""
     tokenizer = load_tokenizer(Config().tokenizer)
     model_cfg = ModelConfig(
         d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=12, dropout=0.0,
-        num_latents=6, latent_dim=8, predict_length=True,
+        num_latents=6, latent_dim=8, predict_length=True, head="nearest", latent_noise=0.5,
     )  # fmt: skip
     features = FeatureModelConfig(n_layer=3, n_head=2, n_embd=32)
     cfg = apply_tokenizer_facts(Config(model=model_cfg, feature_model=features), tokenizer_facts(tokenizer))
@@ -468,6 +468,24 @@ def test_a_rank_whose_writer_fails_ends_every_rank_with_its_line(setup, tmp_path
         == "parallel-latent: error: rank 1: RuntimeError: injected fault in shard 1"
     )
     assert time.monotonic() - started < 120  # the hang watchdog's allowance is 600 s: it did not come to that
+    assert not (out / INDEX_FILE).exists()
+
+
+def test_a_rank_that_stops_moving_ends_the_export_within_the_hang_timeout(setup, tmp_path):
+    """Rank 1's main thread stops for good as it begins its second shard (shard 3), after its first:
+    the hang watchdog, which covers encode-corpus as it covers training, ends the job with one line
+    naming rank 1 and the shard, within the timeout of the export's short allowance (not the long
+    one of a first batch), and status 5."""
+    out = tmp_path / "stalled"
+    faults = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "worker_faults"), "PL_FAULT_RANK": "1"}
+    env = {**faults, "PL_FAULT": "export-hang", "PL_FAULT_STEP": "3"}
+    timeouts = ["training.hang_timeout_s=10", "training.hang_long_phase_s=600"]
+    started = time.monotonic()
+    result = cli([*command(setup, out, *timeouts), "--nproc", "2"], timeout=300, env=env)
+    assert result.returncode == 5, describe(result)
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("parallel-latent: error: rank 1 (host ") and "stalled at step 3 in encoding" in line, line
+    assert time.monotonic() - started < 240
     assert not (out / INDEX_FILE).exists()
 
 

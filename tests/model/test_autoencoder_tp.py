@@ -17,6 +17,7 @@ from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
 from tests.helpers.autoencoder_tp import (
     COMPRESSED,
+    K_COMPRESSED,
     N_COMPRESSED,
     assert_equals_tp1,
     compare_with_tp1,
@@ -68,6 +69,20 @@ def test_compressed_model_at_tp_equals_tp1(pool4, tp, sequence_parallel):
     options = {"tp_options": TensorParallelOptions(sequence_parallel=True)} if sequence_parallel else {}
     results = pool4.run(compare_with_tp1, tp, 0.1, model_overrides=COMPRESSED, **options)
     assert_equals_tp1(results, f"compressed tp={tp} sp={sequence_parallel}")
+
+
+@pytest.mark.parametrize(("tp", "sequence_parallel", "frozen"), [(2, False, True), (4, True, True), (2, False, False)])
+def test_the_nearest_head_at_tp_equals_tp1(pool4, tp, sequence_parallel, frozen):
+    """The compressed model with the nearest head (each rank scores its vocabulary slice against
+    codes it computes from its rows of the table): the codes' projection gets its gradient from
+    every slice, the reading and the scale from every position under sequence parallelism, and a
+    trained table its rows' gradients from every rank. With the latents noised in training
+    (``model.latent_noise``): every rank draws TP=1's noise, its own latents' under sequence
+    parallelism."""
+    options = {"tp_options": TensorParallelOptions(sequence_parallel=True)} if sequence_parallel else {}
+    overrides = {**COMPRESSED, "latent_noise": 0.5}
+    results = pool4.run(compare_with_tp1, tp, 0.1, "nearest", frozen, model_overrides=overrides, **options)
+    assert_equals_tp1(results, f"nearest tp={tp} sp={sequence_parallel} frozen={frozen}")
 
 
 def count_block_collectives(tp: int, model_overrides: dict | None = None, **options) -> tuple[list, list]:
@@ -266,4 +281,20 @@ def test_the_compressed_model_adds_no_collective(pool4):
     want_forward = [B * n * D] * 2 * layers[0] + [B * T * D] * 2 * layers[1] + [D] + [B * T] * 2 + [2 * B * T]
     assert Counter(numel for _, numel, _ in forward) == Counter(want_forward)
     want_backward = [B * n * D] * layers[0] + [B * T * D] * (layers[1] + 1) + [B * (T + n) * D] * sum(layers)
+    assert Counter(numel for _, numel, _ in backward) == Counter(want_backward)
+
+
+def test_the_nearest_head_costs_one_small_collective(pool4):
+    """The nearest head reads r = N k / T of the d features before the vocabulary region: its entry
+    reduces [B, T, r] in backward instead of [B, T, d], and the codes' projection [r, d] (computed
+    from each rank's slice of the table) adds one all-reduce of its gradient; nothing else changes."""
+    layers = tiny_configs()[0].n_encoder_layers, tiny_configs()[0].n_decoder_layers
+    n, r = N_COMPRESSED, N_COMPRESSED * K_COMPRESSED // T
+    overrides = {**COMPRESSED, "head": "nearest"}
+    forward, backward = pool4.run(count_block_collectives, 2, overrides, split_feature_model=False)[0]
+    assert all(name == "all_reduce" for name, _, _ in forward + backward)
+    want_forward = [B * n * D] * 2 * layers[0] + [B * T * D] * 2 * layers[1] + [D] + [B * T] * 2 + [2 * B * T]
+    assert Counter(numel for _, numel, _ in forward) == Counter(want_forward)
+    want_backward = [B * n * D] * layers[0] + [B * T * D] * layers[1] + [B * T * r, r * D]
+    want_backward += [B * (T + n) * D] * sum(layers)
     assert Counter(numel for _, numel, _ in backward) == Counter(want_backward)

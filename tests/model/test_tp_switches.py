@@ -177,18 +177,21 @@ def test_a_checkpoint_loads_with_and_without_sequence_parallelism(pool4, tmp_pat
         assert (w - g).abs().max().item() <= order_bound(k, terms_scale(max_abs([w]), k)), name
 
 
-def test_a_compressed_checkpoint_saved_at_tp2_loads_at_tp4_and_in_one_process(pool4, tmp_path):
-    """The portable checkpoint of fewer, narrower latents loads at another TP degree (and with
-    sequence parallelism) to the same numbers; a model of other latent keys is refused in one line."""
-    want = pool4.run(save_task, 2, str(tmp_path / "ckpt"), False, COMPRESSED)[0]
+@pytest.mark.parametrize("head", ["tied", "nearest"])
+def test_a_compressed_checkpoint_saved_at_tp2_loads_at_tp4_and_in_one_process(pool4, tmp_path, head):
+    """The portable checkpoint of fewer, narrower latents (with either head) loads at another TP
+    degree (and with sequence parallelism) to the same numbers; a model of other latent keys is
+    refused in one line."""
+    compressed = {**COMPRESSED, "head": head}
+    want = pool4.run(save_task, 2, str(tmp_path / "ckpt"), False, compressed)[0]
     k = reduction_length_of_model(4)
     for tp, sequence_parallel in ((4, True), (1, False)):
-        got = pool4.run(load_task, tp, str(tmp_path / "ckpt"), sequence_parallel, COMPRESSED)[0]
+        got = pool4.run(load_task, tp, str(tmp_path / "ckpt"), sequence_parallel, compressed)[0]
         for name, w, g in zip(("loss", "latents", "logits"), want, got, strict=True):
             w, g = torch.as_tensor(w), torch.as_tensor(g)
             if name == "logits":  # the vocabulary is padded per TP degree
                 w, g = w[..., :VOCAB], g[..., :VOCAB]
             assert (w - g).abs().max().item() <= order_bound(k, terms_scale(max_abs([w]), k)), (tp, name)
-    other = LatentAutoencoder(*tiny_configs(dropout=0.0, **{**COMPRESSED, "num_latents": 2}), seed=9)
+    other = LatentAutoencoder(*tiny_configs(dropout=0.0, **{**compressed, "num_latents": 2}), seed=9)
     with pytest.raises(CheckpointError, match=r"model\.num_latents is 4 in the checkpoint but 2 in the model"):
         load_portable(str(tmp_path / "ckpt"), other)

@@ -111,6 +111,29 @@ def test_each_chunk_of_logits_is_read_once_each_way_and_the_gradient_is_written_
     assert copies == [], copies
 
 
+def test_a_confident_model_makes_no_subnormal_numbers():
+    """Logits from 80 to 110 below each row's max (a confident model's): exp() of those is subnormal
+    in fp32 (below 1.2e-38), which a CPU computes in a slow path; the loss takes them as 0 instead.
+    Its value and gradient stay torch's within fp32 rounding, and no gradient entry is subnormal."""
+    gen = torch.Generator().manual_seed(4)
+    logits = -80.0 - 30.0 * torch.rand(B, T, VOCAB, generator=gen)
+    target = torch.randint(0, VOCAB, (B, T), generator=gen)
+    logits.scatter_(-1, target.unsqueeze(-1), 0.0)  # the target is the max, by 80 or more
+    logits[..., :8] = -20.0 * torch.rand(B, T, 8, generator=gen)  # a few columns in the normal range
+    logits.requires_grad_()
+    loss, _ = vocab_parallel_cross_entropy(logits, target, VOCAB)
+    loss.sum().backward()
+    reference = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(reference.view(-1, VOCAB), target.view(-1), reduction="none")
+    want.sum().backward()
+    u = torch.finfo(torch.float32).eps / 2
+    assert (loss.double().view(-1) - want).abs().max().item() <= order_bound(VOCAB, 1.0) + 4 * u
+    assert (logits.grad.double() - reference.grad).abs().max().item() <= order_bound(VOCAB, 1.0)
+    grad = logits.grad.abs()
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((grad > 0) & (grad < tiny)).any()
+
+
 def test_ties_take_the_lowest_index_padding_never_wins_and_ignored_rows_get_nothing():
     """Across chunks of rows: a row whose max is tied predicts the lowest tied id (argmax over the
     full vocabulary); padding columns, however large, hold no probability; an ignored target has

@@ -6,7 +6,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from parallel_latent.parallel import DropoutRNG, ParallelDropout, initialize_model_parallel
+from parallel_latent.parallel import DropoutRNG, ParallelDropout, ParallelGaussianNoise, initialize_model_parallel
 from parallel_latent.parallel.dropout import keep_mask
 from tests.helpers.blocks import B, Block, D, T
 from tests.helpers.gpu import gpu_test
@@ -54,6 +54,34 @@ def test_sample_offset_makes_dp_ranks_differ_and_halves_equal_whole():
     second = drop(x[2:])
     assert torch.equal(torch.cat([first, second]), whole)
     assert not torch.equal(first, second)
+
+
+def test_keyed_noise_is_standard_normal_and_a_pure_function_of_the_coordinates():
+    """The latent noise: 2**18 draws whose mean, variance and tails are a standard normal's within
+    five standard errors (the mean's 1/sqrt(n), the variance's sqrt(2/n)), independent across steps
+    (correlation within 5/sqrt(n)); the same draws for the same (seed, step, sample); a batch cut in
+    two with the sample offset draws the whole batch's noise; the identity in eval."""
+    rng = DropoutRNG(seed=11)
+    noise = ParallelGaussianNoise(1.0, rng)
+    x = torch.zeros(64, 64, 64)
+    n = x.numel()
+    first = noise(x).double().flatten()
+    assert abs(first.mean().item()) < 5 / n**0.5
+    assert abs(first.var().item() - 1.0) < 5 * (2 / n) ** 0.5
+    beyond = (first.abs() > 2).double().mean().item()  # 4.55% of a normal lies beyond 2 sigma
+    assert abs(beyond - 0.0455) < 5 * (0.0455 * 0.9545 / n) ** 0.5
+    rng.step = 1
+    second = noise(x).double().flatten()
+    assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 5 / n**0.5
+    rng.step = 0
+    assert torch.equal(noise(x).double().flatten(), first)
+    half = noise(x[:32])
+    rng.sample_offset = 32
+    assert torch.equal(torch.cat([half, noise(x[32:])]).double().flatten(), first)
+    noise.eval()
+    assert torch.equal(noise(x), x)
+    scaled = ParallelGaussianNoise(0.5, DropoutRNG(seed=11))
+    assert torch.allclose(scaled(x).double().flatten(), 0.5 * first, rtol=0, atol=1e-6)
 
 
 def replicated_params_after_steps(tp: int) -> dict:

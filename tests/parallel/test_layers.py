@@ -6,6 +6,7 @@ inside each rank from the same seed. Deliberately broken layers must fail the sa
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from parallel_latent.parallel import (
     ColumnParallelLinear,
@@ -16,10 +17,12 @@ from parallel_latent.parallel import (
     TensorParallelOptions,
     VocabParallelHead,
     initialize_model_parallel,
+    vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
 )
+from parallel_latent.parallel.layers import NearestVocabParallelHead
 from parallel_latent.parallel.mappings import gather_along_sequence, reduce_from_tp_region, split_along_sequence
-from parallel_latent.parallel.utils import group_rank, group_size
+from parallel_latent.parallel.utils import group_rank, group_size, mark_replicated
 from tests.helpers.tp_compare import (
     gather_full,
     gather_last_dim,
@@ -32,6 +35,7 @@ from tests.helpers.tp_compare import (
 )
 
 B, T, S, D, HEADS, VOCAB = 3, 8, 4, 32, 4, 300  # T and S divisible by TP (sequence parallelism)
+RANK = 8  # the nearest head's space
 STEPS, LR, ADAM_EPS = 5, 1e-2, 1e-8
 
 
@@ -49,6 +53,8 @@ def reduction_length(kind: str, tp: int) -> int:
         "attention": D + D // HEADS + 2 * (S + T) + D + tp + tokens,
         "attention_sp": D + D // HEADS + 2 * (S + T) + D + tp + tokens,
         "head": D + VOCAB + tp + tokens,
+        "nearest": 2 * D + RANK + VOCAB + tp + tokens,
+        "nearest_sp": 2 * D + RANK + VOCAB + tp + tokens,
         "column_gather": D + tokens,
         "column_no_reduce": D + tokens,
         "row_scatter": 2 * D + tp + tokens,
@@ -68,6 +74,20 @@ class RowParallelBiasPerRank(RowParallelLinear):
     def forward(self, x):
         x = scatter_last_dim(x, self.tp_group)
         return reduce_from_tp_region(F.linear(x, self.weight, self.bias), self.tp_group)
+
+
+class NearestHeadWithItsTable(nn.Module):
+    """The nearest head and the (trainable) table it reads, so that the table's gradient, which
+    every rank must hold whole, is compared too."""
+
+    def __init__(self, tp_group, options):
+        super().__init__()
+        self.table = nn.Embedding(VOCAB, D)
+        self.head = NearestVocabParallelHead(self.table, VOCAB, RANK, tp_group=tp_group, options=options, scale=0.5)
+        mark_replicated(self)
+
+    def forward(self, x):
+        return self.head(x)
 
 
 class ColumnThenGather(ColumnParallelLinear):
@@ -94,6 +114,8 @@ def _build(kind: str, tp_group, dropout: float, broken: str | None = None):
         module = ParallelAttention(D, HEADS, dropout=dropout, rng=rng, tp_group=tp_group, **sp)
     elif kind == "head":
         module = VocabParallelHead(D, VOCAB, tp_group=tp_group)
+    elif kind.startswith("nearest"):
+        module = NearestHeadWithItsTable(tp_group, **sp)
     elif kind == "column_gather":
         module = ColumnThenGather(D, 2 * D, tp_group=tp_group)
     elif kind == "row_scatter":
@@ -128,7 +150,7 @@ def _inputs(step: int, dtype: torch.dtype):
 
 def _forward_loss(kind, module, x, context, mask, target, tp_group):
     out = module(x, context=context, context_mask=mask) if kind.startswith("attention") else module(x)
-    if kind == "head":
+    if kind.startswith(("head", "nearest")):
         loss, correct = vocab_parallel_cross_entropy(out, target, VOCAB, tp_group)
         return out, loss.mean(), correct
     weight = torch.linspace(-1, 1, B * T * out.shape[-1], dtype=out.dtype).view(B, T, -1)
@@ -149,9 +171,12 @@ def _step(kind, module, rng, step, dtype, tp_group):
     out, loss, correct = _forward_loss(kind, module, x, context, mask, target, tp_group)
     loss.backward()
     x_grad, ctx_grad, loss = x.grad, context.grad, loss.detach()
-    if kind in ("head",):
+    head = kind.startswith(("head", "nearest"))
+    if head:  # every position's logits (a head's entry gathers the positions), split by vocabulary
         out = gather_full(out, SPLIT_ON_LAST_DIM, tp_group)[..., :VOCAB]
-    if sequence_parallel:
+    if sequence_parallel and head:
+        x_grad = gather_along_sequence(x_grad, tp_group)
+    elif sequence_parallel:
         out, x_grad = gather_along_sequence(out.detach(), tp_group), gather_along_sequence(x_grad, tp_group)
         if ctx_grad is not None:
             ctx_grad = gather_along_sequence(ctx_grad, tp_group)
@@ -179,7 +204,7 @@ def compare_with_tp1(tp: int, kind: str, dropout: float, broken: str | None = No
         max(max_param_diff(ref, par, group, grads=True).values()),
         order_bound(k, terms_scale(max_abs(ref_grads), k)),
     )
-    if kind == "head":
+    if kind.startswith(("head", "nearest")):
         result["correct_equal"] = bool(torch.equal(r[2], p[2]))
         full = r[0]
         want = F.cross_entropy(full.reshape(-1, VOCAB), r[5].reshape(-1), ignore_index=-100, reduction="sum")
@@ -225,6 +250,8 @@ CASES = [
     ("attention", 0.1),
     ("attention_sp", 0.1),
     ("head", 0.0),
+    ("nearest", 0.0),
+    ("nearest_sp", 0.0),
     ("column_gather", 0.0),
     ("row_scatter", 0.0),
 ]
@@ -263,7 +290,7 @@ def test_master_weight_split_is_bit_identical(pool4):
 def gathered_weights_bitwise(tp: int) -> float:
     state = initialize_model_parallel(tp)
     worst = 0.0
-    for kind in ("mlp", "attention", "head"):
+    for kind in ("mlp", "attention", "head", "nearest"):
         ref, _ = _build(kind, None, 0.0)
         par, _ = _build(kind, state.tp_group, 0.0)
         worst = max(worst, *max_param_diff(ref, par, state.tp_group).values())
@@ -323,3 +350,23 @@ def test_bad_tp_degree_is_one_clear_error(pool4):
         "output features=128 is not divisible by tensor_parallel=3",
     ]
     assert all("\n" not in m for m in messages[0])
+
+
+def test_the_nearest_head_reads_back_every_row_of_its_table_at_a_narrow_rank():
+    """The nearest head is nearest-neighbour decoding: a hidden state whose reading is a token's code
+    scores that token highest, for every row of the table, at a rank far below the width (here 8 of
+    32 features, 2,000 tokens). The same readings scored against the codes before their
+    normalisation (the head without it: an inner product with rows of unequal length) pick the right
+    row for few of them: the tokens with the longest codes win."""
+    torch.manual_seed(7)
+    vocab, rank = 2000, 8
+    table = nn.Embedding(vocab, D).double()
+    head = NearestVocabParallelHead(table, vocab, rank).double()
+    with torch.no_grad():
+        head.read.copy_(head.code)  # the state is the token's own (normalised) row: its reading, the code
+        rows = F.layer_norm(table.weight, (D,))
+        read_back = vocab_parallel_argmax(head(rows), vocab)
+        codes = rows @ head.code.t()
+        unnormalised = (codes @ codes.t()).argmax(dim=1)
+    assert torch.equal(read_back, torch.arange(vocab))
+    assert (unnormalised == torch.arange(vocab)).double().mean().item() < 0.5

@@ -4,6 +4,7 @@ metadata read back by huggingface_hub, and the offline hub as one line from the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -178,6 +179,26 @@ def test_refuses_a_non_empty_directory_and_a_newer_format(saved, tmp_path):
     (newer / "config.json").write_text(json.dumps({**config, "format_version": 99}))
     with pytest.raises(CheckpointError, match="format version 99 is newer than this parallel-latent reads"):
         TextAutoencoder.from_pretrained(newer)
+
+
+def test_a_compressed_model_with_the_nearest_head_round_trips(tmp_path):
+    """Fewer, narrower latents decoded by the nearest head (its code projection, read-out and scale
+    trained away from their start): from_pretrained encodes and decodes exactly as the saved model."""
+    cfg = tiny_config()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, num_latents=4, latent_dim=8, predict_length=True, head="nearest", latent_noise=0.5))  # fmt: skip
+    with random_features_unannounced():
+        model = LatentAutoencoder(cfg.model, cfg.feature_model, seed=SEED)
+    with torch.no_grad():
+        for name in ("code", "read", "log_scale"):
+            getattr(model.decoder.head, name).add_(0.25)
+    saved_model = TextAutoencoder(model.eval(), load_tokenizer(cfg.tokenizer))
+    saved_model.save_pretrained(tmp_path / "out")
+    loaded = TextAutoencoder.from_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_config"]["head"] == "nearest"
+    want, got = saved_model.encode(TEXTS), loaded.encode(TEXTS)
+    assert want.latents.shape[-2:] == (4, 8) and torch.equal(want.latents, got.latents)
+    assert torch.equal(decoded_ids(saved_model), decoded_ids(loaded))
 
 
 def test_a_failed_write_leaves_no_output_and_no_scratch(tmp_path, monkeypatch):

@@ -64,3 +64,40 @@ def test_the_steps_after_a_save_go_on_while_it_is_written(background, steps_duri
         f"step_{STEPS:08d}",
     ]
     assert f"checkpoint: {run_dir / 'checkpoints' / f'step_{STEPS:08d}'}" in stdout
+
+
+def test_a_kill_in_the_middle_of_a_background_write_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    """kill -9 while the step-8 save is still being written (held before its publish): ``latest``
+    names step 4, the unfinished save is left unpublished, and the same command resumes from step 4
+    and goes on exactly as the killed run went on (the same losses, one record per step)."""
+    run_dir = tmp_path / "run"
+    command = cli_command(run_dir, *RECIPE, "checkpoint.background=true")
+    job = subprocess.Popen(
+        command, cwd=REPO, env=rank_env({PAUSE_BEFORE_PUBLISH_ENV: f"600@{2 * EVERY}"}),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    checkpoints = run_dir / "checkpoints"
+    marker = checkpoints / f".tmp-step_{2 * EVERY:08d}" / PAUSE_MARKER
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert job.poll() is None, job.stderr.read()
+            assert time.monotonic() < deadline, "the step-8 save never reached its publish"
+            time.sleep(0.1)
+    finally:
+        job.kill()
+        job.wait()
+    assert (checkpoints / "latest").read_text().strip() == f"step_{EVERY:08d}"
+    assert not (checkpoints / f"step_{2 * EVERY:08d}").exists()
+    killed = {r["step"]: r for r in train_records(run_dir)}
+    assert max(killed) >= 2 * EVERY
+
+    rerun = subprocess.run(command, cwd=REPO, env=rank_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {checkpoints / f'step_{EVERY:08d}'} at step {EVERY}" in rerun.stdout
+    got = train_records(run_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for record in got:
+        if record["step"] in killed:
+            assert record["loss"] == killed[record["step"]]["loss"], record["step"]
+    assert (checkpoints / "latest").read_text().strip() == f"step_{STEPS:08d}"

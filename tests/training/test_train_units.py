@@ -172,7 +172,8 @@ def test_weight_decay_only_on_matrices():
 @pytest.mark.parametrize(
     ("head", "head_rows", "dropout", "latents"),
     [("normal", 1024, 0.1, {}), ("tied", 1000, 0.1, {}), ("tied", 1000, 0.0, {}),
-     ("tied", 1000, 0.1, {"num_latents": 4, "latent_dim": 8})],
+     ("tied", 1000, 0.1, {"num_latents": 4, "latent_dim": 8}),
+     ("nearest", 1000, 0.1, {"num_latents": 4, "latent_dim": 8})],
 )  # fmt: skip
 def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, dropout, latents):
     """The docstring formula counts the linear-layer FLOPs that torch's FlopCounterMode measures
@@ -209,11 +210,11 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, d
         model(ids, torch.ones_like(ids))
     parts = model_flops_per_sample(cfg)
     linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * head_rows / 1000 + parts["gpt2_linear"]
-    linear += parts["bottleneck"]
+    linear += parts["bottleneck"] + parts["head_codes"]  # the nearest head's codes, once per micro-batch of 3
     assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
-    # A head tied to the frozen table computes no weight gradient: its backward is one forward's work.
-    tied_frozen = parts["head"] if head == "tied" else 0.0
-    assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"] - tied_frozen
+    # What reads the frozen table computes no gradient for it: its backward is one forward's work.
+    table_read = {"tied": parts["head"], "nearest": parts["head_codes"]}.get(head, 0.0)
+    assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"] - table_read
     assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
 
 

@@ -5,7 +5,8 @@ fail at optimizer step ``$PL_FAULT_STEP`` (1-based; 0: during start-up, before i
 are built): ``PL_FAULT=raise`` raises a RuntimeError (an unexpected failure), ``PL_FAULT=kill``
 sends itself SIGKILL (a rank that dies without a word), ``PL_FAULT=hang`` stops for good before it
 joins the job's rendezvous; ``PL_FAULT=export`` makes the rank's latent shard writer raise in its
-shard ``$PL_FAULT_STEP``. With ``$PL_FAULT_ATTEMPT`` set, only in that attempt of a restarted
+shard ``$PL_FAULT_STEP``, ``PL_FAULT=export-hang`` stops the rank's main thread for good as it
+begins that shard. With ``$PL_FAULT_ATTEMPT`` set, only in that attempt of a restarted
 job (torchrun's ``TORCHELASTIC_RESTART_COUNT``); ``PL_FAULT_STEP=9,0`` names a step per attempt (the
 first attempt at step 9, the second in its start-up, none after). Python imports ``sitecustomize`` at start-up in
 every process that sees the variable; only the named rank of a training job acts on it.
@@ -57,6 +58,17 @@ if (
             return original_write(self, *args, **kwargs)
 
         writer._OpenShard.write = write
+    elif fault == "export-hang":
+        import parallel_latent.latents.writer as writer
+
+        original_begin = writer.ShardWriter.begin
+
+        def begin(self, index, *args, **kwargs):
+            if index == fault_step:
+                threading.Event().wait()
+            return original_begin(self, index, *args, **kwargs)
+
+        writer.ShardWriter.begin = begin
     elif fault == "hang":
         state.job_store = lambda *args, **kwargs: act()
     elif fault_step == 0:

@@ -1,0 +1,150 @@
+"""What limits narrow latents, measured without training: how well a k-dimensional linear code of a
+token can be read back over the whole vocabulary, by the tied head's inner product and by the nearest
+head's nearest normalised code, and how much of a token a k-dimensional linear map of the frozen
+GPT-2's features holds, where the features of a token carry its predecessors too.
+
+    python benchmarks/bench_readout.py            # configs/compressed.yaml's GPT-2, 3,000 corpus lines
+    python benchmarks/bench_readout.py --quick    # 300 lines
+
+1. Reading a code back. Every token v gets the code c_v = P t_v (t_v its row of the GPT-2 token table,
+   P a random k x d matrix). The tied head scores a state carrying c_x by inner products c_x . c_v:
+   the longest codes win, and few tokens are their own argmax at small k. Normalised codes (mean 0,
+   root-mean-square 1, the nearest head's) make every code its own argmax.
+2. The features. The feature of a token (hidden state -3 of the random-weight GPT-2) is, to a linear
+   fit, half the token and its position and half the tokens before it (R^2 of each part). A linear
+   map of the features onto a k-dimensional code of the token, fitted on 80% of the corpus's tokens
+   and read back by the nearest normalised code over the whole vocabulary on the other 20%: in a
+   random k-dimensional subspace of the token's row, and in the k directions where the token shows
+   least mixed with its context (the generalised eigenvectors of the rows' covariance against the
+   fit's residual). The second is what a trained model can reach with a linear code; what it misses
+   needs a nonlinear reading of the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common import REPO, Report, add_common_arguments, run
+
+CONFIG = "configs/compressed.yaml"
+RANKS = (8, 12, 16, 32)
+T = 32
+
+
+def normalised(x):
+    x = x - x.mean(-1, keepdim=True)
+    return x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def corpus_features(lines: int):
+    """(features [S, T, d] layer-normalised, mask [S, T], ids [S, T], the token table [V, d]) of the
+    corpus's first ``lines`` lines, in float64."""
+    import torch
+
+    from parallel_latent.config import load_config
+    from parallel_latent.data import read_samples
+    from parallel_latent.model import LatentAutoencoder
+    from parallel_latent.model.features import random_features_unannounced
+    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+    cfg = load_config(REPO / CONFIG)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    with random_features_unannounced():
+        model = LatentAutoencoder(cfg.model, cfg.feature_model, seed=cfg.training.seed).eval()
+    texts = [text for text in read_samples("") if text.strip()][:lines]
+    features, masks, ids = [], [], []
+    with torch.no_grad():
+        for start in range(0, len(texts), 64):
+            batch = tokenizer(texts[start : start + 64], truncation=True, max_length=T, padding="max_length",
+                              return_tensors="pt")  # fmt: skip
+            features.append(normalised(model.feature_model(batch["input_ids"], batch["attention_mask"]).double()))
+            masks.append(batch["attention_mask"].bool())
+            ids.append(batch["input_ids"])
+    table = model.feature_model.token_table.detach().double()  # every row the heads score
+    return torch.cat(features), torch.cat(masks), torch.cat(ids), table
+
+
+def readback(report: Report, table, queries: int) -> None:
+    """Share of ``queries`` random tokens of the vocabulary whose code is read back as themselves."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    asked = torch.randperm(table.shape[0], generator=generator)[:queries]
+    for k in RANKS:
+        codes = (table @ torch.randn(table.shape[1], k, generator=generator, dtype=table.dtype)).float()
+        unit = normalised(codes)
+        for label, scored in (("inner product", codes), ("nearest normalised code", unit)):
+            read = _chunked_argmax(scored[asked], scored)
+            report.figure(f"random code, k={k}: tokens read back by {label}", (read == asked).double().mean() * 100,
+                          "%")  # fmt: skip
+
+
+def _chunked_argmax(queries, keys, rows: int = 1024):
+    import torch
+
+    return torch.cat([(queries[i : i + rows] @ keys.t()).argmax(dim=1) for i in range(0, len(queries), rows)])
+
+
+def feature_fits(report: Report, features, mask, ids, table) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    samples = features.shape[0]
+    train = torch.arange(samples) < int(0.8 * samples)
+    position = F.one_hot(torch.arange(T), T).double().expand(samples, T, T)
+    rows = normalised(table)
+    previous = torch.roll(ids, 1, dims=1)
+    previous[:, 0] = ids[:, 0]
+
+    def fit(inputs, targets):
+        x, y = inputs[train][mask[train]], targets[train][mask[train]]
+        return torch.linalg.solve(x.t() @ x + 1e-3 * torch.eye(x.shape[1], dtype=x.dtype), x.t() @ y)
+
+    def held_out(tensor):
+        return tensor[~train][mask[~train]]
+
+    total = held_out(features).pow(2).mean()
+    for label, parts in (("the token and its position", [rows[ids], position]),
+                         ("... and the token before it", [rows[ids], rows[previous], position])):  # fmt: skip
+        inputs = torch.cat(parts, -1)
+        residual = held_out(features) - held_out(inputs) @ fit(inputs, features)
+        report.figure(f"features explained linearly by {label} (R^2)", 1 - residual.pow(2).mean() / total)
+
+    inputs = torch.cat([position, features], -1)
+    recovered = fit(inputs, rows[ids])  # the token's row from its feature
+    residual = inputs[train][mask[train]] @ recovered - rows[ids][train][mask[train]]
+    signal = rows[ids][train][mask[train]]
+    inverse = torch.linalg.inv(torch.linalg.cholesky(residual.t() @ residual / len(residual)
+                                                     + 1e-6 * torch.eye(rows.shape[1], dtype=rows.dtype)))  # fmt: skip
+    _, directions = torch.linalg.eigh(inverse @ (signal.t() @ signal / len(signal)) @ inverse.t())
+    estimate, truth = held_out(inputs) @ recovered, held_out(ids)
+    generator = torch.Generator().manual_seed(1)
+    for k in RANKS:
+        for label, basis in (
+            ("a random subspace", torch.randn(rows.shape[1], k, generator=generator, dtype=rows.dtype)),
+            ("the least mixed subspace", inverse.t() @ directions[:, -k:]),
+        ):
+            read = _chunked_argmax(normalised(estimate @ basis).float(), normalised(rows @ basis).float())
+            report.figure(f"linear code of the features, k={k}, {label}: held-out tokens read back",
+                          (read == truth).double().mean() * 100, "%")  # fmt: skip
+
+
+def body(args, report: Report) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    features, mask, ids, table = corpus_features(300 if args.quick else 3000)
+    readback(report, table, 512 if args.quick else 8192)
+    feature_fits(report, features, mask, ids, table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    return run("bench_readout", parser, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
