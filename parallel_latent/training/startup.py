@@ -261,6 +261,9 @@ def start_run(
         )
     except StartupTimeout as error:
         raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None
+    # Before anything is created in the run directory (the lock, the watchdog's records): a refused
+    # directory is left as it was, on every node.
+    require_shared_run_dir(run_dir, source)
     run_dir_existed = run_dir.exists()
     run_lock, before = take_run_directory(run_dir, wait_for_lock_s)  # before anything in it changes
     try:
@@ -285,7 +288,6 @@ def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock, b
             # Before anything is written: a save killed half-way may have left the disk full.
             for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
                 print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
-        require_shared_run_dir(run_dir, source)
         run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog, before)
         run.run_lock = run_lock
         return run

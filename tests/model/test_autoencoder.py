@@ -174,8 +174,10 @@ def test_construction_is_deterministic_flagged_and_leaves_the_caller_rng_alone()
     for name, p in a.named_parameters():
         assert hasattr(p, "tensor_model_parallel") and hasattr(p, "partition_stride"), name
     assert a.decoder.query_scale.item() == 1.0
-    # Dropout sites numbered in construction order: 3 per block (4 blocks), 2 in the query MLP.
-    assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2))
+    # Dropout sites numbered in construction order: 3 per block (4 blocks), 2 in the query MLP, then
+    # the latents' noise (built last, so that the dropout sites keep their numbers).
+    assert [m.layer_id for m in a.modules() if hasattr(m, "layer_id")] == list(range(4 * 3 + 2 + 1))
+    assert a.latent_noise.layer_id == 4 * 3 + 2
 
 
 def first_block_attention(
