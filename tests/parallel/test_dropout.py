@@ -81,7 +81,7 @@ def test_keyed_noise_is_standard_normal_and_a_pure_function_of_the_coordinates()
     noise.eval()
     assert torch.equal(noise(x), x)
     scaled = ParallelGaussianNoise(0.5, DropoutRNG(seed=11))
-    assert torch.allclose(scaled(x).double().flatten(), 0.5 * first, rtol=0, atol=1e-6)
+    assert torch.equal(scaled(x).double().flatten(), 0.5 * first)  # x 0.5 is exact in binary floating point
 
 
 def replicated_params_after_steps(tp: int) -> dict:
