@@ -427,8 +427,7 @@ class NearestVocabParallelHead(TiedVocabParallelHead):
         self.code = nn.Parameter(torch.empty(rank, self.hidden_size))
         for weight in (self.read, self.code):
             normal_init(1.0 / math.sqrt(self.hidden_size))(weight.data)
-        for param in (self.read, self.code):
-            set_tensor_parallel_attributes(param, False, None)
+            set_tensor_parallel_attributes(weight, False, None)
         if options.sequence_parallel:
             mark_sequence_parallel(self.read, tp_group)
 
