@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from parallel_latent.errors import PROG, ExitStatus, error_line, one_line
+from parallel_latent.errors import PROG, ExitStatus, PeerFailure, error_line, failure_reason, one_line
 
 WORKER_LOGS_ENV = "PARALLEL_LATENT_WORKER_LOGS"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -111,16 +111,20 @@ def quiet_repeated_notices() -> None:
         logging.getLogger("parallel_latent").setLevel(logging.ERROR)
 
 
-def _write_error_file(reason: str, details: str, exit_code: int) -> None:
+def _write_error_file(reason: str, details: str, exit_code: int, origin: int | None = None) -> None:
     """torchrun's error file (the format of ``ErrorHandler.record_exception``, which its
-    ``ChildFailedError`` report shows) plus our record: the reason, the exit status, the exact time."""
+    ``ChildFailedError`` report shows) plus our record: the reason, the exit status, the exact time,
+    and the rank the failure comes from when that is another rank (:class:`PeerFailure`)."""
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return
     now = time.time()
+    record = {"reason": reason, "exit_code": exit_code, "time": now}
+    if origin is not None:
+        record["rank"] = origin
     data = {
         "message": {"message": reason, "extraInfo": {"py_callstack": details, "timestamp": str(int(now))}},
-        RECORD_KEY: {"reason": reason, "exit_code": exit_code, "time": now},
+        RECORD_KEY: record,
     }
     with contextlib.suppress(OSError):  # the line on stderr (or the agent's fallback) still says it
         Path(path).write_text(json.dumps(data), encoding="utf-8")
@@ -138,11 +142,15 @@ def report_failure(error: BaseException, exit_code: int) -> int:
     ``exit_code`` 2 (bad input) and 3 (non-finite steps) are failures every rank meets alike, whose
     message is the whole story; anything else (1) is unexpected, and its traceback is kept."""
     rank, world = _rank(), int(os.environ.get("WORLD_SIZE", "1"))
-    reason = one_line(error)
-    if exit_code == ExitStatus.FAILURE:
-        reason = f"{type(error).__name__}: {reason}"
+    origin = error.rank if isinstance(error, PeerFailure) else None
+    if origin is not None:
+        reason = error.reason
+    elif exit_code == ExitStatus.FAILURE:
+        reason = failure_reason(error)
+    else:
+        reason = one_line(error)
     details = traceback.format_exc() if exit_code == ExitStatus.FAILURE else reason
-    _write_error_file(reason, details, exit_code)
+    _write_error_file(reason, details, exit_code, origin)
     log_dir = os.environ.get(WORKER_LOGS_ENV)
     if log_dir and "RANK" in os.environ:  # started by train --nproc: the agent says it, once
         if exit_code == ExitStatus.FAILURE:
@@ -154,7 +162,8 @@ def report_failure(error: BaseException, exit_code: int) -> int:
             print(error_line(reason), file=sys.stderr, flush=True)
         return exit_code
     sys.stderr.write(details)  # what Python would have printed, then the one line, naming the rank
-    print(error_line(f"rank {rank}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
+    named = rank if origin is None else origin
+    print(error_line(f"rank {named}: {reason}" if world > 1 else reason), file=sys.stderr, flush=True)
     return exit_code
 
 
@@ -256,6 +265,7 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
     """What the terminal shows for the root failure (the reason last), and the exit status."""
     if record is not None:
         exit_code = int(record["exit_code"])
+        rank = int(record.get("rank", rank))  # a rank that stopped for another's failure names that one
         lines = [error_line(_with_rank(record["reason"], rank, exit_code))]
         if exit_code == ExitStatus.FAILURE:
             lines.insert(0, f"{PROG}: traceback of rank {rank}: {_rank_log(log_dir, rank)}")

@@ -34,6 +34,7 @@ __all__ = [
     "decided_by_main",
     "directory_is_shared",
     "first_failure",
+    "first_reported",
     "is_local_main",
     "is_main",
     "main_first",
@@ -89,9 +90,16 @@ def all_ranks_agree(flag: bool) -> bool:
     return bool(vote.item())
 
 
+def first_reported(value: Any) -> tuple[int, Any] | None:
+    """(rank, value) of the first rank (by rank) whose ``value`` is not None, on every rank; None if
+    no rank has one."""
+    return next(((rank, v) for rank, v in enumerate(all_gather_value(value)) if v is not None), None)
+
+
 def first_failure(message: str | None) -> str | None:
     """The first (by rank) of every rank's ``message``, on every rank; None if no rank has one."""
-    return next((m for m in all_gather_value(message) if m), None)
+    first = first_reported(message or None)
+    return None if first is None else first[1]
 
 
 def decided_by_main(function, *args, errors: type | tuple[type, ...] = BadInput) -> Any:

@@ -42,6 +42,15 @@ class BadInput(ValueError):
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
+class PeerFailure(RuntimeError):
+    """This rank stops because rank ``rank`` failed unexpectedly, for ``reason``: the job's one line
+    names that rank and its reason whichever rank's report the launcher reads first."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"rank {rank} failed: {reason}")
+        self.rank, self.reason = rank, reason
+
+
 class UsageError(BadInput):
     """A command-line problem found after parsing (one line)."""
 
@@ -68,6 +77,11 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, OSError) and (error.filename is not None or error.strerror):
         return describe_path_error(error)
     return first_line(error)
+
+
+def failure_reason(error: BaseException) -> str:
+    """The line of an unexpected failure: the error's type and its one line."""
+    return f"{type(error).__name__}: {one_line(error)}"
 
 
 def error_line(message: str) -> str:

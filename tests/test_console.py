@@ -4,6 +4,7 @@ faults injected into one rank by tests/helpers/worker_faults/sitecustomize.py.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,54 @@ def test_under_plain_torchrun_the_failing_rank_still_says_why(tmp_path):
     assert "parallel-latent: error: rank 1: RuntimeError: injected fault at step 2" in result.stderr.splitlines()
     report = result.stderr[result.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 1 (local_rank: 1)" in report and "RuntimeError: injected fault at step 2" in report
+
+
+@pytest.mark.slow
+def test_a_failed_preparation_ends_every_rank_with_the_preparing_rank_s_line(tmp_path):
+    """Under plain torchrun rank 0 prepares the corpus for both ranks and fails unexpectedly: rank 1,
+    which learns of it and stops too, says rank 0's line (not a bad-input line of its own), so the
+    job's line and status are rank 0's whichever rank's report torchrun reads first."""
+    cache, logs = f"data.cache_dir={tmp_path / 'cache'}", tmp_path / "torchrun"
+    command = torchrun_command(
+        tmp_path / "run", cache, "training.max_steps=1", nproc=2, extra=["--standalone", f"--log-dir={logs}"]
+    )
+    result = run(command, env=fault_env("prepare", 0))
+    assert result.returncode == 1, describe(result)
+    said = {line for line in result.stderr.splitlines() if line.startswith("parallel-latent: error:")}
+    assert said == {"parallel-latent: error: rank 0: RuntimeError: injected fault while preparing"}, describe(result)
+    # What each rank told torchrun (rank 1 may be stopped before it writes): rank 0's failure, status 1.
+    records = [json.loads(path.read_text())["parallel_latent"] for path in logs.rglob("error.json")]
+    assert records, describe(result)
+    for record in records:
+        assert (record.get("rank", 0), record["reason"], record["exit_code"]) == (
+            0,
+            "RuntimeError: injected fault while preparing",
+            1,
+        ), records
+
+
+def test_a_rank_that_stops_for_another_rank_s_failure_reports_that_rank_and_reason(tmp_path, monkeypatch):
+    """Rank 0 stops because rank 1 failed (a failure every rank learns of from a collective): its
+    record carries rank 1 and rank 1's reason, so the job's line is the same whichever of the two
+    records the launcher takes as the first, a race the records' times cannot settle."""
+    from parallel_latent.console import failure_lines, report_failure
+    from parallel_latent.errors import ExitStatus, PeerFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("PARALLEL_LATENT_WORKER_LOGS", str(tmp_path))
+    try:
+        raise PeerFailure(1, "RuntimeError: injected fault in shard 1")
+    except PeerFailure as error:
+        assert report_failure(error, ExitStatus.FAILURE) == ExitStatus.FAILURE
+    record = json.loads(error_file.read_text())["parallel_latent"]
+    assert (record["rank"], record["reason"]) == (1, "RuntimeError: injected fault in shard 1")
+    lines, status = failure_lines(0, None, record, tmp_path)
+    assert status == ExitStatus.FAILURE
+    assert lines[-1] == "parallel-latent: error: rank 1: RuntimeError: injected fault in shard 1"
+    assert lines[0] == f"parallel-latent: traceback of rank 1: {tmp_path / 'rank1.log'}"
 
 
 ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}

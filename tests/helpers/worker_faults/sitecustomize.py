@@ -6,7 +6,8 @@ are built): ``PL_FAULT=raise`` raises a RuntimeError (an unexpected failure), ``
 sends itself SIGKILL (a rank that dies without a word), ``PL_FAULT=hang`` stops for good before it
 joins the job's rendezvous; ``PL_FAULT=export`` makes the rank's latent shard writer raise in its
 shard ``$PL_FAULT_STEP``, ``PL_FAULT=export-hang`` stops the rank's main thread for good as it
-begins that shard. With ``$PL_FAULT_ATTEMPT`` set, only in that attempt of a restarted
+begins that shard; ``PL_FAULT=prepare`` makes the rank's preparation of the corpus raise (under
+plain torchrun, where the ranks prepare it). With ``$PL_FAULT_ATTEMPT`` set, only in that attempt of a restarted
 job (torchrun's ``TORCHELASTIC_RESTART_COUNT``); ``PL_FAULT_STEP=9,0`` names a step per attempt (the
 first attempt at step 9, the second in its start-up, none after). Python imports ``sitecustomize`` at start-up in
 every process that sees the variable; only the named rank of a training job acts on it.
@@ -69,6 +70,15 @@ if (
             return original_begin(self, index, *args, **kwargs)
 
         writer.ShardWriter.begin = begin
+    elif fault == "prepare":
+        import importlib
+
+        preparing = importlib.import_module("parallel_latent.data.prepare")  # the package names a function so
+
+        def prepare(*args, **kwargs):
+            raise RuntimeError("injected fault while preparing")
+
+        preparing.prepare = prepare
     elif fault == "hang":
         state.job_store = lambda *args, **kwargs: act()
     elif fault_step == 0:
