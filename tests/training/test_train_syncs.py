@@ -18,6 +18,7 @@ import torch
 
 from tests.helpers.gpu import gpu_test
 from tests.helpers.op_counter import HostSyncCounter
+from tests.helpers.tp_compare import order_bound
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG, trained_weights
 
 # Not vote steps (vote_every=10 and max_steps=10: the vote comes at step 10).
@@ -199,6 +200,9 @@ RESUME_RECIPE = [
     "checkpoint.save_every=2",
     "checkpoint.keep_last=2",
     "checkpoint.export_portable=true",
+    # The gradient norm is a sum over each rank's partition, so its rounding depends on the DP size:
+    # a clip by it would carry that rounding into the weights. Logged, not applied, it cannot.
+    "optimizer.grad_clip=0",
 ]
 
 
@@ -211,7 +215,9 @@ def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path,
     (2 accumulated at DP=1, one per rank at DP=2): each micro-batch is the same samples in the same
     shapes, so forward and backward are the same operations; the two micro-batch gradients are
     summed in fp32 either way (a + b = b + a), and the factor 1/2 (DeepSpeed's mean over
-    accumulation or over ranks) is exact in binary floating point."""
+    accumulation or over ranks) is exact in binary floating point. The logged gradient norm is the
+    one figure summed in another order (over each rank's partition, then over the ranks): it is
+    within the bound of a sum of its squares' terms in fp32 (no clip applies it: the recipe)."""
     from parallel_latent.checkpoint import PortableCheckpoint
     from tests.helpers.trainer_runs import by_step, copy_checkpoint, describe, run, torchrun_command
 
@@ -230,10 +236,13 @@ def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path,
     assert f"TP 1 x DP {resumed_dp}" in result.stdout and "global batch 8;" in result.stdout
     want, got = by_step(straight), by_step(resumed)
     assert sorted(got) == [3, 4]
-    for step in got:
-        for key in ("loss", "grad_norm", "lr", "tokens", "samples"):
-            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
     want_weights, got_weights = final_weights(straight), final_weights(resumed)
+    gradients = sum(weight.numel() for weight in want_weights.values())  # at least the terms of the norm
+    for step in got:
+        for key in ("loss", "lr", "tokens", "samples"):
+            assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+        norm = want[step]["grad_norm"]
+        assert abs(got[step]["grad_norm"] - norm) <= order_bound(gradients, norm), (step, got[step], want[step])
     assert want_weights.keys() == got_weights.keys()
     assert [name for name in want_weights if not torch.equal(want_weights[name], got_weights[name])] == []
 
