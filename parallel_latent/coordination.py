@@ -1,7 +1,8 @@
 """Host-side coordination between the ranks of a job: who does a piece of work first, whether a
 directory is one file system for all ranks, agreeing on a value: rank 0 decides and every rank gets
 its answer or its one-line error (:func:`decided_by_main`), or every rank checks and all raise the
-first failure (:func:`checked_by_all`, :func:`first_failure`).
+first failure (:func:`checked_by_all`, :func:`first_failure`), or a rank's failure, whatever it is, ends
+every rank with that rank's line (:func:`fail_together`).
 
 Everything here runs over the control group of :mod:`parallel_latent.parallel.state` (gloo, CPU
 tensors), so it never waits on a GPU stream and tolerates long waits (a corpus being tokenized by
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_latent.errors import BadInput
+from parallel_latent.errors import BadInput, PeerFailure, failure_reason
 from parallel_latent.parallel import state
 
 __all__ = [
@@ -33,8 +34,8 @@ __all__ = [
     "control_group",
     "decided_by_main",
     "directory_is_shared",
+    "fail_together",
     "first_failure",
-    "first_reported",
     "is_local_main",
     "is_main",
     "main_first",
@@ -90,16 +91,28 @@ def all_ranks_agree(flag: bool) -> bool:
     return bool(vote.item())
 
 
-def first_reported(value: Any) -> tuple[int, Any] | None:
-    """(rank, value) of the first rank (by rank) whose ``value`` is not None, on every rank; None if
-    no rank has one."""
-    return next(((rank, v) for rank, v in enumerate(all_gather_value(value)) if v is not None), None)
-
-
 def first_failure(message: str | None) -> str | None:
     """The first (by rank) of every rank's ``message``, on every rank; None if no rank has one."""
-    first = first_reported(message or None)
-    return None if first is None else first[1]
+    return next((m for m in all_gather_value(message) if m), None)
+
+
+def fail_together(error: BaseException | None, expected: type[Exception]) -> None:
+    """Every rank learns whether any rank failed (collective; ``error``: this rank's, or None), and
+    none goes on alone. A rank raises its own error; the others raise the first failing rank's (by
+    rank): as ``expected`` when it was one (a line every rank says alike), else as
+    :class:`PeerFailure` naming that rank, so the job's line is that rank's whichever rank's report
+    a launcher reads first."""
+    report = None
+    if error is not None:
+        is_expected = isinstance(error, expected)
+        report = (is_expected, str(error) if is_expected else failure_reason(error))
+    reports = all_gather_value(report)
+    if error is not None:
+        raise error
+    failed = next((rank for rank, report in enumerate(reports) if report is not None), None)
+    if failed is not None:
+        was_expected, words = reports[failed]
+        raise expected(words) if was_expected else PeerFailure(failed, words)
 
 
 def decided_by_main(function, *args, errors: type | tuple[type, ...] = BadInput) -> Any:

@@ -49,7 +49,7 @@ from parallel_latent.data.sources import (
     resolve_source,
 )
 from parallel_latent.data.tokenize import RowEncoder, token_dtype, tokenizer_identity
-from parallel_latent.errors import PeerFailure, failure_reason, first_line, os_reason
+from parallel_latent.errors import first_line, os_reason
 
 __all__ = [
     "CACHE_ENV",
@@ -453,8 +453,7 @@ def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> Prepar
         else:
             fingerprint, target = spec.fingerprint, str(spec.target)
         preparer = coordination.is_main() if shared else coordination.is_local_main()
-        # (bad input: every rank's line, None) or (None, an unexpected error: its rank's line)
-        report, failure = None, None
+        failure = None
         if preparer:
             try:
                 # stdout: stderr is kept for the one-line error should the preparation fail.
@@ -463,16 +462,9 @@ def open_for_training(cfg: Any, tokenizer: Any, announce: bool = True) -> Prepar
                 prepared, created = prepare(spec)
                 if created and announce:
                     print(f"prepared in {prepared.meta.get('seconds', 0.0):.1f} s: {describe(prepared)}", flush=True)
-            except DataError as caught:
-                report = (str(caught), None)
             except Exception as caught:  # the others must not wait forever for this rank
-                report, failure = (None, failure_reason(caught)), caught
-        first = coordination.first_reported(report)
-        if first is not None:
-            if failure is not None:
-                raise failure from None  # this rank keeps the traceback of the unexpected error
-            rank, (message, unexpected) = first
-            raise DataError(message) if message is not None else PeerFailure(rank, unexpected)
+                failure = caught
+        coordination.fail_together(failure, DataError)
         data = _agreed(open_prepared, Path(target), spec, fingerprint)
     reference = coordination.broadcast_value(data.content_digest)
     if not coordination.all_ranks_agree(data.content_digest == reference):

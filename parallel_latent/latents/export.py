@@ -25,7 +25,7 @@ from parallel_latent import coordination, files
 from parallel_latent.console import WORKER_LOGS_ENV
 from parallel_latent.data import open_for_training, resolve_source
 from parallel_latent.data.sources import read_split, samples_per_file
-from parallel_latent.errors import PeerFailure, failure_reason, os_reason
+from parallel_latent.errors import os_reason
 from parallel_latent.model import eval_mode
 from parallel_latent.parallel import get_parallel_state
 
@@ -289,19 +289,9 @@ def _encode_all(autoencoder, prepared, plan: ExportPlan, out: Path, done: list[d
             _encode_shards(autoencoder, prepared, mine, plan, out, state, bar, watching)
         except Exception as caught:
             error = caught
-    report = None if error is None else (isinstance(error, ExportWriteError), _failure_words(error))
     if watching is not None:
         watching.progress.enter("writing")
-    first = coordination.first_reported(report)
-    if error is not None:
-        raise error
-    if first is not None:
-        failed, (is_write_error, words) = first
-        raise ExportWriteError(words) if is_write_error else PeerFailure(failed, words)
-
-
-def _failure_words(error: BaseException) -> str:
-    return str(error) if isinstance(error, ExportWriteError) else failure_reason(error)
+    coordination.fail_together(error, ExportWriteError)
 
 
 def _finish_on_main(plan: ExportPlan, out: Path, prepared) -> dict | None:

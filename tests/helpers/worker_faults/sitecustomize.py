@@ -73,7 +73,8 @@ if (
     elif fault == "prepare":
         import importlib
 
-        preparing = importlib.import_module("parallel_latent.data.prepare")  # the package names a function so
+        # Not ``import ... as``: the package re-exports a function under the module's name.
+        preparing = importlib.import_module("parallel_latent.data.prepare")
 
         def prepare(*args, **kwargs):
             raise RuntimeError("injected fault while preparing")
