@@ -11,6 +11,9 @@ DeepSpeed has no public hook for what these do, so they reach into its classes:
   multi-tensor copy and one reduction. Outside the range: one warning, DeepSpeed's hooks run.
 - :func:`skip_unused_cpu_comm_kernel`: DeepSpeed's compatible-ops table, so that the CPU accelerator
   does not JIT-build a kernel training never calls. Outside the range: one warning, the build happens.
+- :func:`zero_optimizer_check_without_muon`: the engine's "is this a ZeRO-tested optimizer" check,
+  answered from DeepSpeed's list without importing its Muon optimizer (whose import compiles kernels:
+  seconds of every rank's start-up). Outside the range: one warning, DeepSpeed's check runs.
 - :func:`checkpoint_reads` and :func:`checkpoint_writes`: the engine's checkpoint engine (its
   ``load``, ``save`` and ``makedirs``) and its recovery-script copy, so that checkpoints load without
   running pickled code and a failed write is reported by every rank instead of hanging the others.
@@ -52,6 +55,7 @@ __all__ = [
     "skip_unused_cpu_comm_kernel",
     "supported",
     "sync_free_zero_step",
+    "zero_optimizer_check_without_muon",
 ]
 
 logger = logging.getLogger(__name__)
@@ -426,6 +430,26 @@ def skip_unused_cpu_comm_kernel(version: str | None = None) -> None:
     builder = accelerator.create_op_builder("ShareMemCommBuilder")
     if builder is not None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def zero_optimizer_check_without_muon(version: str | None = None) -> contextlib.AbstractContextManager:
+    """Inside the block, ``deepspeed.initialize`` asks whether the optimizer is one ZeRO was tested
+    with by looking it up in DeepSpeed's list only.
+
+    DeepSpeed's own check first imports its Muon optimizer to add it to that list, and that import
+    runs ``torch.compile`` on Muon's kernels (which loads TorchDynamo): 2-5 s of every rank's
+    start-up on a small machine, for an optimizer this trainer never builds (its AdamW and SGD are
+    answered by the list alone, as before). The answer is the same; only the import is skipped.
+    """
+    if not _usable("ZeRO optimizer check without the Muon import", version):
+        return contextlib.nullcontext()
+    import deepspeed.runtime.engine as ds_engine
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    def tested_with_zero(optimizer) -> bool:
+        return type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+
+    return _replaced(ds_engine, is_zero_supported_optimizer=tested_with_zero)
 
 
 # --------------------------------------------------------------------------- #

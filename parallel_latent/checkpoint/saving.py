@@ -39,8 +39,9 @@ from .zero_access import HostCopies, deferred_writes, import_deepspeed
 
 __all__ = ["PendingSave", "finish_background_save", "save_training_checkpoint", "start_background_save"]
 
-# Test hook: seconds to sleep after everything is written and before the rename that publishes
-# (``SECONDS`` or ``SECONDS@STEP``), leaving PAUSE_MARKER in the staging directory meanwhile.
+# Test hook: seconds to wait after everything is written and before the rename that publishes
+# (``SECONDS`` or ``SECONDS@STEP``), leaving PAUSE_MARKER in the staging directory meanwhile; removing
+# the marker ends the wait early (a test releases the save when it has seen what it waits for).
 PAUSE_BEFORE_PUBLISH_ENV = "PARALLEL_LATENT_PAUSE_BEFORE_PUBLISH"
 PAUSE_MARKER = "PAUSED_BEFORE_PUBLISH"
 
@@ -78,7 +79,9 @@ def _pause_before_publish(staging: Path, step: int) -> None:
     if seconds and (not at_step or int(at_step) == step):
         marker = staging / PAUSE_MARKER
         marker.write_text(str(os.getpid()))
-        time.sleep(float(seconds))
+        deadline = time.monotonic() + float(seconds)
+        while marker.exists() and time.monotonic() < deadline:  # a test may end the pause early
+            time.sleep(0.05)
         marker.unlink(missing_ok=True)
 
 

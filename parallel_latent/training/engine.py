@@ -32,6 +32,7 @@ from parallel_latent.deepspeed_patches import (
     report_grad_norm,
     skip_unused_cpu_comm_kernel,
     sync_free_zero_step,
+    zero_optimizer_check_without_muon,
 )
 from parallel_latent.errors import BadInput
 from parallel_latent.parallel import ModelParallelUnit, device_kind
@@ -323,16 +324,17 @@ def initialize_engine(
     device_args = None
     if device == "cuda":
         device_args = SimpleNamespace(device_rank=torch.cuda.current_device(), local_rank=int(os.environ["LOCAL_RANK"]))
-    engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-        args=device_args,
-        model=model,
-        model_parameters=trainable,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=mpu,
-        dist_init_required=False,
-    )
+    with zero_optimizer_check_without_muon():
+        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
+            args=device_args,
+            model=model,
+            model_parameters=trainable,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=ds_config,
+            mpu=mpu,
+            dist_init_required=False,
+        )
     sync_free_zero_step(ds_optimizer)
     if cfg.parallel.zero_gradients == "bulk":
         bulk_zero_gradients(ds_optimizer)

@@ -189,7 +189,7 @@ def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path):
     unfinished = [line for line in lines if line.startswith("not in the table: ")]
     assert unfinished and "ran out of time (deadline" in unfinished[0]
     assert all("not started: deadline reached" in line for line in unfinished[1:])
-    assert elapsed < deadline + 30, elapsed  # the deadline, plus start-up of Python and the table
+    assert elapsed < deadline + 150, elapsed  # the deadline, then the table: not the 100,000 steps
 
 
 def test_gpu_rows_put_the_goals_first_and_their_timeouts_fit_the_deadline(monkeypatch):

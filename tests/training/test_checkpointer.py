@@ -16,20 +16,20 @@ from tests.helpers.trainer_runs import REPO, cli_command, rank_env, train_record
 
 pytestmark = pytest.mark.slow
 
-EVERY, STEPS, PAUSE_S = 4, 12, 12
+EVERY, STEPS, PAUSE_S = 4, 12, 60
 RECIPE = ["parallel.tensor_parallel=1", f"training.max_steps={STEPS}", f"checkpoint.save_every={EVERY}"]
 
 
-def steps_while_paused(run_dir, job) -> list[int]:
-    """The steps recorded while the step-4 save is held before its publish (sampled for ~2 s after
-    they stop moving)."""
+def steps_while_paused(run_dir, job, expected: int) -> list[int]:
+    """The steps recorded while the step-4 save is held before its publish: sampled until they reach
+    ``expected`` (a condition, not a clock), then for 2 s more, in which a step past it would show."""
     marker = run_dir / "checkpoints" / f".tmp-step_{EVERY:08d}" / PAUSE_MARKER
     deadline = time.monotonic() + 300
     while not marker.exists():
         assert job.poll() is None and time.monotonic() < deadline, "the step-4 save never reached its publish"
         time.sleep(0.1)
     seen, last_change, previous = [], time.monotonic(), None
-    while marker.exists() and time.monotonic() - last_change < 2.0:
+    while marker.exists() and (max(previous or [0]) < expected or time.monotonic() - last_change < 2.0):
         steps = [r["step"] for r in train_records(run_dir)]
         if steps != previous:
             previous, last_change = steps, time.monotonic()
@@ -37,6 +37,7 @@ def steps_while_paused(run_dir, job) -> list[int]:
         assert not (run_dir / "checkpoints" / "latest").exists(), "published before it was complete"
         time.sleep(0.1)
     assert marker.exists(), "the pause ended before the steps stopped moving"
+    marker.unlink()  # ends the pause: the save publishes now
     return seen
 
 
@@ -49,7 +50,7 @@ def test_the_steps_after_a_save_go_on_while_it_is_written(background, steps_duri
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        seen = steps_while_paused(run_dir, job)
+        seen = steps_while_paused(run_dir, job, steps_during_the_save)
         # Background: training went on to the next save, which waits for this one; otherwise it
         # waited at this one.
         assert max(seen) == steps_during_the_save, seen

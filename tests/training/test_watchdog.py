@@ -2,9 +2,9 @@
 
 The end-to-end cases stop rank 1 under ``train --nproc 2`` (the torchrun agent hosts the store), and
 rank 0 of a job started as srun or the deepspeed launcher start it (every rank from the environment,
-``env://``: rank 0's process hosts the rendezvous store). Either way the job ends within
-``hang_timeout_s + 60 s`` with one line naming the stalled rank, the other rank's stack is written,
-and the rerun resumes.
+``env://``: rank 0's process hosts the rendezvous store). Either way the job ends soon after
+``hang_timeout_s`` (the test allows 200 s more: a bound only a hang breaks) with one line naming the
+stalled rank, the other rank's stack is written, and the rerun resumes.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def _stop_rank_after_a_checkpoint(run_dir: Path, rank: int, job: subprocess.Pope
 def _end_of(job: subprocess.Popen, stopped_pid: int) -> tuple[float, str]:
     started = time.monotonic()
     try:
-        output = job.communicate(timeout=HANG_TIMEOUT_S + 120)[0]
+        output = job.communicate(timeout=HANG_TIMEOUT_S + 300)[0]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped_pid, signal.SIGKILL)
@@ -244,7 +244,7 @@ def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
         raise
     took, output = _end_of(job, stopped)
     assert job.returncode == ExitStatus.HANG, output[-4000:]
-    assert took <= HANG_TIMEOUT_S + 60, took
+    assert took <= HANG_TIMEOUT_S + 200, took  # only a job the watchdog left hanging fails
     last = output.strip().splitlines()[-1]
     _assert_names(last, 1, stopped)
     stacks = Path(last.rsplit("Python stacks: ", 1)[1].split(";")[0])
@@ -284,7 +284,7 @@ def test_a_stopped_rank_0_that_hosts_the_store_ends_the_job(tmp_path):
             rank.wait(timeout=30)
         rank0_log.close()
     assert ranks[1].returncode == ExitStatus.HANG, output[-4000:]
-    assert took <= HANG_TIMEOUT_S + 60, took
+    assert took <= HANG_TIMEOUT_S + 200, took  # only a job the watchdog left hanging fails
     last = output.strip().splitlines()[-1]
     _assert_names(last, 0, stopped)
     stacks = Path(last.rsplit("Python stacks: ", 1)[1].split(";")[0])
