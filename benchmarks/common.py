@@ -2,7 +2,7 @@
 status that says whether the figures were produced.
 
 A figure is a number with its unit and, where the project states one, its goal. Each is printed as
-one line starting ``figure:`` (what ``tests/test_benchmarks.py`` and ``benchmarks/run_all.py``
+one line starting ``figure:`` (what ``tests/benchmarks/test_benchmarks.py`` and ``benchmarks/run_all.py``
 look for), and ``--json PATH`` writes them all with the machine they were measured on. A goal that
 is not met is reported, not an error: timings on a shared machine are noisy, and a benchmark's job
 is to measure. A script exits non-zero only when it could not produce its figures.

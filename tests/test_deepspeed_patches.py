@@ -114,6 +114,36 @@ def test_outside_the_range_the_cpu_comm_kernel_is_left_to_deepspeed_with_one_war
     assert deepspeed.ops.__compatible_ops__[name] is False
 
 
+def test_zeros_optimizer_check_answers_from_deepspeeds_list_without_importing_muon(monkeypatch, caplog):
+    """Inside the range, the engine's check answers as DeepSpeed's would for the optimizers the
+    trainer builds (AdamW is in its list; SGD and the guarded AdamW, a subclass, are not: ZeRO then
+    needs ``zero_allow_untested_optimizer``, which the config sets) and never imports Muon (here any
+    import of it would raise); outside the range, one warning and DeepSpeed's own check stays."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import sys
+
+    import deepspeed.runtime.engine as ds_engine
+
+    from parallel_latent.training.engine import NonFiniteGuardAdamW
+
+    deepspeeds = ds_engine.is_zero_supported_optimizer
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizers = [torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)]
+    optimizers.append(NonFiniteGuardAdamW(params, max_grad_norm=1.0, mpu=None))
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.muon.muon_optimizer", None)  # importing it raises
+    with deepspeed_patches.zero_optimizer_check_without_muon():
+        assert ds_engine.is_zero_supported_optimizer is not deepspeeds
+        assert [ds_engine.is_zero_supported_optimizer(optimizer) for optimizer in optimizers] == [True, False, False]
+    assert ds_engine.is_zero_supported_optimizer is deepspeeds
+    outside = deepspeed_patches.zero_optimizer_check_without_muon(version=OUTSIDE)
+    with caplog.at_level(logging.WARNING, logger="parallel_latent"), outside:
+        assert ds_engine.is_zero_supported_optimizer is deepspeeds
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"DeepSpeed {OUTSIDE} is outside the releases >=0.19.8,<0.20 that parallel-latent's ZeRO optimizer check "
+        "without the Muon import was written for"
+    ]
+
+
 @pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]], ids=["one process", "--nproc 2"])
 def test_outside_the_range_training_stops_before_any_work_with_one_line(nproc, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(deepspeed_patches, "installed_version", lambda: OUTSIDE)
