@@ -173,7 +173,7 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     with contextlib.suppress(NotADirectoryError, FileExistsError):  # a file in the way: preflight says so
         lock = acquire_run_lock(run_dir, args.wait_for_lock)
     try:
-        from parallel_latent.training.startup import preflight
+        from parallel_latent.training.preflight import preflight
 
         preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
         _check_local_devices(cfg, args.nproc)
@@ -250,7 +250,7 @@ def _check_local_devices(cfg, nproc: int) -> None:
     """``--nproc N`` on a GPU host needs N GPUs: refused here, before any worker starts, instead of
     NCCL's "Duplicate GPU detected" after the whole start-up."""
     from parallel_latent.parallel.state import check_processes_fit_devices
-    from parallel_latent.training.engine import resolve_device
+    from parallel_latent.training.preflight import resolve_device
 
     if resolve_device(cfg) == "cuda":
         import torch

@@ -4,7 +4,9 @@ checkpoint.
 - :mod:`.trainer`: :func:`~.trainer.train` and the :class:`~.trainer.Trainer` loop (the step, data
   feeding, the stop vote, the non-finite watch, when to log, evaluate and save);
 - :mod:`.startup`: :func:`~.startup.start_run` (checks, process groups, tokenizer, model, data, the
-  checkpoint to resume, the engine) and :func:`~.startup.preflight`;
+  checkpoint to resume, the engine); :mod:`.preflight`: :func:`~.preflight.preflight`, the checks that
+  build nothing (``train --nproc`` runs them before it launches a rank, without transformers or
+  DeepSpeed);
 - :mod:`.engine`: the DeepSpeed config, optimizer, schedule and ``deepspeed.initialize``;
 - :mod:`.evaluation`: the periodic held-out evaluation;
 - :mod:`.metrics`, :mod:`.flops`, :mod:`.report`: metric sinks and records, FLOPs and MFU, the

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from parallel_latent.config import Config, ConfigError, ScheduleConfig
+from parallel_latent.config import Config, ScheduleConfig
 from parallel_latent.deepspeed_patches import (
     bulk_zero_gradients,
     report_grad_norm,
@@ -34,9 +34,9 @@ from parallel_latent.deepspeed_patches import (
     sync_free_zero_step,
     zero_optimizer_check_without_muon,
 )
-from parallel_latent.errors import BadInput
-from parallel_latent.parallel import ModelParallelUnit, device_kind
+from parallel_latent.parallel import ModelParallelUnit
 
+from .preflight import resolve_device
 from .world import dp_size, resolved_global_batch_size
 
 __all__ = [
@@ -65,19 +65,6 @@ FP16_LOSS_SCALING = {
 }
 # DeepSpeed prints a progress line every `steps_per_print` steps; we have our own metrics.
 NEVER = 10**12
-
-
-def resolve_device(cfg: Config, source: str = "<runtime>", check_precision: bool = True) -> str:
-    """``cpu`` or ``cuda`` for ``training.device`` (:func:`parallel_latent.parallel.device_kind`);
-    ConfigError when there is no such device, or (``check_precision``) the precision needs one it is
-    not: fp16 needs CUDA."""
-    try:
-        device = device_kind(cfg.training.device, "training.device")
-    except BadInput as error:
-        raise ConfigError(f"{source}: {error}") from None
-    if check_precision and cfg.training.precision == "fp16" and device != "cuda":
-        raise ConfigError(f"{source}: training.precision=fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
-    return device
 
 
 def uses_stage0_guard(cfg: Config) -> bool:

@@ -21,27 +21,23 @@ from parallel_latent.checkpoint import (
     checkpoints_dir,
     move_aside,
     remove_unfinished_saves,
-    require_intact,
-    resolve_checkpoint,
     resumable,
-    saved_client_state,
 )
 from parallel_latent.checkpoint.layout import read_info
 from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.console import WORKER_LOGS_ENV, report_hang, restart_line
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
-from parallel_latent.data import build_datasets, check_source
-from parallel_latent.deepspeed_patches import require_supported_deepspeed
+from parallel_latent.data import build_datasets
 from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
 from parallel_latent.parallel.rendezvous import StartupTimeout
 
-from .engine import EngineBundle, dump_deepspeed_config, initialize_engine, resolve_device
+from .engine import EngineBundle, dump_deepspeed_config, initialize_engine
+from .preflight import checkpoint_to_resume, planned_resume, preflight, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from .watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
-from .world import keep_global_batch, validate_world
 
 __all__ = [
     "Run",
@@ -53,49 +49,8 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- #
-# Checks that need no process group (the CLI runs them before launching ranks).
+# Start-up on every rank.
 # --------------------------------------------------------------------------- #
-
-
-def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
-    """Everything about ``cfg`` that can be checked without building anything: the world size
-    against TP and the batch sizes, the device, the data path, the checkpoint to resume.
-    Raises ConfigError / DataError with one line; writes nothing."""
-    require_supported_deepspeed()  # before any work: checkpoints patch DeepSpeed's checkpoint engine
-    validate_world(cfg, world_size, source, processes_per_node)
-    resolve_device(cfg, source)
-    check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
-    run_dir = Path(cfg.logging.run_dir)
-    blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
-    if blocking is not None and not blocking.is_dir():
-        raise ConfigError(f"{source}: logging.run_dir={run_dir}: {blocking} is a file, not a directory")
-    resume = cfg.checkpoint.resume
-    if resume == "never":
-        existing = checkpoints_dir(cfg.logging.run_dir)
-        if existing.is_dir() and any(p.name.startswith("step_") for p in existing.iterdir()):
-            raise ConfigError(
-                f"{source}: checkpoint.resume=never but {existing} already holds checkpoints; "
-                "choose another logging.run_dir or resume with checkpoint.resume=auto"
-            )
-    elif resume != "auto" and not Path(resume).exists():
-        raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
-    elif resume != "auto" and not Path(resume).is_dir():
-        raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
-    # A checkpoint whose global batch cannot be kept on this many processes: one line now, before
-    # any rank starts (the trainer makes the same plan from rank 0's choice of checkpoint).
-    planned_resume(cfg, world_size, checkpoint_to_resume(cfg))
-
-
-def checkpoint_to_resume(cfg: Config) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names, as this process sees it (reading only):
-    ``auto`` = the run directory's latest, or the newest intact one before it if that is damaged
-    (None if there is none); ``never`` = None; else that path, which must be intact."""
-    resume = cfg.checkpoint.resume
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return resumable(checkpoints_dir(cfg.logging.run_dir))[0]
-    return require_intact(resolve_checkpoint(resume))
 
 
 def choose_checkpoint_to_resume(cfg: Config) -> Path | None:
@@ -110,18 +65,6 @@ def choose_checkpoint_to_resume(cfg: Config) -> Path | None:
         line = f"{damage}: checkpoint {step_dir.name} is truncated or damaged; moved to {moved.name}; {instead}"
         print(line, flush=True)
     return intact
-
-
-def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
-    """``cfg`` for continuing from ``path`` on ``world_size`` processes: the checkpoint's global
-    batch kept (micro-batch and accumulation chosen for the new data-parallel size), and the line
-    that says so; ConfigError (one line) when it cannot be kept. Unchanged without a checkpoint."""
-    if path is None:
-        return cfg, None
-    sampler = saved_client_state(path).get("sampler") or {}
-    if "global_batch_size" not in sampler:
-        return cfg, None
-    return keep_global_batch(cfg, world_size, int(sampler["global_batch_size"]), str(path))
 
 
 def require_shared_run_dir(run_dir: Path, source: str) -> None:
