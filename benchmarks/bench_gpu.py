@@ -227,7 +227,7 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     """benchmarks/bench_export.py's throughput part on this device: export / bare encode samples/s."""
     device = "cuda" if context["gpus"] else "cpu"
     figures = run_dir.with_suffix(".json")
-    lines, shard = ("2000", "256") if context["quick"] else ("20000", "2048")
+    lines, shard = ("500", "64") if context["quick"] else ("20000", "2048")
     size = ["--lines", lines, "--shard-size", shard]
     config = "configs/tiny.yaml" if context["quick"] else "configs/gpt2.yaml"
     command = [sys.executable, "benchmarks/bench_export.py", "--throughput-only", "--device", device,

@@ -22,6 +22,8 @@ from pathlib import Path
 from common import REPO, Report, add_common_arguments, run
 
 KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint, at step 30 or just after
+# --quick: the same path in fewer steps (the kill after the step-5 checkpoint, 4 steps before the next).
+QUICK_KILL_AT, QUICK_EVERY = 6, 5
 
 
 def records(run_dir: Path) -> list[int]:
@@ -54,10 +56,17 @@ def wait(condition, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
+def published(run_dir: Path, step: int) -> bool:
+    """Whether the checkpoint of ``step`` is the newest published one (``latest`` names it)."""
+    latest = run_dir / "checkpoints" / "latest"
+    return latest.is_file() and latest.read_text().strip() == f"step_{step:08d}"
+
+
 def body(args, report: Report) -> None:
+    kill_at, every, after = (QUICK_KILL_AT, QUICK_EVERY, QUICK_EVERY) if args.quick else (KILL_AT, EVERY, 20)
     overrides = [
-        f"training.max_steps={KILL_AT + 20}", f"checkpoint.save_every={EVERY}", "training.eval_every=0",
-        "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1",
+        f"training.max_steps={kill_at + after}", f"checkpoint.save_every={every}",
+        "training.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1",
     ]  # fmt: skip
     if args.quick:
         overrides += ["model.d_model=32", "feature_model.n_embd=32", "feature_model.n_layer=3"]
@@ -72,14 +81,19 @@ def body(args, report: Report) -> None:
     )  # fmt: skip
     try:
         first_step = wait(lambda: records(run_dir), 600, "first step") - launched
-        wait(lambda: max(records(run_dir), default=0) >= KILL_AT, 600, f"step {KILL_AT}")
+        # The kill waits for the checkpoint it restarts from too (a save may finish after later steps).
+        wait(
+            lambda: max(records(run_dir), default=0) >= kill_at and published(run_dir, every),
+            600,
+            f"step {kill_at} after the step-{every} checkpoint",
+        )
         killed_at_step = max(records(run_dir))
         os.kill(rank_of(run_dir, 1), signal.SIGKILL)
         killed = time.monotonic()
         # The restarted attempt's first record: at the resume the dead attempt's records past the
         # checkpoint move aside, then the file grows again past the checkpoint's step.
-        aside = run_dir / f"metrics.after-step_{EVERY:08d}.jsonl"
-        wait(lambda: aside.exists() and max(records(run_dir), default=0) > EVERY, 600, "step after the restart")
+        aside = run_dir / f"metrics.after-step_{every:08d}.jsonl"
+        wait(lambda: aside.exists() and max(records(run_dir), default=0) > every, 600, "step after the restart")
         restart = time.monotonic() - killed
         output, _ = job.communicate(timeout=600)
     finally:

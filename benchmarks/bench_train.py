@@ -13,7 +13,8 @@
 
     python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
     python benchmarks/bench_train.py --part step --steps 40 model.d_model=128
-    python benchmarks/bench_train.py --quick         # seconds: fewer steps, fp32 memory only
+    python benchmarks/bench_train.py --quick         # seconds: fewer steps, fp32 memory only (its TP1xDP1
+                                                     # side read on part 1's trainer, no torchrun of its own)
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def load(overrides: list[str], run_dir: str):
 # --------------------------------------------------------------------------- #
 
 
-def bench_step_time(args) -> dict:
+def bench_step_time(args, measure_memory: bool = False) -> dict:
     import torch
 
     from parallel_latent.data import ShardedBatchSampler, get_batch
@@ -128,6 +129,9 @@ def bench_step_time(args) -> dict:
         for _ in range(args.rounds):  # interleaved, so machine noise hits both alike
             plain_times += timed(plain_step, per_round)
             trainer_times += timed(trainer_step, per_round)
+        # --quick: this trainer is the fp32 TP1xDP1 memory run's (ZeRO-2, TP=1, one rank, the same
+        # overrides), so it measures that run's tensors here instead of a torchrun of its own.
+        memory = measure_engine_memory(trainer) if measure_memory and cfg.training.precision == "fp32" else None
         trainer.logger.close()
     plain, ds = statistics.median(plain_times), statistics.median(trainer_times)
     return {
@@ -137,6 +141,7 @@ def bench_step_time(args) -> dict:
         "steps_each": len(plain_times),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "tp1_dp1_memory": memory,
     }
 
 
@@ -246,9 +251,10 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
         return json.loads(output.read_text())
 
 
-def bench_memory(args, precision: str) -> dict:
+def bench_memory(args, precision: str, single: dict | None = None) -> dict:
+    """``single``: the TP1xDP1 run's numbers where they were measured already (--quick)."""
     common = [*args.overrides, "parallel.zero_stage=2", f"training.precision={precision}"]
-    single = run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
+    single = single or run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
     sharded = run_memory_layout(4, [*common, "parallel.tensor_parallel=2"])
     worst = max(sharded, key=lambda r: r["total"])
     return {
@@ -274,8 +280,9 @@ def body(args, report: Report) -> None:
         args.overrides = [*QUICK_OVERRIDES, *args.overrides]
         args.steps, args.warmup, args.rounds = 4, 1, 2
         args.precisions = args.precisions or "fp32"
+    step = {}
     if args.part in ("step", "all"):
-        step = bench_step_time(args)
+        step = bench_step_time(args, measure_memory=args.quick and args.part == "all")
         print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), median of {step['steps_each']}:")
         print(f"  plain PyTorch loop (AdamW)      {step['plain_pytorch_step_s'] * 1e3:8.1f} ms")
         print(f"  parallel-latent trainer, ZeRO-2 {step['trainer_zero2_step_s'] * 1e3:8.1f} ms")
@@ -285,7 +292,7 @@ def body(args, report: Report) -> None:
     if args.part in ("memory", "all"):
         precisions = (args.precisions or ("bf16,fp32")).split(",")
         for precision in precisions:
-            memory = bench_memory(args, precision)
+            memory = bench_memory(args, precision, step.get("tp1_dp1_memory") if precision == "fp32" else None)
             single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
             print(
                 f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.trainer_runs import REPO, cli_command, describe, run, torchrun_command
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.trainer_runs import REPO, describe, run, torchrun_command, train_args
 
 DP2 = ["parallel.tensor_parallel=1", "parallel.zero_stage=2"]  # DeepSpeed's ZeRO collectives at DP > 1
 FAULTS = str(REPO / "tests" / "helpers" / "worker_faults")
+
+
+def train_nproc(run_dir: Path, *overrides: str, env: dict | None = None):
+    """``parallel-latent train --nproc 2``, the launcher in this process (its ranks are real
+    processes, whose output it captures with its own): a subprocess's exit status and output."""
+    return run_main([*train_args(run_dir, *overrides), "--nproc=2"], env=env)
 
 
 def fault_env(fault: str, rank: int = 1, step: int = 2) -> dict:
@@ -26,13 +33,13 @@ def test_notices_once_and_bad_input_inside_the_ranks_is_one_line(tmp_path):
     found inside the ranks, when they read the checkpoint) prints exactly one line and exits 2, with
     nothing left behind in the run directory and the checkpoint intact."""
     run_dir = tmp_path / "run"
-    first = run(cli_command(run_dir, *DP2, "training.max_steps=2", nproc=2))
+    first = train_nproc(run_dir, *DP2, "training.max_steps=2")
     assert first.returncode == 0, describe(first)
     assert first.stderr == "", describe(first)  # before: the banner twice, DeepSpeed's FutureWarning twice
     assert first.stdout.count("the GPT-2 features are RANDOM") == 1
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
 
-    resumed = run(cli_command(run_dir, *DP2, "training.max_steps=3", "model.head=normal", nproc=2))
+    resumed = train_nproc(run_dir, *DP2, "training.max_steps=3", "model.head=normal")
     assert resumed.returncode == 2, describe(resumed)
     lines = resumed.stderr.splitlines()
     assert len(lines) == 1, describe(resumed)
@@ -46,7 +53,7 @@ def test_unexpected_failure_in_a_rank_ends_with_its_line(tmp_path):
     """Rank 1 raises at step 2: the last line is its reason, after the path of its traceback;
     rank 0's consequence (its peer is gone) is not what the user is told."""
     run_dir = tmp_path / "run"
-    result = run(cli_command(run_dir, "training.max_steps=3", nproc=2), env=fault_env("raise"))
+    result = train_nproc(run_dir, "training.max_steps=3", env=fault_env("raise"))
     assert result.returncode == 1, describe(result)
     lines = result.stderr.splitlines()
     assert len(lines) == 2, describe(result)
@@ -63,7 +70,7 @@ def test_unexpected_failure_in_a_rank_ends_with_its_line(tmp_path):
 def test_a_rank_killed_without_a_word_is_named(tmp_path):
     """Rank 1 is killed (as the out-of-memory killer does): the one line names it, not rank 0's
     "connection reset by peer" that follows."""
-    result = run(cli_command(tmp_path / "run", "training.max_steps=3", nproc=2), env=fault_env("kill"))
+    result = train_nproc(tmp_path / "run", "training.max_steps=3", env=fault_env("kill"))
     assert result.returncode == 1, describe(result)
     assert result.stderr.splitlines() == ["parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from parallel_latent.config import ModelConfig
@@ -113,9 +114,19 @@ def _at_tp1_and_tp2(model_overrides: dict):
     return _evaluation(None, model_overrides), _evaluation(state.tp_group, model_overrides)
 
 
-def test_the_noise_evaluation_is_the_same_at_tp1_and_tp2(pool4):
+@pytest.fixture(scope="module")
+def pool2():
+    """Two gloo ranks, one TP=2 group: all the evaluation needs (a second group would repeat it)."""
+    from tests.helpers.distributed import DistributedPool
+
+    pool = DistributedPool(2)
+    yield pool
+    pool.close()
+
+
+def test_the_noise_evaluation_is_the_same_at_tp1_and_tp2(pool2):
     for overrides in ({}, COMPRESSED):
-        for single, parallel in pool4.run(_at_tp1_and_tp2, overrides):
+        for single, parallel in pool2.run(_at_tp1_and_tp2, overrides):
             metrics, mean, std = parallel
             assert set(metrics) == set(single[0])
             for level in NOISE_LEVELS:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel_latent.coordination import all_gather_value, is_main
+from parallel_latent.coordination import all_gather_value, barrier, is_main
 
 from . import layout
 from .background import BackgroundSave
@@ -218,5 +218,11 @@ def finish_background_save(pending: PendingSave) -> Path:
     reports = all_gather_value((own, peers))
     failure = next((o for o, _ in reports if o), None) or next((p for _, p in reports if p), None)
     if failure is not None:
+        if is_main():
+            # Rank 0's writer removes the staging directory as soon as it fails, possibly while a slower
+            # rank still writes into it. Every rank has joined its writer now (before the gather): what
+            # such a rank left goes, and no rank reports the failure (and ends) before it has gone.
+            layout.discard(pending.request.staging)
+        barrier()
         raise _not_written(pending.request, failure)
     return pending.path

@@ -1,5 +1,10 @@
 """A damaged newest checkpoint: found before any rank loads it, moved aside, and the run resumes from
-the newest intact one exactly as an uninterrupted run went on from there (2 ranks, gloo)."""
+the newest intact one exactly as an uninterrupted run went on from there (2 ranks, gloo).
+
+One straight run (the trainer on the 2 ranks of a pool that lives for this module,
+tests/helpers/pool_training.py) saves a checkpoint at every step; every test reads it or damages a
+copy of it. The fallback under ``train --nproc 2`` is one run over a copy whose newest checkpoints each
+hold one kind of damage: it passes over every one of them, saying each in its own line."""
 
 from __future__ import annotations
 
@@ -11,13 +16,17 @@ import pytest
 
 from parallel_latent.checkpoint import checkpoint_damage, resumable
 from parallel_latent.checkpoint.integrity import file_record
-from tests.helpers.trainer_runs import cli_command, describe, run, torchrun_command, train_records
+from parallel_latent.cli import main
+from tests.helpers.pool_training import shared_pool, train_in_pool
+from tests.helpers.trainer_runs import cli_command, describe, run, train_args, train_records
 
 FIXTURE_RUN = Path(__file__).parent / "fixtures" / "v1" / "run"
-STEPS, HALF = 20, 10
+# A checkpoint at every step: the newest (STEPS) is damaged, HALF is the newest before it; the
+# fallback run damages STEPS, STEPS - 1, ... one kind each and resumes from step 1.
+STEPS, HALF = 5, 4
 RECIPE = [
     f"training.max_steps={STEPS}",
-    f"checkpoint.save_every={HALF}",
+    "checkpoint.save_every=1",
     "checkpoint.keep_last=0",
     "checkpoint.export_portable=true",
     "parallel.tensor_parallel=2",
@@ -35,19 +44,41 @@ DAMAGE = {
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory) -> Path:
+def pool(request):
+    """Two ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py)."""
+    return shared_pool(request, 2)
+
+
+@pytest.fixture(scope="module")
+def straight(pool, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    result = run(torchrun_command(run_dir, *RECIPE, nproc=2), timeout=400)
-    assert result.returncode == 0, describe(result)
+    train_in_pool(pool, run_dir, *RECIPE)
     return run_dir
 
 
-def damaged_copy(straight: Path, tmp_path: Path, kind: str) -> Path:
+def damaged_copy(straight: Path, tmp_path: Path, kind: str, step: int = STEPS) -> Path:
     copy = tmp_path / "run"
-    shutil.copytree(straight, copy)
+    if not copy.exists():
+        shutil.copytree(straight, copy)
     name, damage = DAMAGE[kind]
-    damage(copy / "checkpoints" / f"step_{STEPS:08d}" / name)
+    damage(copy / "checkpoints" / f"step_{step:08d}" / name)
     return copy
+
+
+# Each kind of damage in its own checkpoint: the newest for the first kind, the one before for the next.
+DAMAGED_STEP = {kind: STEPS - i for i, kind in enumerate(sorted(DAMAGE))}
+
+
+@pytest.fixture(scope="module")
+def fallback_run(straight, tmp_path_factory):
+    """``train --nproc 2`` on a copy of the straight run whose newest checkpoints are damaged, one
+    kind each (steps 5, 4, 3, 2); the run resumes from step 1."""
+    tmp_path = tmp_path_factory.mktemp("fallback")
+    for kind, step in DAMAGED_STEP.items():
+        copy = damaged_copy(straight, tmp_path, kind, step)
+    result = run(cli_command(copy, *RECIPE, nproc=2), timeout=400)
+    assert result.returncode == 0, describe(result)
+    return copy, result
 
 
 @pytest.mark.slow
@@ -85,19 +116,18 @@ def test_checkpoints_saved_before_the_record_are_checked_for_what_can_be(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_before(straight, tmp_path):
+def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_before(pool, straight, tmp_path):
     copy = damaged_copy(straight, tmp_path, "truncated optimizer shard")
-    result = run(torchrun_command(copy, *RECIPE, nproc=2), timeout=400)
-    assert result.returncode == 0, describe(result)
+    stdout, _ = train_in_pool(pool, copy, *RECIPE)
     newest = f"step_{STEPS:08d}"
-    [line] = [line for line in result.stdout.splitlines() if "truncated or damaged" in line]
+    [line] = [line for line in stdout.splitlines() if "truncated or damaged" in line]
     assert line == (
         f"{copy / 'checkpoints' / newest / OPTIMIZER_SHARD}: "
         f"{(copy / 'checkpoints' / f'.damaged-{newest}' / OPTIMIZER_SHARD).stat().st_size} bytes, "
         f"{(straight / 'checkpoints' / newest / OPTIMIZER_SHARD).stat().st_size} when it was saved: "
         f"checkpoint {newest} is truncated or damaged; moved to .damaged-{newest}; resuming from step_{HALF:08d}"
     )
-    assert f"at step {HALF}" in result.stdout
+    assert f"at step {HALF}" in stdout
     want = {r["step"]: r for r in train_records(straight)}
     got = train_records(copy)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # one record per step
@@ -112,30 +142,30 @@ def test_the_run_falls_back_to_the_newest_intact_checkpoint_and_goes_on_as_befor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_the_fallback_says_which_file_how_and_where_it_went_once(straight, tmp_path, kind):
-    """Under ``train --nproc 2``: one line names the damaged file, what is wrong with it and where
-    the checkpoint was moved, and nothing else on the terminal speaks of the damaged checkpoint."""
-    copy = damaged_copy(straight, tmp_path, kind)
-    result = run(cli_command(copy, *RECIPE, nproc=2), timeout=400)
-    assert result.returncode == 0, describe(result)
-    newest = f"step_{STEPS:08d}"
-    said = [line for line in (result.stdout + result.stderr).splitlines() if newest in line and "latest" not in line]
+def test_the_fallback_says_which_file_how_and_where_it_went_once(fallback_run, kind):
+    """Under ``train --nproc 2`` (one run for every kind, fallback_run): one line names the damaged
+    file, what is wrong with it and where the checkpoint was moved, and nothing else on the terminal
+    speaks of the damaged checkpoint."""
+    copy, result = fallback_run
+    damaged = f"step_{DAMAGED_STEP[kind]:08d}"
+    said = [line for line in (result.stdout + result.stderr).splitlines() if damaged in line and "latest" not in line]
     [line] = [line for line in said if "truncated or damaged" in line]
-    assert line.startswith(str(copy / "checkpoints" / newest / DAMAGE[kind][0]) + ": "), line
+    assert line.startswith(str(copy / "checkpoints" / damaged / DAMAGE[kind][0]) + ": "), line
     assert line.endswith(
-        f"checkpoint {newest} is truncated or damaged; moved to .damaged-{newest}; resuming from step_{HALF:08d}"
+        f"checkpoint {damaged} is truncated or damaged; moved to .damaged-{damaged}; resuming from step_{1:08d}"
     )
     assert "which is not a complete checkpoint" not in result.stdout + result.stderr, describe(result)
 
 
 @pytest.mark.slow
-def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tmp_path):
+def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tmp_path, capfd):
     copy = damaged_copy(straight, tmp_path, "zero-byte RNG file")
     step_dir = copy / "checkpoints" / f"step_{STEPS:08d}"
-    result = run(cli_command(copy, *RECIPE, f"checkpoint.resume={step_dir}", nproc=2), timeout=300)
-    assert result.returncode == 2, describe(result)
+    status = main([*train_args(copy, *RECIPE, f"checkpoint.resume={step_dir}"), "--nproc=2"])
+    stderr = capfd.readouterr().err
+    assert status == 2, stderr
     assert (
-        result.stderr.strip()
+        stderr.strip()
         .splitlines()[-1]
         .endswith(
             f"{step_dir / 'rng' / 'rank_00001.json'}: 0 bytes, "
@@ -148,7 +178,7 @@ def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("named", ["../x", "/x", "step_00000010/../../x", "model"])
-def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named):
+def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named, capfd):
     from parallel_latent.checkpoint import CheckpointError, find_latest_checkpoint
 
     copy = tmp_path / "run"
@@ -162,7 +192,6 @@ def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(stra
     )
     if named != "../x":
         return  # one command line is enough: the message is the function's
-    result = run(cli_command(copy, *RECIPE, nproc=2), timeout=300)
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(str(error.value)), describe(
-        result
-    )
+    status = main([*train_args(copy, *RECIPE), "--nproc=2"])
+    stderr = capfd.readouterr().err
+    assert status == 2 and stderr.strip().splitlines()[-1].endswith(str(error.value)), stderr

@@ -31,12 +31,30 @@ from parallel_latent.checkpoint import (
     save_training_checkpoint,
 )
 from parallel_latent.checkpoint.saving import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
+from parallel_latent.cli import main
 from tests.helpers.checkpoint_engines import make_engine, train_step
-from tests.helpers.distributed import DistributedPool
 from tests.helpers.make_fixture import FIXTURE
-from tests.helpers.trainer_runs import REPO, cli_command, describe, rank_env, rank_pids, run
+from tests.helpers.pool_training import shared_pool
+from tests.helpers.trainer_runs import REPO, cli_command, rank_env, rank_pids, train_args
 
 RUN_RECIPE = ["parallel.tensor_parallel=2", "training.max_steps=4", "checkpoint.save_every=2"]
+
+
+@pytest.fixture
+def train_here(monkeypatch, capfd):
+    """``parallel-latent train --nproc 2`` with this process as the launcher (no Python of its own to
+    start): its exit status and what it and its ranks printed (stdout, stderr). The environment a
+    launched job gets from tests/helpers/trainer_runs.rank_env."""
+    for key, value in rank_env().items():
+        if key in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM"):
+            monkeypatch.setenv(key, value)
+
+    def train_here(run_dir: Path, *overrides: str):
+        capfd.readouterr()
+        status = main([*train_args(run_dir, *overrides), "--nproc=2"])
+        return status, *capfd.readouterr()
+
+    return train_here
 
 
 @contextlib.contextmanager
@@ -87,12 +105,10 @@ def one_rank_fails_task(directory: str):
     return message, after_failure, loaded.step, saved_again.name
 
 
-def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
-    pool = DistributedPool(2)
-    try:
-        results = pool.run(one_rank_fails_task, str(tmp_path))
-    finally:
-        pool.close()
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(request, tmp_path):
+    # Two ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py):
+    # the task lifts its write limit again whatever happens.
+    results = shared_pool(request, 2).run(one_rank_fails_task, str(tmp_path))
     messages = {message for message, *_ in results}
     assert messages == {
         f"checkpoint at step 2 not written: File too large ({tmp_path}); the last complete checkpoint is step 1"
@@ -109,29 +125,28 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_disk_under_the_trainer_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+def test_full_disk_under_the_trainer_is_one_line_and_keeps_the_last_checkpoint(tmp_path, train_here):
     """One TP=2 checkpoint of the tiny model is 14 MB: 22 MB hold the step-2 save, not step 4's."""
     with small_filesystem(tmp_path / "disk", "22m") as disk:
         run_dir = disk / "run"
-        result = run(cli_command(run_dir, *RUN_RECIPE, nproc=2), timeout=400)
-        assert result.returncode != 0, describe(result)
+        status, stdout, stderr = train_here(run_dir, *RUN_RECIPE)
+        said = f"exit {status}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}"
+        assert status != 0, said
         checkpoints = run_dir / "checkpoints"
         want = (
             f"checkpoint at step 4 not written: No space left on device ({checkpoints}); "
             "the last complete checkpoint is step 2"
         )
-        lines = result.stderr.splitlines()
-        assert [line for line in lines if "not written" in line] == [f"parallel-latent: error: {want}"], describe(
-            result
-        )
-        assert not [line for line in lines if "OSError" in line or "Errno 28" in line], describe(result)
-        assert [n for n in contents(checkpoints) if not n.startswith("zero_to_")] == ["latest", "step_00000002"]
+        lines = stderr.splitlines()
+        assert [line for line in lines if "not written" in line] == [f"parallel-latent: error: {want}"], said
+        assert not [line for line in lines if "OSError" in line or "Errno 28" in line], said
+        assert [n for n in contents(checkpoints) if not n.startswith("zero_to_")] == ["latest", "step_00000002"], said
         assert (checkpoints / "latest").read_text().strip() == "step_00000002"
         assert find_latest_checkpoint(checkpoints).name == "step_00000002"
 
 
 @pytest.mark.slow
-def test_killed_save_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path):
+def test_killed_save_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_path, train_here):
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
     marker = checkpoints / ".tmp-step_00000004" / PAUSE_MARKER
@@ -159,10 +174,11 @@ def test_killed_save_then_rerun_resumes_from_the_last_complete_checkpoint(tmp_pa
     assert (checkpoints / "latest").read_text().strip() == "step_00000002"
     assert (checkpoints / ".tmp-step_00000004").is_dir()
 
-    result = run(cli_command(run_dir, *RUN_RECIPE, nproc=2), timeout=400)
-    assert result.returncode == 0, describe(result)
-    assert f"removed {checkpoints / '.tmp-step_00000004'}: a checkpoint save that never finished" in result.stdout
-    assert f"resumed from {checkpoints / 'step_00000002'} at step 2" in result.stdout
+    # The rerun with this process as its launcher: the killed job was a process of its own.
+    status, stdout, stderr = train_here(run_dir, *RUN_RECIPE)
+    assert status == 0, f"exit {status}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}"
+    assert f"removed {checkpoints / '.tmp-step_00000004'}: a checkpoint save that never finished" in stdout
+    assert f"resumed from {checkpoints / 'step_00000002'} at step 2" in stdout
     assert (checkpoints / "latest").read_text().strip() == "step_00000004"
     assert not [n for n in contents(checkpoints) if n.startswith(".")]
 

@@ -1,7 +1,9 @@
-"""Exact resume through the real trainer: ``parallel-latent train`` under torchrun, TP=2 x DP=2,
-dropout on. A straight 20-step run saves at step 10 and 20; a fresh job given only the step-10
-checkpoint resumes and trains steps 11-20: every loss and the final weights are bit-identical.
-Then the same checkpoint resumes at another layout (TP=4 x DP=1, ZeRO-3) with Adam's moments."""
+"""Exact resume through the real trainer: what ``parallel-latent train`` runs on each rank
+(``parallel_latent.training.trainer.train``), on 4 real gloo ranks of a pool that lives for this module
+(tests/helpers/pool_training.py), TP=2 x DP=2, dropout on. A straight 4-step run saves at step 2 and 4;
+a fresh job given only the step-2 checkpoint resumes and trains steps 3-4: every loss and the final
+weights are bit-identical. Then the same checkpoint resumes at another layout (TP=4 x DP=1, ZeRO-3)
+with Adam's moments."""
 
 from __future__ import annotations
 
@@ -13,20 +15,15 @@ import torch
 
 from parallel_latent.checkpoint import PortableCheckpoint
 from parallel_latent.config import load_config
+from tests.helpers.pool_training import shared_pool, train_in_pool
 from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
-from tests.helpers.trainer_runs import (
-    TINY,
-    TINY_CONFIG,
-    by_step,
-    copy_checkpoint,
-    describe,
-    run,
-    torchrun_command,
-)
+from tests.helpers.trainer_runs import TINY, TINY_CONFIG, by_step, copy_checkpoint
 
 pytestmark = pytest.mark.slow
 
-STEPS, HALF = 20, 10
+# The fewest steps that cross a save and a resume with the schedule still moving (warm-up: 2 steps)
+# and Adam's moments in use after it.
+STEPS, HALF = 4, 2
 RECIPE = [
     "model.dropout=0.1",
     f"training.max_steps={STEPS}",
@@ -44,21 +41,26 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return {name: checkpoint.read_full(name) for name in checkpoint.tensors}
 
 
+@pytest.fixture(scope="module")
+def pool(request):
+    """Four ranks, each one process for every run of this module (and of the other checkpoint and data
+    modules: tests/helpers/pool_training.py)."""
+    return shared_pool(request, 4)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
-def straight_run(request, tmp_path_factory):
+def straight_run(request, pool, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(f"straight-z{request.param}") / "run"
-    result = run(torchrun_command(run_dir, *RECIPE, f"parallel.zero_stage={request.param}", nproc=4), timeout=400)
-    assert result.returncode == 0, describe(result)
+    train_in_pool(pool, run_dir, *RECIPE, f"parallel.zero_stage={request.param}")
     return request.param, run_dir
 
 
-def test_resume_is_bit_identical(straight_run, tmp_path):
+def test_resume_is_bit_identical(pool, straight_run, tmp_path):
     stage, straight = straight_run
     resumed = tmp_path / "resumed"
     copy_checkpoint(straight, HALF, resumed)
-    result = run(torchrun_command(resumed, *RECIPE, f"parallel.zero_stage={stage}", nproc=4), timeout=400)
-    assert result.returncode == 0, describe(result)
-    assert f"at step {HALF}" in result.stdout and "resharded" not in result.stdout
+    stdout, _ = train_in_pool(pool, resumed, *RECIPE, f"parallel.zero_stage={stage}")
+    assert f"at step {HALF}" in stdout and "resharded" not in stdout
     want, got = by_step(straight), by_step(resumed)
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     for step in got:
@@ -71,32 +73,23 @@ def test_resume_is_bit_identical(straight_run, tmp_path):
 
 
 @pytest.mark.parametrize("straight_run", [2], indirect=True, ids=["zero2"])
-def test_resume_at_another_layout_keeps_adam_state(straight_run, tmp_path):
+def test_resume_at_another_layout_keeps_adam_state(pool, straight_run, tmp_path):
     """ZeRO-2 TP=2 x DP=2 -> ZeRO-3 TP=4 x DP=1 (one resharded trainer run is enough here; the
     layout matrix is covered on engines in test_training.py)."""
     _, straight = straight_run
     resumed = tmp_path / "resharded"
     copy_checkpoint(straight, HALF, resumed)
-    result = run(
-        torchrun_command(
-            resumed,
-            *RECIPE,
-            "parallel.zero_stage=3",
-            "parallel.tensor_parallel=4",
-            "training.micro_batch_size=8",
-            nproc=4,
-        ),
-        timeout=400,
+    stdout, _ = train_in_pool(
+        pool, resumed, *RECIPE, "parallel.zero_stage=3", "parallel.tensor_parallel=4", "training.micro_batch_size=8"
     )
-    assert result.returncode == 0, describe(result)
-    assert "resharded from another layout" in result.stdout
+    assert "resharded from another layout" in stdout
     want, got = by_step(straight), by_step(resumed)
     assert sorted(got) == list(range(HALF + 1, STEPS + 1))
     # The same data and schedule at every step, exactly.
     for step in got:
         assert (got[step]["tokens"], got[step]["samples"]) == (want[step]["tokens"], want[step]["samples"]), step
         assert got[step]["lr"] == want[step]["lr"], step
-    # Step 11 runs the carried-over weights on the same batch with the same dropout masks (keyed on
+    # Step 3 runs the carried-over weights on the same batch with the same dropout masks (keyed on
     # global coordinates): its loss is the straight run's up to the fp32 summation order of another
     # TP split. Later steps are not compared: Adam magnifies that order's noise (tests/helpers/tp_compare.py);
     # that the moments are carried over and used is checked in tests/checkpoint/test_training.py.

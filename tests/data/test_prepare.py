@@ -413,7 +413,8 @@ def test_prepare_command_and_what_triggers_a_new_preparation(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"Line {i} of a corpus." for i in range(40)) + "\n")
     cache = tmp_path / "cache"
-    # The first two in this process (quicker); the changes each in a process of its own.
+    # In this process (no Python of its own to start): `prepare` in a process of its own runs in
+    # test_a_killed_preparer_leaves_nothing_a_later_run_accepts and test_an_unreachable_hub_is_one_line.
     assert cli.main(prepare_command(corpus, cache)[3:]) == 0
     first = capsys.readouterr().out
     fingerprint = fingerprint_of(first)
@@ -429,19 +430,21 @@ def test_prepare_command_and_what_triggers_a_new_preparation(tmp_path, capsys):
 
     with open(corpus, "a") as handle:
         handle.write("One more line.\n")
-    changed = run_prepare(corpus, cache)
-    assert changed.returncode == 0 and changed.stdout.startswith("prepared in"), changed.stderr
-    assert fingerprint_of(changed.stdout) != fingerprint and "41 samples" in changed.stdout
+    status = cli.main(prepare_command(corpus, cache)[3:])
+    changed = capsys.readouterr()
+    assert status == 0 and changed.out.startswith("prepared in"), changed.err
+    assert fingerprint_of(changed.out) != fingerprint and "41 samples" in changed.out
 
-    shorter = run_prepare(corpus, cache, "model.max_length=4")
-    assert shorter.returncode == 0 and shorter.stdout.startswith("prepared in"), shorter.stderr
-    assert fingerprint_of(shorter.stdout) not in (fingerprint, fingerprint_of(changed.stdout))
-    assert "40 truncated" in shorter.stdout  # "One more line." is exactly 4 tokens
+    status = cli.main(prepare_command(corpus, cache, "model.max_length=4")[3:])
+    shorter = capsys.readouterr()
+    assert status == 0 and shorter.out.startswith("prepared in"), shorter.err
+    assert fingerprint_of(shorter.out) not in (fingerprint, fingerprint_of(changed.out))
+    assert "40 truncated" in shorter.out  # "One more line." is exactly 4 tokens
     assert len(preparations(cache)) == 3
 
 
 @pytest.mark.slow
-def test_a_killed_preparer_leaves_nothing_a_later_run_accepts(tmp_path):
+def test_a_killed_preparer_leaves_nothing_a_later_run_accepts(tmp_path, capsys):
     bundled = (REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt").read_text()
     corpus = tmp_path / "big.txt"
     corpus.write_text(bundled * 4)  # ~19,500 lines: seconds of tokenising, killed before they start
@@ -463,12 +466,14 @@ def test_a_killed_preparer_leaves_nothing_a_later_run_accepts(tmp_path):
     assert len(leftovers) == 1
     assert [p for p in cache.iterdir() if not p.name.startswith(".")] == []  # nothing published, no log
 
-    later = run_prepare(corpus, cache)
-    assert later.returncode == 0, later.stderr
-    assert later.stdout.startswith("prepared in")  # it did not take the partial copy
+    # The later run in this process (no Python of its own to start): the killed one had its own.
+    status = cli.main(prepare_command(corpus, cache)[3:])
+    later = capsys.readouterr()
+    assert status == 0, later.err
+    assert later.out.startswith("prepared in")  # it did not take the partial copy
     assert not list(cache.glob(".tmp-*"))  # and removed it
     assert len(preparations(cache)) == 1
-    data = PreparedDataset(cache / f"big-{fingerprint_of(later.stdout)}")
+    data = PreparedDataset(cache / f"big-{fingerprint_of(later.out)}")
     assert len(data) == 4 * len(read_samples(""))
 
 

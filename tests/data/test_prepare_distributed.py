@@ -17,16 +17,15 @@ import pytest
 from parallel_latent.data import DataError, build_datasets
 from parallel_latent.data.prepare import LOG_NAME
 from tests.helpers.data import data_config, tokenizer
-from tests.helpers.distributed import DistributedPool
+from tests.helpers.pool_training import shared_pool
 
 WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def pool():
-    pool = DistributedPool(WORLD)
-    yield pool
-    pool.close()
+def pool(request):
+    """Four gloo ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py)."""
+    return shared_pool(request, WORLD)
 
 
 @pytest.fixture

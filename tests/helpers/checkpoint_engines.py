@@ -17,6 +17,7 @@ from parallel_latent.checkpoint.zero_access import (
     local_shape,
     plain_param,
 )
+from parallel_latent.deepspeed_patches import skip_unused_cpu_comm_kernel
 from parallel_latent.parallel import (
     ModelParallelUnit,
     get_parallel_state,
@@ -32,6 +33,9 @@ BETAS, WEIGHT_DECAY, ADAM_EPS = (0.9, 0.95), 0.01, 1e-8
 def make_engine(tp: int, zero_stage: int, seed: int = 0, dropout: float = 0.1, lr: float = 1e-2):
     import deepspeed
 
+    # As the trainer does (training/engine.py): no JIT build of DeepSpeed's CPU inference all-reduce,
+    # minutes of a C++ compiler on a fresh machine, for a kernel training never calls.
+    skip_unused_cpu_comm_kernel()
     state = initialize_model_parallel(tp)
     model = Stack(state.tp_group, seed=seed, dropout=dropout)
     optimizer = torch.optim.AdamW(

@@ -60,6 +60,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict) ->
         except BaseException:  # report everything, the parent decides
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    # The pool's owner waits for this exit: skip the interpreter's seconds of tearing down torch's
+    # modules (the results queue's feeder thread is flushed first).
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class DistributedPool:

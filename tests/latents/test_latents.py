@@ -46,6 +46,7 @@ from parallel_latent.latents import (
 from parallel_latent.latents.export import _rows_of_files
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from tests.helpers.in_process_cli import run_main
 from tests.helpers.tp_compare import order_bound, terms_scale
 from tests.helpers.trainer_runs import REPO, describe, rank_env, rank_pids
 
@@ -93,16 +94,10 @@ def command(setup, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def cli(args: list[str], timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_latent", *args],
-        cwd=REPO,
-        env=rank_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+def cli(args: list[str], env: dict | None = None):
+    """``parallel-latent ARGS`` as a shell runs it, but in this process (tests/helpers/in_process_cli.py):
+    one process exports here, ``--nproc 2`` launches its two real ranks under torchrun from here."""
+    return run_main(args, env)
 
 
 def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -459,9 +454,7 @@ def test_a_rank_whose_writer_fails_ends_every_rank_with_its_line(setup, tmp_path
     out = tmp_path / "failed"
     faults = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "worker_faults"), "PL_FAULT_RANK": "1"}
     started = time.monotonic()
-    result = cli(
-        [*command(setup, out), "--nproc", "2"], timeout=500, env={**faults, "PL_FAULT": "export", "PL_FAULT_STEP": "1"}
-    )
+    result = cli([*command(setup, out), "--nproc", "2"], env={**faults, "PL_FAULT": "export", "PL_FAULT_STEP": "1"})
     assert result.returncode == 1, describe(result)
     assert (
         result.stderr.strip().splitlines()[-1]
@@ -472,6 +465,7 @@ def test_a_rank_whose_writer_fails_ends_every_rank_with_its_line(setup, tmp_path
     assert not (out / INDEX_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_moving_ends_the_export_within_the_hang_timeout(setup, tmp_path):
     """Rank 1's main thread stops for good as it begins its second shard (shard 3), after its first:
     the hang watchdog, which covers encode-corpus as it covers training, ends the job with one line
@@ -482,7 +476,7 @@ def test_a_rank_that_stops_moving_ends_the_export_within_the_hang_timeout(setup,
     env = {**faults, "PL_FAULT": "export-hang", "PL_FAULT_STEP": "3"}
     timeouts = ["training.hang_timeout_s=10", "training.hang_long_phase_s=600"]
     started = time.monotonic()
-    result = cli([*command(setup, out, *timeouts), "--nproc", "2"], timeout=500, env=env)
+    result = cli([*command(setup, out, *timeouts), "--nproc", "2"], env=env)
     assert result.returncode == 5, describe(result)
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("parallel-latent: error: rank 1 (host ") and "stalled at step 3 in encoding" in line, line

@@ -253,7 +253,9 @@ def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencode
     # Two GPT-2 blocks: the features (hidden state -3) are its embeddings, token plus position.
     model = LatentAutoencoder(model_cfg, dataclasses.replace(feature_cfg, n_layer=2, n_embd=width), seed=seed)
     params = model.trainable_parameters()
-    optimizer = torch.optim.AdamW(parameter_groups(params, 0.01), lr=2.5e-3, betas=(0.9, 0.95))
+    # foreach: the same AdamW update in a few multi-tensor ops per step instead of a few per
+    # parameter (a sixth of the cost of these 250-step runs).
+    optimizer = torch.optim.AdamW(parameter_groups(params, 0.01), lr=2.5e-3, betas=(0.9, 0.95), foreach=True)
     data = torch.Generator().manual_seed(1000 + seed)
     ones = torch.ones(16, T, dtype=torch.long)
     for _ in range(steps):

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,6 @@ from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.pretrained import BUNDLED_CORPUS, TrainingRecord
 from tests.helpers.distributed import DistributedPool
-from tests.helpers.trainer_runs import REPO, rank_env
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
 SEED = 5
@@ -216,37 +213,40 @@ def test_a_failed_write_leaves_no_output_and_no_scratch(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def hub_cli(*args: str, cache) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "parallel_latent", *args],
-        cwd=REPO,
-        env=rank_env({"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+def hub_cli(monkeypatch, capsys, *args: str, cache) -> tuple[int, str, str]:
+    """``parallel-latent ARGS`` in this process (the CLI's own entry point, ``cli.main``) on a machine
+    without network: huggingface_hub as HF_HUB_OFFLINE=1 and HF_HUB_CACHE=cache set it at start-up
+    (it reads both from its ``constants`` at each call). Its exit status, stdout and stderr."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    capsys.readouterr()  # this command's output only
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_offline_hub_id_not_in_the_cache_is_one_line(tmp_path, monkeypatch, capsys):
+    status, _, err = hub_cli(
+        monkeypatch, capsys, "reconstruct", "--checkpoint", "test-org/not-downloaded", "Some text.", cache=tmp_path
     )
-
-
-def test_offline_hub_id_not_in_the_cache_is_one_line(tmp_path):
-    result = hub_cli("reconstruct", "--checkpoint", "test-org/not-downloaded", "Some text.", cache=tmp_path)
-    assert result.returncode == 2
-    assert result.stderr.splitlines() == [
+    assert status == 2
+    assert err.splitlines() == [
         "parallel-latent: error: test-org/not-downloaded: no such local directory, and not in the Hugging Face "
         "cache (HF_HUB_OFFLINE is set)"
     ]
 
 
-@pytest.mark.slow
-def test_offline_cli_reads_a_cached_hub_id_and_cannot_push(saved, tmp_path):
+def test_offline_cli_reads_a_cached_hub_id_and_cannot_push(saved, tmp_path, monkeypatch, capsys):
     directory, _ = saved
     put_in_hub_cache(directory, tmp_path, "test-org/cached")
-    from_hub = hub_cli("reconstruct", "--checkpoint", "test-org/cached", *TEXTS, cache=tmp_path)
-    from_directory = hub_cli("reconstruct", "--checkpoint", str(directory), *TEXTS, cache=tmp_path)
-    assert from_hub.returncode == 0 and from_hub.stdout == from_directory.stdout, from_hub.stderr
-    pushed = hub_cli("push-to-hub", str(directory), "test-org/new", cache=tmp_path)
-    assert pushed.returncode == 2 and len(pushed.stderr.splitlines()) == 1, pushed.stderr
-    assert pushed.stderr.startswith("parallel-latent: error: test-org/new: push to the Hugging Face hub failed:")
+    from_hub = hub_cli(monkeypatch, capsys, "reconstruct", "--checkpoint", "test-org/cached", *TEXTS, cache=tmp_path)
+    from_directory = hub_cli(monkeypatch, capsys, "reconstruct", "--checkpoint", str(directory), *TEXTS, cache=tmp_path)
+    assert from_hub[0] == 0 and from_hub[1] == from_directory[1], from_hub[2]
+    status, _, err = hub_cli(monkeypatch, capsys, "push-to-hub", str(directory), "test-org/new", cache=tmp_path)
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("parallel-latent: error: test-org/new: push to the Hugging Face hub failed:")
 
 
 def test_save_pretrained_evaluates_weights_the_run_never_evaluated(tmp_path, capsys):

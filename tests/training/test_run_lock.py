@@ -17,8 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from parallel_latent.checkpoint.saving import PAUSE_BEFORE_PUBLISH_ENV, PAUSE_MARKER
 from parallel_latent.training.run_lock import LEASE_EXPIRES_S, LOCK_FILE, RunDirLocked, acquire_run_lock
-from tests.helpers.trainer_runs import REPO, TINY_CONFIG, cli_command, describe, rank_env, rank_pids, run, train_records
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.trainer_runs import (
+    REPO,
+    TINY_CONFIG,
+    cli_command,
+    describe,
+    rank_env,
+    rank_pids,
+    train_args,
+    train_records,
+)
 
 # ------------------------------------------------------------------------------------------- #
 # The lock, in this process (two acquisitions are two open files: flock sets them against each other).
@@ -102,25 +113,25 @@ def test_rank_0_of_a_job_without_the_nproc_launcher_takes_the_lock(tmp_path, mon
 # Real jobs.
 # ------------------------------------------------------------------------------------------- #
 
-JOB = [
-    "training.max_steps=400",
-    "checkpoint.save_every=10",
-    "parallel.tensor_parallel=2",
-    "checkpoint.export_portable=true",
-]
+# Saves every 2 steps: the first checkpoint, the one the tests wait for, comes after 2 steps.
+JOB = ["checkpoint.save_every=2", "parallel.tensor_parallel=2"]
+# The first job's second save (step 4) is held before its publish until the test releases it: the job
+# goes on to its last step (6), whose save waits for the held one, so it cannot end while the test
+# checks what happens beside it (a condition, not a race against the job's pace).
+HELD_AT, STEPS = 4, 6
 
 
-def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        cli_command(run_dir, *JOB, *overrides, nproc=2), cwd=REPO, env=rank_env(), text=True,
+        cli_command(run_dir, *JOB, *overrides, nproc=2), cwd=REPO, env=rank_env(env), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
 
-def _wait_for_checkpoint(run_dir: Path, job: subprocess.Popen) -> None:
+def _wait_for(path: Path, job: subprocess.Popen) -> None:
     deadline = time.monotonic() + 240
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert job.poll() is None and time.monotonic() < deadline, "no checkpoint"
+    while not path.exists():
+        assert job.poll() is None and time.monotonic() < deadline, f"no {path}"
         time.sleep(0.2)
 
 
@@ -136,38 +147,44 @@ def _kill(job: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_a_second_train_on_the_directory_is_refused_while_the_first_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    first = _start(run_dir)
+    held = run_dir / "checkpoints" / f".tmp-step_{HELD_AT:08d}" / PAUSE_MARKER
+    first = _start(
+        run_dir, f"training.max_steps={STEPS}", "checkpoint.export_portable=true",
+        env={PAUSE_BEFORE_PUBLISH_ENV: f"600@{HELD_AT}"},
+    )  # fmt: skip
     try:
-        _wait_for_checkpoint(run_dir, first)
-        # Refused, not queued behind the lock: a second job that waited would run into the timeout.
-        second = run(cli_command(run_dir, *JOB, nproc=2), timeout=300)
+        _wait_for(run_dir / "checkpoints" / "latest", first)
+        # Refused, not queued behind the lock: a second job that waited would hold the test until the
+        # first ended, which it does only once the test releases its held save.
+        second = run_main([*train_args(run_dir, *JOB), "--nproc=2"])
         assert second.returncode == 2, describe(second)
         line = second.stderr.strip().splitlines()[-1]
         assert line.startswith(f"parallel-latent: error: {run_dir}: another training job holds this run directory")
         assert f"host {socket.gethostname()}, pid {first.pid}" in line
         # A read-only command neither takes nor respects it.
-        evaluated = run(
-            [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir)], timeout=300
-        )
+        evaluated = run_main(["evaluate", "--checkpoint", str(run_dir)])
         assert evaluated.returncode == 0, describe(evaluated)
         assert "token_accuracy" in evaluated.stdout
+        _wait_for(held, first)
+        held.unlink()  # the held save publishes, and the first job goes on to its end
         output = first.communicate(timeout=400)[0]
     finally:
         if first.poll() is None:
             _kill(first)
     assert first.returncode == 0, output[-4000:]
-    assert [r["step"] for r in train_records(run_dir)] == list(range(1, 401))  # no record lost or doubled
+    assert [r["step"] for r in train_records(run_dir)] == list(range(1, STEPS + 1))  # no record lost or doubled
 
 
 @pytest.mark.slow
 def test_a_rerun_after_kill_9_takes_the_stale_lock_over(tmp_path):
     run_dir = tmp_path / "run"
-    first = _start(run_dir)
+    first = _start(run_dir, "training.max_steps=400")
     try:
-        _wait_for_checkpoint(run_dir, first)
+        _wait_for(run_dir / "checkpoints" / "latest", first)
     finally:
         _kill(first)  # the launcher and its ranks, at once: nobody releases anything
-    result = run(cli_command(run_dir, *JOB, "training.max_steps=12", nproc=2), timeout=300)
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    result = run_main([*train_args(run_dir, *JOB, f"training.max_steps={step + 2}"), "--nproc=2"])
     assert result.returncode == 0, describe(result)
     assert (
         f"{run_dir}: took over the lock of a training job that is gone (host {socket.gethostname()}, pid {first.pid}"

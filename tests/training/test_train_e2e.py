@@ -3,16 +3,22 @@
 The runs share one recipe so that they double as equivalence checks: every layout must reproduce
 the single-process run step by step, with dropout on.
 
-| run | launched by                            | layout          | ZeRO | micro-batch       |
-| --- | -------------------------------------- | --------------- | ---- | ----------------- |
-| A   | ``python -m parallel_latent`` (1)      | TP=1 x DP=1     | 2    | 8                 |
-| B   | ``parallel-latent --nproc 2``, AC      | TP=2 x DP=1     | 2    | 8                 |
-| C   | ``torchrun --nproc_per_node 2``        | TP=1 x DP=2     | 2    | 4                 |
-| D   | launch/torchrun_multi_node.sh x 2, AC  | TP=2 x DP=2     | 1    | 4                 |
-| E   | ``torchrun`` 4 ranks, one killed       | TP=2 x DP=2     | 1    | 4                 |
-| F   | ``python -m parallel_latent`` (1)      | TP=1 x DP=1     | 2    | 4 x 2 accumulated |
+| run | launched by                                | layout      | ZeRO | micro-batch       |
+| --- | ------------------------------------------ | ----------- | ---- | ----------------- |
+| A   | ``parallel-latent train``, in this process | TP=1 x DP=1 | 2    | 8                 |
+| B   | ``parallel-latent --nproc 2``, AC          | TP=2 x DP=1 | 2    | 8                 |
+| C   | ``torchrun --nproc_per_node 2``            | TP=1 x DP=2 | 2    | 4                 |
+| D   | launch/torchrun_multi_node.sh x 2, AC      | TP=2 x DP=2 | 1    | 4                 |
+| E   | ``torchrun`` 4 ranks, one killed           | TP=2 x DP=2 | 1    | 4                 |
+| F   | ``parallel-latent train``, in this process | TP=1 x DP=1 | 2    | 4 x 2 accumulated |
 
-AC = activation checkpointing of the Perceiver blocks (model.activation_checkpointing).
+AC = activation checkpointing of the Perceiver blocks (model.activation_checkpointing). The
+``parallel-latent`` commands run as ``parallel_latent.cli.main`` inside the test process
+(tests/helpers/in_process_cli.py), which pays the imports once: one process trains right there,
+``--nproc N`` starts torchrun and its N real ranks from there, as a shell's command does. The
+2-rank runs that test the training rather than its launch (sequence parallelism, its resume, the
+resume back onto 2 processes) run on the module's two gloo ranks, as the trainer each launched rank
+runs.
 
 The comparison recipe runs in float64 with SGD and momentum, so that summation order cannot hide
 or fake a difference: the layouts compute the same sums in other orders (TP splits the GEMMs and
@@ -42,11 +48,11 @@ import pytest
 import torch
 
 from parallel_latent.config import load_config
+from tests.helpers.in_process_cli import run_main, train_on_pool
 from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound
 from tests.helpers.trainer_runs import (
     TINY,
     TINY_CONFIG,
-    cli_command,
     describe,
     kill_tree,
     losses,
@@ -84,6 +90,30 @@ def curve_bound(step: int) -> float:
     model_cfg = load_config(TINY_CONFIG, [*TINY, "model.vocab_size=50259"]).model
     n = autoencoder_reduction_length(model_cfg, tokens=8 * model_cfg.max_length, tp=2) + 2  # + DP
     return order_bound(n, 1.0, torch.float64) * (1 + step / (1 - MOMENTUM))
+
+
+def launch(run_dir: Path, *overrides: str, nproc: int | None = None):
+    """``parallel-latent train`` on the tiny recipe, in this process (tests/helpers/in_process_cli.py):
+    one process trains here; ``nproc`` N > 1 launches N real ranks under torchrun from here, as a
+    shell's ``parallel-latent train --nproc N`` does."""
+    return run_main([*train_args(run_dir, *overrides), *([f"--nproc={nproc}"] if nproc else [])])
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    """Two real gloo ranks for the module's 2-rank runs whose launch is not what they test: each run
+    is the trainer every launched rank runs (tests/helpers/in_process_cli.py train_on_rank), with
+    the ranks' imports paid once."""
+    from tests.helpers.distributed import DistributedPool
+
+    pool = DistributedPool(2, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
+    yield pool
+    pool.close()
+
+
+def on_ranks(pool, run_dir: Path, *overrides: str):
+    """The tiny recipe trained by the ranks of ``pool`` (rank 0's output, as a launched job's)."""
+    return train_on_pool(pool, TINY_CONFIG, train_args(run_dir, *overrides)[3:])  # without "train --config FILE"
 
 
 def assert_same_curve(run_dir: Path, reference_dir: Path) -> None:
@@ -131,16 +161,13 @@ def assert_trained(run_dir: Path, steps: int = STEPS) -> None:
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("A") / "run"
-    result = run(
-        cli_command(
-            run_dir,
-            *RECIPE,
-            "parallel.tensor_parallel=1",
-            "parallel.zero_stage=2",
-            "training.micro_batch_size=8",
-            "checkpoint.export_portable=true",
-        ),
-        timeout=300,
+    result = launch(
+        run_dir,
+        *RECIPE,
+        "parallel.tensor_parallel=1",
+        "parallel.zero_stage=2",
+        "training.micro_batch_size=8",
+        "checkpoint.export_portable=true",
     )
     assert result.returncode == 0, describe(result)
     return run_dir
@@ -175,18 +202,7 @@ def test_every_evaluation_measures_the_latent_space_and_every_checkpoint_records
 
 
 def test_reconstruct_reads_what_training_saved(run_a):
-    result = run(
-        [
-            "python",
-            "-m",
-            "parallel_latent",
-            "reconstruct",
-            "--checkpoint",
-            str(run_a),
-            "It is a truth universally acknowledged.",
-        ],
-        timeout=180,
-    )
+    result = run_main(["reconstruct", "--checkpoint", str(run_a), "It is a truth universally acknowledged."])
     assert result.returncode == 0, describe(result)
     assert "reconstructed:" in result.stdout
 
@@ -197,17 +213,14 @@ def test_resuming_another_model_is_one_line_and_keeps_the_checkpoint(run_a, tmp_
     run_dir = tmp_path / "other"
     latest = run_a / "checkpoints" / f"step_{STEPS:08d}"
     before = sorted(p.relative_to(run_a) for p in run_a.rglob("*"))
-    result = run(
-        cli_command(
-            run_dir,
-            *RECIPE,
-            "parallel.tensor_parallel=1",
-            "parallel.zero_stage=2",
-            "training.micro_batch_size=8",
-            "model.head=normal",
-            f"checkpoint.resume={latest}",
-        ),
-        timeout=300,
+    result = launch(
+        run_dir,
+        *RECIPE,
+        "parallel.tensor_parallel=1",
+        "parallel.zero_stage=2",
+        "training.micro_batch_size=8",
+        "model.head=normal",
+        f"checkpoint.resume={latest}",
     )
     errors = [line for line in result.stderr.splitlines() if line.startswith("parallel-latent: error:")]
     assert result.returncode == 2 and len(errors) == 1, describe(result)
@@ -266,16 +279,13 @@ def test_save_pretrained_of_a_run_carries_its_held_out_evaluation(run_a, tmp_pat
 @pytest.fixture(scope="module")
 def run_b(tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("B") / "run"
-    result = run(
-        cli_command(
-            run_dir,
-            *RECIPE,
-            *TP2_ZERO2,
-            "model.activation_checkpointing=true",
-            "parallel.sequence_parallel=false",
-            nproc=2,
-        ),
-        timeout=300,
+    result = launch(
+        run_dir,
+        *RECIPE,
+        *TP2_ZERO2,
+        "model.activation_checkpointing=true",
+        "parallel.sequence_parallel=false",
+        nproc=2,
     )
     assert result.returncode == 0, describe(result)
     return run_dir, result.stdout
@@ -291,21 +301,13 @@ def test_tp2_via_nproc_matches_tp1(run_a, run_b):
     assert_same_curve(run_dir, run_a)
 
 
-def test_sequence_parallel_matches_tp1(run_a, tmp_path):
+def test_sequence_parallel_matches_tp1(run_a, ranks2, tmp_path):
     """TP=2 with sequence parallelism and dropout on, ZeRO-2: the gradients of the parameters used
     on half the positions (LayerNorms, biases, positions) are summed over the TP group before
     DeepSpeed reduces them, and the run is the single-process run."""
     run_dir = tmp_path / "G"
-    result = run(
-        cli_command(
-            run_dir,
-            *RECIPE,
-            *TP2_ZERO2,
-            "parallel.sequence_parallel=true",
-            "parallel.tp_overlap_comm=false",
-            nproc=2,
-        ),
-        timeout=300,
+    result = on_ranks(
+        ranks2, run_dir, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true", "parallel.tp_overlap_comm=false"
     )
     assert result.returncode == 0, describe(result)
     assert "sequence parallel; backward collective not overlapped" in result.stdout
@@ -313,23 +315,14 @@ def test_sequence_parallel_matches_tp1(run_a, tmp_path):
     assert_same_curve(run_dir, run_a)
 
 
-def test_a_checkpoint_saved_without_sequence_parallelism_resumes_with_it(run_b, tmp_path):
+def test_a_checkpoint_saved_without_sequence_parallelism_resumes_with_it(run_b, ranks2, tmp_path):
     """B's step-5 checkpoint (no sequence parallelism) resumed with it on: steps 6-10 are B's."""
     source, _ = run_b
     resumed = tmp_path / "resumed"
     tag = "step_00000005"
     shutil.copytree(source / "checkpoints" / tag, resumed / "checkpoints" / tag)
     (resumed / "checkpoints" / "latest").write_text(tag + "\n")
-    result = run(
-        cli_command(
-            resumed,
-            *RECIPE,
-            *TP2_ZERO2,
-            "parallel.sequence_parallel=true",
-            nproc=2,
-        ),
-        timeout=300,
-    )
+    result = on_ranks(ranks2, resumed, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true")
     assert result.returncode == 0, describe(result)
     assert "at step 5" in result.stdout and "resharded" not in result.stdout
     mine, theirs = train_records(resumed), {r["step"]: r for r in train_records(source)}
@@ -344,16 +337,13 @@ def test_gradient_accumulation_matches_the_doubled_micro_batch(run_a, tmp_path):
     """Two accumulated micro-batches of 4 = one of 8: the loss is normalised by the tokens of
     the whole step, not averaged per micro-batch."""
     run_dir = tmp_path / "accumulate"
-    result = run(
-        cli_command(
-            run_dir,
-            *RECIPE,
-            "parallel.tensor_parallel=1",
-            "parallel.zero_stage=2",
-            "training.micro_batch_size=4",
-            "training.grad_accum_steps=2",
-        ),
-        timeout=300,
+    result = launch(
+        run_dir,
+        *RECIPE,
+        "parallel.tensor_parallel=1",
+        "parallel.zero_stage=2",
+        "training.micro_batch_size=4",
+        "training.grad_accum_steps=2",
     )
     assert result.returncode == 0, describe(result)
     assert_same_curve(run_dir, run_a)
@@ -447,7 +437,7 @@ def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
     assert losses(run_dir)[-1] < losses(run_dir)[0]
 
 
-def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, tmp_path):
+def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, ranks2, tmp_path):
     """B (TP=2 x DP=1, ZeRO-2) stopped at step 5 and resumed with the same overrides on 4 processes
     (TP=2 x DP=2, ZeRO-1); that run "crashes" after its step-8 checkpoint and is resumed on 2
     processes again (ZeRO-2). Nobody touches the batch settings: the global batch of 8 is kept
@@ -461,17 +451,15 @@ def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, tmp_p
     (checkpoints / "latest").write_text("step_00000005\n")
     shutil.copy(source / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 6-10 are dropped on resume
     same_overrides = [*RECIPE, *TP2_ZERO2]  # micro-batch 8: 16 samples a step at DP=2, unless kept
-    grown = run(
-        cli_command(run_dir, *same_overrides, "parallel.zero_stage=1", "checkpoint.save_every=4",
-                    "checkpoint.keep_last=0", nproc=4),
-        timeout=600,
-    )  # fmt: skip
+    grown = launch(
+        run_dir, *same_overrides, "parallel.zero_stage=1", "checkpoint.save_every=4", "checkpoint.keep_last=0", nproc=4
+    )
     assert grown.returncode == 0, describe(grown)
     assert "at step 5 (resharded from another layout)" in grown.stdout
     assert "global batch 8 kept from the checkpoint: micro-batch 4 x 1 accumulation x DP 2" in grown.stdout
     shutil.rmtree(checkpoints / "step_00000010")  # the 4-process run dies after its step-8 checkpoint
     (checkpoints / "latest").write_text("step_00000008\n")
-    shrunk = run(cli_command(run_dir, *same_overrides, nproc=2), timeout=600)
+    shrunk = on_ranks(ranks2, run_dir, *same_overrides)
     assert shrunk.returncode == 0, describe(shrunk)
     assert "at step 8 (resharded from another layout)" in shrunk.stdout
     assert "kept from the checkpoint" not in shrunk.stdout  # micro-batch 8 at DP=1 is the batch of 8
@@ -492,7 +480,7 @@ def test_resume_from_tp2_in_one_process_continues_the_same_run(run_a, run_b, tmp
     tag = "step_00000005"
     shutil.copytree(source / "checkpoints" / tag, run_dir / "checkpoints" / tag)
     (run_dir / "checkpoints" / "latest").write_text(tag + "\n")
-    result = run(cli_command(run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2"), timeout=300)
+    result = launch(run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2")
     assert result.returncode == 0, describe(result)
     assert "at step 5 (resharded from another layout)" in result.stdout
     assert "global batch 8 kept from the checkpoint: micro-batch 4 x 2 accumulation x DP 1" in result.stdout

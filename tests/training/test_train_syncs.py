@@ -208,7 +208,7 @@ RESUME_RECIPE = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("straight_dp,resumed_dp", [(2, 1), (1, 2)], ids=["dp2-to-dp1", "dp1-to-dp2"])
-def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path, straight_dp, resumed_dp):
+def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(pool2, tmp_path, straight_dp, resumed_dp):
     """The sync-free step's optimizer state is DeepSpeed ZeRO's, in its one checkpoint format: a
     bf16 run saved at step 2 and resumed at another data-parallel size trains steps 3-4 exactly as
     the uninterrupted run. Exactly, because the global batch of 8 is kept as micro-batches of 4
@@ -217,9 +217,18 @@ def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path,
     summed in fp32 either way (a + b = b + a), and the factor 1/2 (DeepSpeed's mean over
     accumulation or over ranks) is exact in binary floating point. The logged gradient norm is the
     one figure summed in another order (over each rank's partition, then over the ranks): it is
-    within the bound of a sum of its squares' terms in fp32 (no clip applies it: the recipe)."""
+    within the bound of a sum of its squares' terms in fp32 (no clip applies it: the recipe).
+
+    The runs are ``parallel-latent train`` in this process (DP=1) and on the module's two gloo ranks
+    (DP=2), whose imports are paid once."""
     from parallel_latent.checkpoint import PortableCheckpoint
-    from tests.helpers.trainer_runs import by_step, copy_checkpoint, describe, run, torchrun_command
+    from tests.helpers.in_process_cli import run_main, train_on_pool
+    from tests.helpers.trainer_runs import by_step, copy_checkpoint, describe, train_args
+
+    def launch(run_dir, *overrides, dp: int):
+        if dp == 1:  # one process: this one (tests/helpers/in_process_cli.py)
+            return run_main(train_args(run_dir, *overrides))
+        return train_on_pool(pool2, TINY_CONFIG, [*TINY, *overrides, f"logging.run_dir={run_dir}"])
 
     def final_weights(run_dir):
         checkpoint = PortableCheckpoint(run_dir / "checkpoints" / "step_00000004" / "model")
@@ -227,10 +236,10 @@ def test_a_bf16_run_resumed_at_another_dp_equals_the_uninterrupted_run(tmp_path,
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     accumulate = f"training.grad_accum_steps={2 // straight_dp}"  # a global batch of 8 either way
-    result = run(torchrun_command(straight, *RESUME_RECIPE, accumulate, nproc=straight_dp), timeout=400)
+    result = launch(straight, *RESUME_RECIPE, accumulate, dp=straight_dp)
     assert result.returncode == 0, describe(result)
     copy_checkpoint(straight, 2, resumed)
-    result = run(torchrun_command(resumed, *RESUME_RECIPE, nproc=resumed_dp), timeout=400)
+    result = launch(resumed, *RESUME_RECIPE, dp=resumed_dp)
     assert result.returncode == 0, describe(result)
     assert "at step 2 (resharded from another layout)" in result.stdout
     assert f"TP 1 x DP {resumed_dp}" in result.stdout and "global batch 8;" in result.stdout

@@ -23,7 +23,8 @@ import pytest
 
 from parallel_latent.errors import ExitStatus
 from parallel_latent.training.watchdog import PROGRESS_DIR, Progress, Watchdog, find_stall, previous_job_failure
-from tests.helpers.trainer_runs import REPO, TINY, TINY_CONFIG, cli_command, rank_env, rank_pids, run, train_args
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.trainer_runs import REPO, TINY, TINY_CONFIG, cli_command, rank_env, rank_pids, train_args
 
 # ------------------------------------------------------------------------------------------- #
 # The rule.
@@ -124,7 +125,12 @@ def test_the_job_before_ended_by_a_stall_or_cleanly(tmp_path):
 # ------------------------------------------------------------------------------------------- #
 
 
-def watch(tmp_path: Path, phase: str, idle_s: float, timeout_s: float = 1.0, first_step: bool = False):
+# Short: the tests that see no alarm wait four times this. Never raced: with one rank, the watcher
+# rewrites its own record just before it reads it, and only the main thread's idleness is measured.
+UNIT_TIMEOUT_S = 0.5
+
+
+def watch(tmp_path: Path, phase: str, idle_s: float, timeout_s: float = UNIT_TIMEOUT_S, first_step: bool = False):
     """A one-rank watchdog over a main thread that enters ``phase`` and then does not move for
     ``idle_s``: what it said and how it would have ended the process."""
     said, ended = [], []
@@ -160,25 +166,28 @@ def test_a_main_thread_that_does_not_move_ends_the_process_with_its_stack(tmp_pa
 
 @pytest.mark.parametrize("phase", ["save", "evaluation", "start-up"])
 def test_a_long_phase_longer_than_the_timeout_does_not_fire(tmp_path, phase):
-    said, ended = watch(tmp_path, phase, idle_s=4)  # four times the timeout
+    said, ended = watch(tmp_path, phase, idle_s=4 * UNIT_TIMEOUT_S)
     assert (said, ended) == ([], [])
     assert not (tmp_path / PROGRESS_DIR / "hang.json").exists()
     assert json.loads((tmp_path / PROGRESS_DIR / "rank_00000.json").read_text())["state"] == "exited"
 
 
 def test_the_first_step_has_the_long_allowance(tmp_path):
-    assert watch(tmp_path, "forward", idle_s=4, first_step=True) == ([], [])
+    assert watch(tmp_path, "forward", idle_s=4 * UNIT_TIMEOUT_S, first_step=True) == ([], [])
 
 
 # ------------------------------------------------------------------------------------------- #
 # Real jobs: 2 ranks, gloo, one of them stopped.
 # ------------------------------------------------------------------------------------------- #
 
-HANG_TIMEOUT_S = 12
+# Over 10x the longest phase of a healthy step here under load; the rank is stopped only once it
+# has recorded a step past the first checkpoint, and the timeout counts from its last record.
+HANG_TIMEOUT_S = 8
+SAVE_EVERY = 2
 OVERRIDES = [
     f"training.hang_timeout_s={HANG_TIMEOUT_S}",
     "training.max_steps=100000",  # the job only ends by the watchdog
-    "checkpoint.save_every=10",
+    f"checkpoint.save_every={SAVE_EVERY}",
     "parallel.tensor_parallel=2",
 ]
 
@@ -195,7 +204,7 @@ def _stop_rank_after_a_checkpoint(run_dir: Path, rank: int, job: subprocess.Pope
     while time.monotonic() < deadline:
         assert job.poll() is None, f"the job ended (exit {job.returncode}) before the stop"
         found = _progress_record(run_dir, rank)
-        if found and found["step"] > 12 and (run_dir / "checkpoints" / "latest").exists():
+        if found and found["step"] > SAVE_EVERY and (run_dir / "checkpoints" / "latest").exists():
             os.kill(found["pid"], signal.SIGSTOP)
             return found["pid"]
         time.sleep(0.2)
@@ -216,7 +225,8 @@ def _end_of(job: subprocess.Popen, stopped_pid: int) -> tuple[float, str]:
 
 def _rerun_resumes(run_dir: Path, *overrides: str) -> None:
     step = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    result = run(cli_command(run_dir, *overrides, f"training.max_steps={step + 3}", nproc=2), timeout=300)
+    # The launcher in this process (its ranks are real processes): one Python start-up fewer.
+    result = run_main([*train_args(run_dir, *overrides, f"training.max_steps={step + 3}"), "--nproc=2"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"at step {step}" in result.stdout and "resumed from" in result.stdout
 
