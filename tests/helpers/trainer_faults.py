@@ -1,14 +1,12 @@
-"""Fault injection for the trainer tests (never imported by the package).
-
-    python -m tests.helpers.trainer_faults 3,4,7-99 -- train --config ... [overrides]
-
-runs ``parallel-latent`` with a model whose loss is NaN at the listed training steps (1-based),
-so the non-finite path runs through the real DeepSpeed optimizer wrappers (or our stage-0 guard).
-"""
+"""Fault injection for the trainer tests (never imported by the package): :func:`nan_losses_at`
+makes the model's loss NaN at the listed training steps (1-based, :func:`parse_steps`), so the
+non-finite path of a run in the test's own process goes through the real DeepSpeed optimizer
+wrappers (or our stage-0 guard)."""
 
 from __future__ import annotations
 
-import sys
+import contextlib
+from collections.abc import Iterator
 
 
 def parse_steps(text: str) -> set[int]:
@@ -19,33 +17,24 @@ def parse_steps(text: str) -> set[int]:
     return steps
 
 
-def poison(nan_steps: set[int]) -> None:
-    import parallel_latent.model as model_package
+@contextlib.contextmanager
+def nan_losses_at(nan_steps: set[int]) -> Iterator[None]:
+    """Every ``LatentAutoencoder`` built inside the block returns NaN losses at ``nan_steps``."""
+    from parallel_latent.model import LatentAutoencoder
 
-    original_build = model_package.build_model
+    forward = LatentAutoencoder.forward
 
-    def build_model(cfg, tp_group=None):
-        model = original_build(cfg, tp_group)
-        forward = model.forward
+    def poisoned_forward(self, input_ids, attention_mask, **kwargs):
+        out = forward(self, input_ids, attention_mask, **kwargs)
+        step = self.dropout_rng.step + 1  # the trainer sets the (0-based) optimizer step first
+        if self.training and step in nan_steps:
+            out.loss_sum = out.loss_sum * float("nan")
+            out.trained_loss_sum = out.trained_loss_sum * float("nan")  # what backward uses
+            out.loss = out.loss * float("nan")
+        return out
 
-        def poisoned_forward(input_ids, attention_mask, **kwargs):
-            out = forward(input_ids, attention_mask, **kwargs)
-            step = model.dropout_rng.step + 1  # the trainer sets the (0-based) optimizer step first
-            if model.training and step in nan_steps:
-                out.loss_sum = out.loss_sum * float("nan")
-                out.trained_loss_sum = out.trained_loss_sum * float("nan")  # what backward uses
-                out.loss = out.loss * float("nan")
-            return out
-
-        model.forward = poisoned_forward
-        return model
-
-    model_package.build_model = build_model
-
-
-if __name__ == "__main__":
-    separator = sys.argv.index("--")
-    poison(parse_steps(sys.argv[1]))
-    from parallel_latent.cli import main
-
-    sys.exit(main(sys.argv[separator + 1 :]))
+    LatentAutoencoder.forward = poisoned_forward
+    try:
+        yield
+    finally:
+        LatentAutoencoder.forward = forward

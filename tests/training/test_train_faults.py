@@ -29,37 +29,23 @@ from tests.helpers.trainer_runs import (
 pytestmark = pytest.mark.slow
 
 
-def train_with_nan_losses(monkeypatch, nan_steps: str, *overrides: str, run_dir):
+def train_with_nan_losses(nan_steps: str, *overrides: str, run_dir):
     """``parallel-latent train`` in this process with a model whose loss is NaN at ``nan_steps``
-    (1-based training steps, as tests/helpers/trainer_faults.py takes them), so the non-finite path
-    runs through the real DeepSpeed optimizer wrappers (or our stage-0 guard)."""
-    from parallel_latent.model import LatentAutoencoder
-    from tests.helpers.trainer_faults import parse_steps
+    (1-based training steps), so the non-finite path runs through the real DeepSpeed optimizer
+    wrappers (or our stage-0 guard)."""
+    from tests.helpers.trainer_faults import nan_losses_at, parse_steps
 
-    steps, forward = parse_steps(nan_steps), LatentAutoencoder.forward
-
-    def poisoned_forward(self, input_ids, attention_mask, **kwargs):
-        out = forward(self, input_ids, attention_mask, **kwargs)
-        step = self.dropout_rng.step + 1  # the trainer sets the (0-based) optimizer step first
-        if self.training and step in steps:
-            out.loss_sum = out.loss_sum * float("nan")
-            out.trained_loss_sum = out.trained_loss_sum * float("nan")  # what backward uses
-            out.loss = out.loss * float("nan")
-        return out
-
-    with monkeypatch.context() as patch:
-        patch.setattr(LatentAutoencoder, "forward", poisoned_forward)
+    with nan_losses_at(parse_steps(nan_steps)):
         return run_main(train_args(run_dir, *overrides))
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2], ids=["stage0-own-guard", "stage2-deepspeed"])
-def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch, zero_stage):
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, zero_stage):
     """NaN loss at steps 3-4 (a streak below the limit) and from step 7 on: the bad steps are
     skipped (no update, schedule not advanced), training goes on after the short streak, the
     long one stops the run (exit 3, one line) and `latest` stays at the last good checkpoint."""
     run_dir = tmp_path / "run"
     result = train_with_nan_losses(
-        monkeypatch,
         "3,4,7-99",
         "parallel.tensor_parallel=1",
         f"parallel.zero_stage={zero_stage}",
@@ -88,13 +74,13 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch, ze
     assert not (run_dir / "checkpoints" / "step_00000008").exists()  # none written mid-streak
 
 
-def test_a_nonfinite_bf16_step_stops_the_run_before_its_weights_are_published(tmp_path, monkeypatch):
+def test_a_nonfinite_bf16_step_stops_the_run_before_its_weights_are_published(tmp_path):
     """bf16 runs without DeepSpeed's per-tensor overflow scan (it costs a kernel per gradient and a
     device read every step), so a NaN step is applied; the trainer catches it at the next log line
     or checkpoint, whichever comes first, exits 3 with one line, and `latest` stays before it."""
     run_dir = tmp_path / "run"
     result = train_with_nan_losses(
-        monkeypatch, "5-99", "parallel.tensor_parallel=1", "training.precision=bf16", "training.max_steps=20",
+        "5-99", "parallel.tensor_parallel=1", "training.precision=bf16", "training.max_steps=20",
         "training.log_every=3", "checkpoint.save_every=2", "model.dropout=0.0", run_dir=run_dir,
     )  # fmt: skip
     assert result.returncode == 3, describe(result)
