@@ -15,7 +15,6 @@ creates are torn down after it (the CLI's own shutdown), so the next run starts 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import sys
 import tempfile
@@ -83,21 +82,10 @@ def run_main(argv: list[str], env: dict | None = None) -> Completed:
     return Completed(list(argv), int(status), stdout, stderr)
 
 
-def train_on_rank(config: str, overrides: list[str]) -> str:
-    """What each rank of ``parallel-latent train --config CONFIG OVERRIDES`` runs under a launcher (the
-    trainer, on this rank's gloo group), as a task of a pool of ranks (tests/helpers/distributed.py)
-    whose imports are paid once: what this rank printed. A failure raises in the pool's ``run``."""
-    from parallel_latent.config import load_config
-    from parallel_latent.training.trainer import train
-
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        train(load_config(config, overrides), source=config)
-    return printed.getvalue()
-
-
 def train_on_pool(pool, config: str, overrides: list[str]) -> Completed:
-    """:func:`train_on_rank` on every rank of ``pool``: rank 0's output, as from a launched job."""
-    printed = pool.run(train_on_rank, str(config), list(overrides))
-    return Completed(["train", "--config", str(config), *overrides], 0, printed[0], "")
+    """``train --config CONFIG OVERRIDES`` as each launched rank runs it, on every rank of ``pool``
+    (tests/helpers/pool_training.py train_task): rank 0's output, as from a launched job."""
+    from tests.helpers.pool_training import train_task
+
+    printed = pool.run(train_task, str(config), list(overrides))
+    return Completed(["train", "--config", str(config), *overrides], 0, *printed[0])

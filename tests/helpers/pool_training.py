@@ -36,23 +36,28 @@ def shared_pool(request, world_size: int) -> DistributedPool:
     return pool
 
 
-def train_task(run_dir: str, overrides: list[str]) -> tuple[str, str]:
-    """On every rank: ``train --config configs/tiny.yaml TINY... logging.run_dir=run_dir overrides``
-    as a rank of a launched job runs it; returns what this rank printed (stdout, stderr)."""
+def train_task(config: str, overrides: list[str]) -> tuple[str, str]:
+    """On every rank: ``train --config CONFIG OVERRIDES`` as a rank of a launched job runs it (the
+    trainer, on this rank's gloo group); returns what this rank printed (stdout, stderr)."""
+    import os
+
     from parallel_latent.config import load_config
     from parallel_latent.console import quiet_repeated_notices
     from parallel_latent.training.trainer import train
-    from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 
-    cfg = load_config(TINY_CONFIG, [*TINY, f"logging.run_dir={run_dir}", *overrides])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a pool started without POOL_ENV
+    cfg = load_config(config, overrides)
     quiet_repeated_notices()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        train(cfg, source=str(TINY_CONFIG))
+        train(cfg, source=config)
     return out.getvalue(), err.getvalue()
 
 
 def train_in_pool(pool: DistributedPool, run_dir, *overrides: str) -> tuple[str, str]:
-    """One training job on every rank of ``pool``; what the ranks printed (stdout, stderr), rank by rank."""
-    printed = pool.run(train_task, str(run_dir), list(overrides))
+    """One training job of the tiny config (tests/helpers/trainer_runs.py TINY) on every rank of
+    ``pool``; what the ranks printed (stdout, stderr), rank by rank."""
+    from tests.helpers.trainer_runs import TINY, TINY_CONFIG
+
+    printed = pool.run(train_task, str(TINY_CONFIG), [*TINY, f"logging.run_dir={run_dir}", *overrides])
     return "".join(out for out, _ in printed), "".join(err for _, err in printed)

@@ -102,7 +102,7 @@ def launch(run_dir: Path, *overrides: str, nproc: int | None = None):
 @pytest.fixture(scope="module")
 def ranks2():
     """Two real gloo ranks for the module's 2-rank runs whose launch is not what they test: each run
-    is the trainer every launched rank runs (tests/helpers/in_process_cli.py train_on_rank), with
+    is the trainer every launched rank runs (tests/helpers/pool_training.py train_task), with
     the ranks' imports paid once."""
     from tests.helpers.distributed import DistributedPool
 
