@@ -22,13 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-RANK_SETTINGS = {
-    "OMP_NUM_THREADS": "1",
-    "DS_ACCELERATOR": "cpu",
-    "PYTHONUNBUFFERED": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-LAUNCHER_IDENTITY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+from tests.helpers.trainer_runs import LAUNCHER_IDENTITY, RANK_SETTINGS
 
 
 @dataclass

@@ -49,13 +49,22 @@ TINY = [
 ]
 
 
+# What every rank a test starts (as a process or in the test's own) runs with, and the variables
+# of a launcher's identity it never inherits.
+RANK_SETTINGS = {
+    "OMP_NUM_THREADS": "1",
+    "DS_ACCELERATOR": "cpu",
+    "PYTHONUNBUFFERED": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+LAUNCHER_IDENTITY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
 def rank_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update(
-        {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    )
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)  # never inherit a launcher's identity
+    env.update(RANK_SETTINGS)
+    for key in LAUNCHER_IDENTITY:
+        env.pop(key, None)
     env.update(extra or {})
     return env
 
