@@ -16,14 +16,21 @@ os.environ["PARALLEL_LATENT_DATA_CACHE"] = _DATA_CACHE
 atexit.register(shutil.rmtree, _DATA_CACHE, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    """Four gloo ranks shared by the tests of one module."""
-    from tests.helpers.distributed import DistributedPool
+@pytest.fixture(scope="session")
+def pool4(request):
+    """Four gloo ranks, started once for this pytest process (the serial run, or one xdist worker) and
+    shared by every module that runs tasks on them (tests/helpers/pool_training.shared_pool)."""
+    from tests.helpers.pool_training import shared_pool
 
-    pool = DistributedPool(4)
-    yield pool
-    pool.close()
+    return shared_pool(request, 4)
+
+
+@pytest.fixture(scope="session")
+def pool2(request):
+    """Two gloo ranks, shared as :func:`pool4`'s four are."""
+    from tests.helpers.pool_training import shared_pool
+
+    return shared_pool(request, 2)
 
 
 def pytest_collection_modifyitems(config, items):

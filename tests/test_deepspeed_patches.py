@@ -49,10 +49,12 @@ def test_the_installed_deepspeed_is_inside_the_range():
 def tiny_bf16_trainer(run_dir, *extra: str):
     """A real bf16 ZeRO-2 trainer in this process (one rank, gloo), before its first step."""
     from parallel_latent.config import load_config
-    from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.parallel import destroy_distributed, release_model_parallel
     from parallel_latent.training.startup import start_run
     from parallel_latent.training.trainer import Trainer
 
+    # On a pool's rank the world is the pool's, and outlives this trainer: only its groups go.
+    pool_rank = torch.distributed.is_initialized()
     overrides = [*TINY, "parallel.tensor_parallel=1", "training.precision=bf16", "training.max_steps=4"]
     trainer = Trainer(start_run(load_config(TINY_CONFIG, [*overrides, f"logging.run_dir={run_dir}", *extra])))
     try:
@@ -60,7 +62,10 @@ def tiny_bf16_trainer(run_dir, *extra: str):
     finally:
         trainer.close()
         trainer.job.release()
-        destroy_distributed()
+        if pool_rank:
+            release_model_parallel()
+        else:
+            destroy_distributed()
 
 
 @pytest.fixture
@@ -272,17 +277,11 @@ def two_rank_bulk_task(run_dir: str):
         return micro_grads, handed, group_layouts(trainer.bundle.optimizer), torch.distributed.get_rank()
 
 
-def test_at_dp2_each_rank_gets_its_slice_of_the_fp32_mean_of_both_ranks_gradients(tmp_path):
+def test_at_dp2_each_rank_gets_its_slice_of_the_fp32_mean_of_both_ranks_gradients(pool2, tmp_path):
     """ZeRO-2 over two gloo ranks: one all-reduce of the fp32 flat, divided by 2, and each rank's
     partition is its half of (fp32(g0) + fp32(g1)) / 2, exactly (a sum of two is the same in any
     order; halving is exact), unrounded to bf16 where DeepSpeed rounds it."""
-    from tests.helpers.distributed import DistributedPool
-
-    pool = DistributedPool(2, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
-    try:
-        results = pool.run(two_rank_bulk_task, str(tmp_path / "run"))
-    finally:
-        pool.close()
+    results = pool2.run(two_rank_bulk_task, str(tmp_path / "run"))
     (grads0, handed0, layout, _), (grads1, handed1, _, _) = results
     for index, group_layout in enumerate(layout):
         both = zip(grads0[0][index], grads1[0][index], strict=True)

@@ -127,15 +127,6 @@ def test_evaluate_reports_the_latent_evaluations_and_a_mask_is_needed_without_pr
 # --------------------------------------------------------------------------- #
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    from tests.helpers.distributed import DistributedPool
-
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
-
-
 def text_api_at_tp2(directory: str, texts: list[str]):
     from parallel_latent.parallel import initialize_model_parallel
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from parallel_latent.config import ModelConfig
@@ -112,16 +111,6 @@ def _evaluation(tp_group, model_overrides: dict):
 def _at_tp1_and_tp2(model_overrides: dict):
     state = initialize_model_parallel(2)
     return _evaluation(None, model_overrides), _evaluation(state.tp_group, model_overrides)
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    """Two gloo ranks, one TP=2 group: all the evaluation needs (a second group would repeat it)."""
-    from tests.helpers.distributed import DistributedPool
-
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
 
 
 def test_the_noise_evaluation_is_the_same_at_tp1_and_tp2(pool2):

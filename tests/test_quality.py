@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from parallel_latent.quality import corpus_bleu, position_accuracy
-from tests.helpers.distributed import DistributedPool
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 
 PAIRS = [  # (reconstruction, input): lower case, no punctuation, so 13a tokenisation is str.split
@@ -69,13 +68,6 @@ def test_position_accuracy_counts_each_position_over_the_rows_that_reach_it():
 EVAL_STEPS = (2, 4)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pool = DistributedPool(4, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
-    yield pool
-    pool.close()
-
-
 def train_and_report(run_dir: str, cache_dir: str):
     from parallel_latent.config import load_config
     from parallel_latent.training.trainer import train
@@ -99,9 +91,9 @@ def train_and_report(run_dir: str, cache_dir: str):
 
 
 @pytest.mark.slow
-def test_evaluation_reports_bleu_on_every_rank_and_writes_reconstructions(pool, tmp_path):
+def test_evaluation_reports_bleu_on_every_rank_and_writes_reconstructions(pool4, tmp_path):
     run_dir = tmp_path / "run"
-    results = pool.run(train_and_report, str(run_dir), str(tmp_path / "cache"))
+    results = pool4.run(train_and_report, str(run_dir), str(tmp_path / "cache"))
     evals = [final_eval for final_eval, _ in results]
     assert all(e == evals[0] for e in evals), f"ranks disagree: {evals}"
     final = evals[0]

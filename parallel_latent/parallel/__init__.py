@@ -34,6 +34,7 @@ from .state import (
     init_distributed,
     initialize_model_parallel,
     launcher_environment,
+    release_model_parallel,
 )
 from .utils import (
     TensorParallelOptions,
@@ -77,6 +78,7 @@ __all__ = [
     "pad_vocab_size",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "release_model_parallel",
     "scaled_init",
     "scatter_to_sequence_parallel_region",
     "split_along_sequence",

@@ -278,6 +278,22 @@ def initialize_model_parallel(tensor_parallel: int, timeout_s: float = DEFAULT_T
     return _STATE
 
 
+def release_model_parallel() -> None:
+    """Destroy the TP, DP and control groups of :func:`initialize_model_parallel` and forget them, the
+    default group kept (collective: all ranks call). A process that sets up one layout after another
+    (a rank of a test pool, a notebook) then holds one layout's gloo connections and threads, not
+    every layout's (a destroyed group's go with the last reference to it)."""
+    global _STATE
+    if _STATE is None:
+        return
+    groups = [_STATE.tp_group, _STATE.dp_group, _STATE.control_group]
+    _STATE = None
+    dist.barrier()  # no rank still in a collective of a group that the others destroy
+    for group in groups:
+        if group is not None and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     global _STATE
     _STATE = None

@@ -19,15 +19,6 @@ import torch.distributed as dist
 from parallel_latent.checkpoint import load_training_checkpoint, save_portable, save_training_checkpoint
 from parallel_latent.parallel import get_parallel_state
 from tests.helpers.checkpoint_engines import make_engine, train_step
-from tests.helpers.pool_training import shared_pool
-
-
-@pytest.fixture(scope="module")
-def pool4(request):
-    """Four gloo ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py);
-    this module's own, instead of tests/conftest.py's that starts ranks for this module alone."""
-    return shared_pool(request, 4)
-
 
 COLLECTIVES = (
     "barrier",

@@ -13,7 +13,6 @@ import torch
 from parallel_latent.api import load_autoencoder
 from parallel_latent.checkpoint import PortableCheckpoint, load_training_checkpoint
 from parallel_latent.checkpoint.universal import export_portable
-from tests.helpers.distributed import DistributedPool
 from tests.helpers.make_fixture import FIXTURE, fixture_batch, fixture_config
 
 # The decoded ids of fixture_batch(), recorded from the writing code (both models were trained to
@@ -26,13 +25,6 @@ EXPECTED_IDS = [
     [202, 105, 75, 141, 88, 153, 221, 94],
 ]
 TRAINING_CHECKPOINT = FIXTURE / "run" / "checkpoints" / "step_00000060"
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistributedPool(2)
-    yield pool
-    pool.close()
 
 
 def decode(model) -> list[list[int]]:

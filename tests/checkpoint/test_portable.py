@@ -27,16 +27,7 @@ from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.checkpoint_stack import VOCAB, Stack, batch, gathered_state
-from tests.helpers.pool_training import shared_pool
 from tests.helpers.tp_compare import argmax_agrees, autoencoder_reduction_length, max_abs, order_bound, terms_scale
-
-
-@pytest.fixture(scope="module")
-def pool4(request):
-    """Four gloo ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py);
-    this module's own, instead of tests/conftest.py's that starts ranks for this module alone."""
-    return shared_pool(request, 4)
-
 
 # Loading at another TP degree sums the row-parallel products in another order: the logits of the
 # Stack go through q/k/v (D), scores (D/HEADS), softmax and weighted sum over T, the output

@@ -36,16 +36,7 @@ from tests.helpers.checkpoint_engines import (
     make_engine,
     train_step,
 )
-from tests.helpers.pool_training import shared_pool
 from tests.helpers.tp_compare import max_abs, order_bound, terms_scale, unit_roundoff
-
-
-@pytest.fixture(scope="module")
-def pool4(request):
-    """Four gloo ranks shared with the other checkpoint and data modules (tests/helpers/pool_training.py);
-    this module's own, instead of tests/conftest.py's that starts ranks for this module alone."""
-    return shared_pool(request, 4)
-
 
 REPO = Path(__file__).resolve().parents[2]
 # The Stack's longest reduction to a weight gradient: q/k/v (D), scores (D/HEADS), softmax and

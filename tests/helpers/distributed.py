@@ -1,7 +1,8 @@
-"""A pool of real gloo ranks that lives for one test module.
+"""A pool of real gloo ranks that lives for a test module, or for a whole pytest process.
 
-Spawning a rank costs seconds (importing torch, and DeepSpeed where used), so a module starts its
-pool once and runs many tasks on it. A task is a module-level function ``fn(*args)`` run on every
+Spawning a rank costs seconds (importing torch, transformers and DeepSpeed), so the tests start a
+pool once and run many tasks on it (tests/helpers/pool_training.shared_pool: one per world size for
+the whole pytest process). A task is a module-level function ``fn(*args)`` run on every
 rank; its return values come back as a list indexed by rank. If any rank raises, the whole pool is
 torn down (the others may be blocked in a collective) and the traceback is re-raised here.
 """
@@ -12,6 +13,8 @@ import datetime
 import os
 import queue
 import socket
+import sys
+import time
 import traceback
 
 import torch
@@ -30,6 +33,15 @@ def limit_threads() -> None:
     # Several ranks on 2 cores: one thread each, or they fight over the cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+def _release_task_groups() -> None:
+    """The process groups a task set up (parallel_latent.parallel.initialize_model_parallel), destroyed
+    when every rank has returned from it: a pool serves the modules of a whole pytest process, and
+    each test builds new groups, each with its gloo connections and threads."""
+    state = sys.modules.get("parallel_latent.parallel.state")
+    if state is not None:
+        state.release_model_parallel()
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict) -> None:
@@ -56,10 +68,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict) ->
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
+            _release_task_groups()
+            results.put((rank, True, value))
         except BaseException:  # report everything, the parent decides
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     # The pool's owner waits for this exit: skip the interpreter's seconds of tearing down torch's
     # modules (the results queue's feeder thread is flushed first).
     results.close()
@@ -93,12 +108,9 @@ class DistributedPool:
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out, errors = [None] * self.world_size, []
+        deadline = time.monotonic() + TASK_TIMEOUT_S
         for _ in range(self.world_size):
-            try:
-                rank, ok, value = self._results.get(timeout=TASK_TIMEOUT_S)
-            except queue.Empty:
-                self.close(force=True)
-                raise TimeoutError(f"{fn.__name__}: no answer from every rank within {TASK_TIMEOUT_S}s") from None
+            rank, ok, value = self._next_result(fn.__name__, deadline)
             if not ok:
                 errors.append(f"rank {rank}:\n{value}")
                 break
@@ -107,6 +119,19 @@ class DistributedPool:
             self.close(force=True)
             raise RuntimeError(f"{fn.__name__} failed on " + "\n".join(errors))
         return out
+
+    def _next_result(self, name: str, deadline: float) -> tuple:
+        """The next rank's answer; a rank that died meanwhile (no answer will come) or the deadline
+        ends the wait and the pool."""
+        while True:
+            try:
+                return self._results.get(timeout=1)
+            except queue.Empty:
+                dead = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(force=True)
+                    why = ", ".join(dead) or f"no answer from every rank within {TASK_TIMEOUT_S}s"
+                    raise (RuntimeError if dead else TimeoutError)(f"{name}: {why}") from None
 
     def close(self, force: bool = False) -> None:
         if not self._procs:

@@ -24,11 +24,13 @@ _SHARED: dict[int, DistributedPool] = {}
 
 
 def shared_pool(request, world_size: int) -> DistributedPool:
-    """The pool of ``world_size`` ranks that the checkpoint and data test modules run in this pytest
-    process (the serial run, or one xdist worker) share: its ranks start (and import torch and
-    DeepSpeed) once, not once per module. Every task sets up the process groups it needs on top of
-    the default one; a task that fails tears the pool down and the next one starts it afresh. Closed
-    when the session ends. ``request``: any fixture's."""
+    """The pool of ``world_size`` ranks that every module run in this pytest process (the serial run,
+    or one xdist worker) shares (tests/conftest.py's ``pool2`` and ``pool4``): its ranks start (and
+    import torch, transformers and DeepSpeed) once, not once per module. Every task sets up the
+    process groups it needs on top of the default one, and they are destroyed when it returns; a
+    task that fails, or a rank that dies, tears the pool down and the next task starts it afresh.
+    A task leaves nothing running behind it (a trainer's watchdog is stopped: the ranks live on).
+    Closed when the session ends. ``request``: any fixture's."""
     pool = _SHARED.get(world_size)
     if pool is None:
         pool = _SHARED[world_size] = training_pool(world_size)

@@ -42,6 +42,31 @@ def test_tp4_and_tp1_layouts(pool4):
     assert [r["dp"][:2] for r in pool4.run(layout, 1)] == [(0, 4), (1, 4), (2, 4), (3, 4)]
 
 
+def release_then_layout(tp: int) -> tuple:
+    """A layout at ``tp`` released, then TP=4 set up: whether torch.distributed still knows the first's TP
+    group, and what the second's sums give."""
+    from parallel_latent.parallel import release_model_parallel
+    from parallel_latent.parallel.state import is_initialized
+
+    first = initialize_model_parallel(tp)
+    release_model_parallel()
+    released = not is_initialized()
+    try:
+        dist.get_process_group_ranks(first.tp_group)
+        old_group_known = True
+    except (KeyError, RuntimeError, ValueError):
+        old_group_known = False
+    return released, old_group_known, layout(4)["sums"]
+
+
+def test_a_released_layout_frees_its_groups_and_another_follows(pool4):
+    """release_model_parallel: the TP, DP and control groups are destroyed (torch.distributed no longer
+    knows them), the registry is empty, the default group stays and the next layout works."""
+    results = pool4.run(release_then_layout, 2)
+    assert [r[:2] for r in results] == [(True, False)] * 4
+    assert [r[2] for r in results] == [(0.0 + 1 + 2 + 3, float(rank)) for rank in range(4)]  # TP=4 x DP=1
+
+
 def test_launcher_environments():
     torchrun = {
         "RANK": "5",

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from tests.helpers.distributed import DistributedPool
 from tests.helpers.trainer_runs import TINY, run_two_nodes
 
 pytestmark = pytest.mark.slow
@@ -63,20 +62,29 @@ def load_twice(gpt2_dir: str, tokenizer_dir: str, log: str) -> tuple[int, int]:
 
         cls.from_pretrained = classmethod(from_pretrained)
 
-    for cls in (transformers.AutoTokenizer, transformers.GPT2Model):
+    # The classes' own attributes, put back at the end: the pool's ranks run other modules' tasks next.
+    own = {cls: cls.__dict__.get("from_pretrained") for cls in (transformers.AutoTokenizer, transformers.GPT2Model)}
+    for cls in own:
         recorded(cls)
-    cfg = Config(
-        model=ModelConfig(d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=8),
-        feature_model=FeatureModelConfig(name_or_path=gpt2_dir, pretrained=True),
-        tokenizer=TokenizerConfig(name_or_path=tokenizer_dir),
-    )
-    tokenizer = load_tokenizer_once_per_node(cfg)
-    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
-    model = build_model_once_per_node(cfg, state.tp_group)
-    return len(tokenizer), model.feature_model.token_table.shape[0]
+    try:
+        cfg = Config(
+            model=ModelConfig(d_model=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, max_length=8),
+            feature_model=FeatureModelConfig(name_or_path=gpt2_dir, pretrained=True),
+            tokenizer=TokenizerConfig(name_or_path=tokenizer_dir),
+        )
+        tokenizer = load_tokenizer_once_per_node(cfg)
+        cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+        model = build_model_once_per_node(cfg, state.tp_group)
+        return len(tokenizer), model.feature_model.token_table.shape[0]
+    finally:
+        for cls, attribute in own.items():
+            if attribute is None:
+                del cls.from_pretrained
+            else:
+                cls.from_pretrained = attribute
 
 
-def test_the_first_process_of_a_node_fetches_first(tmp_path):
+def test_the_first_process_of_a_node_fetches_first(pool4, tmp_path):
     from transformers import GPT2Config, GPT2Model
 
     from parallel_latent.config import TokenizerConfig
@@ -86,11 +94,7 @@ def test_the_first_process_of_a_node_fetches_first(tmp_path):
     config = GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50257, bos_token_id=None, eos_token_id=None)
     GPT2Model(config).save_pretrained(tmp_path / "gpt2")
     log = tmp_path / "calls.log"
-    pool = DistributedPool(4)  # one node: LOCAL_RANK = rank
-    try:
-        sizes = pool.run(load_twice, str(tmp_path / "gpt2"), str(tmp_path / "tokenizer"), str(log))
-    finally:
-        pool.close()
+    sizes = pool4.run(load_twice, str(tmp_path / "gpt2"), str(tmp_path / "tokenizer"), str(log))  # one node
     assert sizes == [(50259, 50259)] * 4
     events = log.read_text().split("\n")[:-1]
     for name in ("AutoTokenizer", "GPT2Model"):

@@ -99,18 +99,6 @@ def launch(run_dir: Path, *overrides: str, nproc: int | None = None):
     return run_main([*train_args(run_dir, *overrides), *([f"--nproc={nproc}"] if nproc else [])])
 
 
-@pytest.fixture(scope="module")
-def ranks2():
-    """Two real gloo ranks for the module's 2-rank runs whose launch is not what they test: each run
-    is the trainer every launched rank runs (tests/helpers/pool_training.py train_task), with
-    the ranks' imports paid once."""
-    from tests.helpers.distributed import DistributedPool
-
-    pool = DistributedPool(2, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
-    yield pool
-    pool.close()
-
-
 def on_ranks(pool, run_dir: Path, *overrides: str):
     """The tiny recipe trained by the ranks of ``pool`` (rank 0's output, as a launched job's)."""
     return train_on_pool(pool, TINY_CONFIG, train_args(run_dir, *overrides)[3:])  # without "train --config FILE"
@@ -301,13 +289,13 @@ def test_tp2_via_nproc_matches_tp1(run_a, run_b):
     assert_same_curve(run_dir, run_a)
 
 
-def test_sequence_parallel_matches_tp1(run_a, ranks2, tmp_path):
+def test_sequence_parallel_matches_tp1(run_a, pool2, tmp_path):
     """TP=2 with sequence parallelism and dropout on, ZeRO-2: the gradients of the parameters used
     on half the positions (LayerNorms, biases, positions) are summed over the TP group before
     DeepSpeed reduces them, and the run is the single-process run."""
     run_dir = tmp_path / "G"
     result = on_ranks(
-        ranks2, run_dir, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true", "parallel.tp_overlap_comm=false"
+        pool2, run_dir, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true", "parallel.tp_overlap_comm=false"
     )
     assert result.returncode == 0, describe(result)
     assert "sequence parallel; backward collective not overlapped" in result.stdout
@@ -315,14 +303,14 @@ def test_sequence_parallel_matches_tp1(run_a, ranks2, tmp_path):
     assert_same_curve(run_dir, run_a)
 
 
-def test_a_checkpoint_saved_without_sequence_parallelism_resumes_with_it(run_b, ranks2, tmp_path):
+def test_a_checkpoint_saved_without_sequence_parallelism_resumes_with_it(run_b, pool2, tmp_path):
     """B's step-5 checkpoint (no sequence parallelism) resumed with it on: steps 6-10 are B's."""
     source, _ = run_b
     resumed = tmp_path / "resumed"
     tag = "step_00000005"
     shutil.copytree(source / "checkpoints" / tag, resumed / "checkpoints" / tag)
     (resumed / "checkpoints" / "latest").write_text(tag + "\n")
-    result = on_ranks(ranks2, resumed, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true")
+    result = on_ranks(pool2, resumed, *RECIPE, *TP2_ZERO2, "parallel.sequence_parallel=true")
     assert result.returncode == 0, describe(result)
     assert "at step 5" in result.stdout and "resharded" not in result.stdout
     mine, theirs = train_records(resumed), {r["step"]: r for r in train_records(source)}
@@ -437,7 +425,7 @@ def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
     assert losses(run_dir)[-1] < losses(run_dir)[0]
 
 
-def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, ranks2, tmp_path):
+def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, pool2, tmp_path):
     """B (TP=2 x DP=1, ZeRO-2) stopped at step 5 and resumed with the same overrides on 4 processes
     (TP=2 x DP=2, ZeRO-1); that run "crashes" after its step-8 checkpoint and is resumed on 2
     processes again (ZeRO-2). Nobody touches the batch settings: the global batch of 8 is kept
@@ -459,7 +447,7 @@ def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, ranks
     assert "global batch 8 kept from the checkpoint: micro-batch 4 x 1 accumulation x DP 2" in grown.stdout
     shutil.rmtree(checkpoints / "step_00000010")  # the 4-process run dies after its step-8 checkpoint
     (checkpoints / "latest").write_text("step_00000008\n")
-    shrunk = on_ranks(ranks2, run_dir, *same_overrides)
+    shrunk = on_ranks(pool2, run_dir, *same_overrides)
     assert shrunk.returncode == 0, describe(shrunk)
     assert "at step 8 (resharded from another layout)" in shrunk.stdout
     assert "kept from the checkpoint" not in shrunk.stdout  # micro-batch 8 at DP=1 is the batch of 8

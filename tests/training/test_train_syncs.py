@@ -63,6 +63,7 @@ def counted_steps(trainer, steps: int = 2) -> HostSyncCounter:
 def close(trainer) -> None:
     trainer.close()
     trainer.logger.close()
+    trainer.job.release()  # the watchdog stops: a pool's rank lives on after this task
 
 
 @pytest.fixture
@@ -167,15 +168,6 @@ def two_rank_sync_task(run_dir: str, tensor_parallel: int):
         return dict(counter.syncs), dict(counter.from_python_callers), counter.ops["aten._foreach_norm.Scalar"]
     finally:
         close(trainer)
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    from tests.helpers.distributed import DistributedPool
-
-    pool = DistributedPool(2, env={"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"})
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["dp2", "tp2"])
