@@ -7,18 +7,19 @@ the single-process run step by step, with dropout on.
 | --- | ------------------------------------------ | ----------- | ---- | ----------------- |
 | A   | ``parallel-latent train``, in this process | TP=1 x DP=1 | 2    | 8                 |
 | B   | ``parallel-latent --nproc 2``, AC          | TP=2 x DP=1 | 2    | 8                 |
-| C   | ``torchrun --nproc_per_node 2``            | TP=1 x DP=2 | 2    | 4                 |
+| C   | the trainer on 2 pool ranks                | TP=1 x DP=2 | 2    | 4                 |
 | D   | launch/torchrun_multi_node.sh x 2, AC      | TP=2 x DP=2 | 1    | 4                 |
-| E   | ``torchrun`` 4 ranks, one killed           | TP=2 x DP=2 | 1    | 4                 |
+| E   | ``torchrun`` 4 ranks, one killed; resumed  | TP=2 x DP=2 | 1    | 4                 |
+|     | by the trainer on 4 pool ranks             |             |      |                   |
 | F   | ``parallel-latent train``, in this process | TP=1 x DP=1 | 2    | 4 x 2 accumulated |
 
 AC = activation checkpointing of the Perceiver blocks (model.activation_checkpointing). The
 ``parallel-latent`` commands run as ``parallel_latent.cli.main`` inside the test process
 (tests/helpers/in_process_cli.py), which pays the imports once: one process trains right there,
-``--nproc N`` starts torchrun and its N real ranks from there, as a shell's command does. The
-2-rank runs that test the training rather than its launch (sequence parallelism, its resume, the
-resume back onto 2 processes) run on the module's two gloo ranks, as the trainer each launched rank
-runs.
+``--nproc N`` starts torchrun and its N real ranks from there, as a shell's command does. The runs
+that test the training rather than its launch (data and sequence parallelism, resumes onto more or
+fewer processes, the resume after a kill) run on the worker's 2 and 4 gloo ranks (tests/conftest.py),
+as the trainer each launched rank runs.
 
 The comparison recipe runs in float64 with SGD and momentum, so that summation order cannot hide
 or fake a difference: the layouts compute the same sums in other orders (TP splits the GEMMs and
@@ -58,7 +59,6 @@ from tests.helpers.trainer_runs import (
     losses,
     rank_env,
     rank_pids,
-    run,
     run_two_nodes,
     torchrun_command,
     train_args,
@@ -337,18 +337,12 @@ def test_gradient_accumulation_matches_the_doubled_micro_batch(run_a, tmp_path):
     assert_same_curve(run_dir, run_a)
 
 
-def test_dp2_matches_dp1_with_doubled_micro_batch(run_a, tmp_path):
+def test_dp2_matches_dp1_with_doubled_micro_batch(run_a, pool2, tmp_path):
+    """Two data-parallel ranks (the trainer each launched rank runs, on a pool's ranks: plain torchrun
+    launches the killed-rank job below) with half A's micro-batch: A's run."""
     run_dir = tmp_path / "C"
-    result = run(
-        torchrun_command(
-            run_dir,
-            *RECIPE,
-            "parallel.tensor_parallel=1",
-            "parallel.zero_stage=2",
-            "training.micro_batch_size=4",
-            nproc=2,
-        ),
-        timeout=300,
+    result = on_ranks(
+        pool2, run_dir, *RECIPE, "parallel.tensor_parallel=1", "parallel.zero_stage=2", "training.micro_batch_size=4"
     )
     assert result.returncode == 0, describe(result)
     assert_trained(run_dir)
@@ -377,21 +371,22 @@ def test_two_nodes_on_one_machine(run_a, tmp_path):
     assert_same_curve(run_dir, run_a)
 
 
-def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
-    """kill -9 one rank of a 4-rank job: the job exits non-zero within 60 s; the same command
-    then resumes from the last complete checkpoint and finishes."""
+def test_killed_rank_fails_fast_and_restart_resumes(pool4, tmp_path):
+    """kill -9 one rank of a 4-rank torchrun job: the job exits non-zero within 60 s; the same
+    training on four ranks then resumes from the last complete checkpoint and finishes. (The
+    relaunch is the trainer on a pool's ranks: a launcher resuming on its own is
+    tests/training/test_restarts.py's.)"""
     run_dir = tmp_path / "E"
     steps = 12
-    command = torchrun_command(
-        run_dir,
+    overrides = [
         "model.dropout=0.0",
         f"training.max_steps={steps}",
         "checkpoint.save_every=2",
         "parallel.tensor_parallel=2",
         "parallel.zero_stage=1",
         "training.micro_batch_size=4",
-        nproc=4,
-    )
+    ]
+    command = torchrun_command(run_dir, *overrides, nproc=4)
     job = subprocess.Popen(
         command, env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -416,7 +411,7 @@ def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
     saved_step = int(latest.split("_")[1])
     assert 2 <= saved_step < steps
 
-    result = run(command, timeout=300)
+    result = on_ranks(pool4, run_dir, *overrides)
     assert result.returncode == 0, describe(result)
     assert f"resumed from {run_dir / 'checkpoints' / latest} at step {saved_step}" in result.stdout
     steps_logged = [r["step"] for r in train_records(run_dir)]
@@ -425,7 +420,7 @@ def test_killed_rank_fails_fast_and_restart_resumes(tmp_path):
     assert losses(run_dir)[-1] < losses(run_dir)[0]
 
 
-def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, pool2, tmp_path):
+def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, pool2, pool4, tmp_path):
     """B (TP=2 x DP=1, ZeRO-2) stopped at step 5 and resumed with the same overrides on 4 processes
     (TP=2 x DP=2, ZeRO-1); that run "crashes" after its step-8 checkpoint and is resumed on 2
     processes again (ZeRO-2). Nobody touches the batch settings: the global batch of 8 is kept
@@ -439,8 +434,8 @@ def test_resume_on_more_then_fewer_processes_continues_the_same_run(run_b, pool2
     (checkpoints / "latest").write_text("step_00000005\n")
     shutil.copy(source / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 6-10 are dropped on resume
     same_overrides = [*RECIPE, *TP2_ZERO2]  # micro-batch 8: 16 samples a step at DP=2, unless kept
-    grown = launch(
-        run_dir, *same_overrides, "parallel.zero_stage=1", "checkpoint.save_every=4", "checkpoint.keep_last=0", nproc=4
+    grown = on_ranks(
+        pool4, run_dir, *same_overrides, "parallel.zero_stage=1", "checkpoint.save_every=4", "checkpoint.keep_last=0"
     )
     assert grown.returncode == 0, describe(grown)
     assert "at step 5 (resharded from another layout)" in grown.stdout

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -238,6 +239,27 @@ def _assert_names(line: str, rank: int, stopped_pid: int) -> None:
     assert "its process does not run" in line and "it wrote no stack" in line
 
 
+def _kill_after_rank_0_reports(run_dir: Path, stopped_pid: int, job: subprocess.Popen) -> threading.Thread:
+    """What torchrun's teardown does to the stopped rank 30 s after its SIGTERM (which stays pending
+    in a stopped process), done 3 s after rank 0's failure record is written: SIGKILL. The root
+    cause is still rank 0: its record is dated, and a rank that dies without one counts from a
+    second before torchrun saw it dead."""
+
+    def kill_later() -> None:
+        deadline = time.monotonic() + HANG_TIMEOUT_S + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            if list((run_dir / "logs").glob("*/torchrun/*/attempt_*/0/error.json")):
+                time.sleep(3)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped_pid, signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=kill_later, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
     run_dir = tmp_path / "run"
@@ -252,6 +274,7 @@ def test_a_stopped_rank_1_ends_the_job_under_train_nproc(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         raise
+    _kill_after_rank_0_reports(run_dir, stopped, job)
     took, output = _end_of(job, stopped)
     assert job.returncode == ExitStatus.HANG, output[-4000:]
     assert took <= HANG_TIMEOUT_S + 200, took  # only a job the watchdog left hanging fails
