@@ -56,10 +56,6 @@ RANK_SETTINGS = {
     "DS_ACCELERATOR": "cpu",
     "PYTHONUNBUFFERED": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    # torchrun's wait for the ranks it stops once one has failed, before it kills them (30 s by
-    # default): a rank that a test stopped (SIGSTOP) or hung never exits on its SIGTERM, and the
-    # others end by themselves within a second of the failure they report.
-    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5",
 }
 LAUNCHER_IDENTITY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
 
