@@ -49,11 +49,12 @@ def test_the_installed_deepspeed_is_inside_the_range():
 def tiny_bf16_trainer(run_dir, *extra: str):
     """A real bf16 ZeRO-2 trainer in this process (one rank, gloo), before its first step."""
     from parallel_latent.config import load_config
-    from parallel_latent.parallel import destroy_distributed, release_model_parallel
+    from parallel_latent.parallel import destroy_distributed
     from parallel_latent.training.startup import start_run
     from parallel_latent.training.trainer import Trainer
 
-    # On a pool's rank the world is the pool's, and outlives this trainer: only its groups go.
+    # On a pool's rank the world is the pool's and outlives this trainer (the pool releases the
+    # trainer's groups when the task returns).
     pool_rank = torch.distributed.is_initialized()
     overrides = [*TINY, "parallel.tensor_parallel=1", "training.precision=bf16", "training.max_steps=4"]
     trainer = Trainer(start_run(load_config(TINY_CONFIG, [*overrides, f"logging.run_dir={run_dir}", *extra])))
@@ -62,9 +63,7 @@ def tiny_bf16_trainer(run_dir, *extra: str):
     finally:
         trainer.close()
         trainer.job.release()
-        if pool_rank:
-            release_model_parallel()
-        else:
+        if not pool_rank:
             destroy_distributed()
 
 
