@@ -83,6 +83,7 @@ def test_under_plain_torchrun_the_failing_rank_still_says_why(tmp_path):
     result = run(command, env=fault_env("raise"))
     assert result.returncode != 0, describe(result)
     assert "parallel-latent: error: rank 1: RuntimeError: injected fault at step 2" in result.stderr.splitlines()
+    assert "Root Cause (first observed failure)" in result.stderr, describe(result)
     report = result.stderr[result.stderr.index("Root Cause (first observed failure)") :]
     assert "rank      : 1 (local_rank: 1)" in report and "RuntimeError: injected fault at step 2" in report
 

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.model.autoencoder import compile_regions, eval_mode
 from parallel_latent.parallel import CompiledWithFallback
+from tests.helpers.inductor import CUDA_LIKE_CPU_KERNELS
 from tests.helpers.tiny_model import B, reduction_length_of_model, tiny_batch, tiny_configs
 from tests.helpers.tp_compare import max_abs, order_bound, terms_scale
 
@@ -34,17 +35,10 @@ def micro_batch_losses_and_grads(model: LatentAutoencoder, ids, mask, step: int)
     return results
 
 
-# Inductor's CPU code generator without SIMD: the same graphs, lowered and fused as usual, compiled
-# to scalar C++ loops. Generating each kernel's vectorized variants (and their tail loops) took
-# half of this test's time, the keyed dropout hash inlined at every site making the kernels large;
-# the CUDA code generator that this stands in for has no such step. compile_threads=1: no worker
-# pool to start on a small machine.
-SCALAR_CPU_KERNELS = {"cpp.simdlen": 0, "compile_threads": 1}
-
-
 @pytest.mark.slow
 def test_compiled_regions_equal_eager_across_steps_without_graph_breaks_or_recompiles(caplog):
-    """Under training.compile (compiled once here, without SIMD: compiling on a CPU takes a minute):
+    """Under training.compile (compiled once here, by inductor's CPU code generator set as close to
+    CUDA's as it goes: tests/helpers/inductor.py):
 
     - each micro-batch's loss and gradients equal the eager model's within the bound of another
       summation order, with dropout on, at every step (new keys, the same masks as eager);
@@ -61,7 +55,7 @@ def test_compiled_regions_equal_eager_across_steps_without_graph_breaks_or_recom
     torch._dynamo.reset()
     counters.clear()
     graphs = []
-    with caplog.at_level(logging.WARNING), torch._inductor.config.patch(SCALAR_CPU_KERNELS):
+    with caplog.at_level(logging.WARNING), torch._inductor.config.patch(CUDA_LIKE_CPU_KERNELS):
         for step in (0, 1, 2, 3):
             want = micro_batch_losses_and_grads(eager, ids, mask, step)
             got = micro_batch_losses_and_grads(compiled, ids, mask, step)

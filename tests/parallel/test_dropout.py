@@ -10,6 +10,7 @@ from parallel_latent.parallel import DropoutRNG, ParallelDropout, ParallelGaussi
 from parallel_latent.parallel.dropout import keep_mask
 from tests.helpers.blocks import B, Block, D, T
 from tests.helpers.gpu import gpu_test
+from tests.helpers.inductor import CUDA_LIKE_CPU_KERNELS
 
 
 def test_keep_rate_and_independence():
@@ -188,13 +189,6 @@ def test_bf16_dropout_scales_once_without_rounding_the_scale():
     assert not leaf.grad[~keep].any()
 
 
-# The CPU stands in for CUDA through inductor's CPU code generator, without SIMD: the same graph,
-# lowered and fused as usual, compiled to scalar C++ loops. Generating the vectorized variants of
-# the hash's kernel took most of these tests' time; the CUDA code generator has no such step.
-# compile_threads=1: no worker pool to start on a small machine.
-SCALAR_CPU_KERNELS = {"cpp.simdlen": 0, "compile_threads": 1}
-
-
 def _dropout_pair(compile_devices):
     """Two dropout sites of identical keys, one eager and one whose kernel compiles on the CPU."""
     eager = ParallelDropout(0.1, DropoutRNG(seed=5, step=11, sample_offset=4)).train()
@@ -208,7 +202,7 @@ def test_compiled_dropout_equals_eager():
     stays eager), for two shapes (the second one reuses the kernel with dynamic sizes)."""
     eager, compiled = _dropout_pair(("cpu",))
     gen = torch.Generator().manual_seed(0)
-    with torch._inductor.config.patch(SCALAR_CPU_KERNELS):
+    with torch._inductor.config.patch(CUDA_LIKE_CPU_KERNELS):
         for shape in ((2, 8, 48), (3, 4, 32)):
             x = torch.randn(shape, generator=gen)
             assert torch.equal(compiled(x), eager(x))
@@ -312,7 +306,7 @@ def test_failure_at_the_second_compile_falls_back_with_one_warning(monkeypatch, 
     torch._dynamo.reset()
     eager, compiled = _dropout_pair(("cpu",))
     gen = torch.Generator().manual_seed(0)
-    with caplog.at_level("WARNING"), torch._inductor.config.patch(SCALAR_CPU_KERNELS):
+    with caplog.at_level("WARNING"), torch._inductor.config.patch(CUDA_LIKE_CPU_KERNELS):
         for shape in ((2, 8, 48), (3, 4, 32), (3, 4, 32), (2, 8, 48)):
             x = torch.randn(shape, generator=gen)
             assert torch.equal(compiled(x), eager(x))
@@ -335,7 +329,7 @@ def test_compiled_dropout_kernel_compiles_once_for_every_step_offset_and_layer()
     eager_rng, compiled_rng = DropoutRNG(seed=8), DropoutRNG(seed=8, compile_devices=("cpu",))
     sites = [(ParallelDropout(0.1, eager_rng), ParallelDropout(0.1, compiled_rng)) for _ in range(2)]
     x = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(0))
-    with torch._inductor.config.patch(SCALAR_CPU_KERNELS):
+    with torch._inductor.config.patch(CUDA_LIKE_CPU_KERNELS):
         for step in (0, 1, 2):
             for micro_step in (0, 1):
                 for rng in (eager_rng, compiled_rng):
