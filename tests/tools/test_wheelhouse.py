@@ -97,7 +97,8 @@ def pypi_unreachable(tmp_path: Path) -> str | None:
     wheelhouse fetches them (--isolated: this machine's pip configuration is not PyPI)."""
     command = [sys.executable, "-m", "pip", "--isolated", "download", "--no-deps", "--only-binary=:all:",
                "hjson==3.1.0", "-d", str(tmp_path / "probe"), "--timeout", "10", "--retries", "0"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode == 0:
         return None
     return (result.stderr.strip().splitlines() or ["no output"])[-1]
