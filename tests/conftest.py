@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -6,8 +7,11 @@ import tempfile
 import pytest
 import torch
 
+from parallel_latent.cli import GC_THRESHOLD
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+gc.set_threshold(*GC_THRESHOLD)  # as the command's processes collect (the pools' ranks too)
 
 # Prepared corpora go to a cache of this session only (inherited by every subprocess and rank):
 # no test reads or writes the user's ~/.cache, and every run starts from an empty cache.

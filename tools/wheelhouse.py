@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import urllib.parse
+import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -135,8 +138,8 @@ def requirement_name(requirement: str) -> str:
     return canonical(re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0])
 
 
-def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
-    """``name==version`` of each distribution the project needs on the node and the node lacks."""
+def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[dict]:
+    """pip's report of each distribution the project needs on the node and the node lacks."""
     with tempfile.TemporaryDirectory(prefix="wheelhouse-stand-ins.") as scratch:
         stand_ins = Path(scratch)
         for name, version in present.items():
@@ -148,20 +151,19 @@ def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[str]:
             str(stand_ins / "target"), *target_options(args), "--find-links", str(out), "--find-links",
             str(stand_ins), "-c", str(constraints), f"{PROJECT}[gpu]")  # fmt: skip
         resolved = json.loads(report.read_text())["install"]
-    lacking = []
-    for item in resolved:
-        name, version = canonical(item["metadata"]["name"]), item["metadata"]["version"]
-        if not version.endswith(f"+{PRESENT}") and name != PROJECT and name not in SDIST_ONLY:
-            lacking.append(f"{name}=={version}")
-    return lacking
+    return [
+        item for item in resolved
+        if not item["metadata"]["version"].endswith(f"+{PRESENT}")
+        and canonical(item["metadata"]["name"]) not in {PROJECT, *SDIST_ONLY}
+    ]  # fmt: skip
 
 
 # The GPU node's torch and what it brings: never in a wheelhouse (gpu.sh runs only where torch imports).
 TORCH_STACK = re.compile(r"torch|triton|nvidia-.*|cuda-.*")
 
 
-def resolved(args, requirements: list[str], find_links: list[Path], assumed: set[str]) -> list[tuple[str, str]]:
-    """(name, version) of everything pip installs for ``requirements`` on the node, torch's stack
+def resolved(args, requirements: list[str], find_links: list[Path], assumed: set[str]) -> list[dict]:
+    """pip's report of everything it installs for ``requirements`` on the node, torch's stack
     and the ``assumed`` distributions stood in for: no version of them is downloaded or followed
     (pyarrow and numpy alone are 70 MB of wheels), unless a requirement's upper bound rules the
     stand-in out, when pip takes a real version as for any other."""
@@ -173,28 +175,41 @@ def resolved(args, requirements: list[str], find_links: list[Path], assumed: set
         links = [option for path in [*find_links, stand_ins] for option in ("--find-links", str(path))]
         pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
             str(stand_ins / "target"), *target_options(args), *links, *requirements)  # fmt: skip
-        install = json.loads(report.read_text())["install"]
-        return [(canonical(i["metadata"]["name"]), i["metadata"]["version"]) for i in install]
+        return json.loads(report.read_text())["install"]
 
 
-def lacking_from_names(args, out: Path, requirements: list[str], own: dict[str, str]) -> list[str]:
-    """``name==version`` of the named requirements and what they need, less the project's other
+def lacking_from_names(args, out: Path, requirements: list[str], own: dict[str, str]) -> list[dict]:
+    """pip's report of the named requirements and what they need, less the project's other
     requirements (the node has them: they were not named), torch's stack and the sdist-only ones."""
     named = {requirement_name(r) for r in requirements}
     assumed = own.keys() - named
     keep = []
-    for name, version in resolved(args, requirements, [out], assumed):
+    for item in resolved(args, requirements, [out], assumed):
+        name, version = canonical(item["metadata"]["name"]), item["metadata"]["version"]
         if name in assumed or name in SDIST_ONLY or name == PROJECT or TORCH_STACK.fullmatch(name):
             continue
-        if version.endswith(f"+{PRESENT}"):
-            continue
-        keep.append(f"{name}=={version}")
+        if not version.endswith(f"+{PRESENT}"):
+            keep.append(item)
     return keep
 
 
-def download(args, out: Path, requirements: list[str]) -> None:
-    if requirements:
-        pip("download", "--no-deps", "--quiet", *target_options(args), "-d", str(out), *requirements)
+def download(out: Path, items: list[dict]) -> None:
+    """The wheel of each of the resolution's ``items`` from the address pip resolved it to, checked
+    against the index's sha256: a ``pip download`` of the same names would ask the index about each
+    of them again (10 s of a 30 s wheelhouse) to find the same files."""
+    for item in items:
+        info = item["download_info"]
+        url = info["url"]
+        wheel = out / urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response:
+                data = response.read()
+        except OSError as error:
+            raise SystemExit(f"wheelhouse: downloading {url} failed: {error}") from None
+        expected = info.get("archive_info", {}).get("hashes", {}).get("sha256")
+        if expected and hashlib.sha256(data).hexdigest() != expected:
+            raise SystemExit(f"wheelhouse: {url}: its sha256 is not the index's {expected}")
+        wheel.write_bytes(data)
 
 
 def size_mib(directory: Path) -> float:
@@ -231,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         present.pop(PROJECT, None)  # the wheelhouse's own build replaces it
         for name in sdist_only.keys() - present.keys():
             build_from_sdist(args.out, sdist_only[name])
-        download(args, args.out, lacking_from_freeze(args, args.out, present))
+        download(args.out, lacking_from_freeze(args, args.out, present))
     else:
         wanted = {requirement_name(r): r for r in args.missing}
         for name, requirement in sdist_only.items():  # named, or needed by what is named: built first,
             if name in wanted or NEEDED_BY.get(name) in wanted:  # so that the resolution finds them
                 build_from_sdist(args.out, wanted.get(name, requirement))
-        download(args, args.out, lacking_from_names(args, args.out, args.missing, own))
+        download(args.out, lacking_from_names(args, args.out, args.missing, own))
     wheels = sorted(f.name for f in args.out.glob("*.whl"))
     size = size_mib(args.out)
     print("\n".join(wheels))

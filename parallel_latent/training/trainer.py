@@ -24,7 +24,9 @@ Per optimizer step, every rank:
    Statistics stay on the device and are reduced once per log line.
 
 A SIGTERM or SIGINT (SLURM preemption, Ctrl-C) finishes the current step, writes a checkpoint
-and returns normally (exit 0).  ``training.max_nonfinite_steps`` consecutive skipped steps raise
+and returns normally (exit 0); during start-up, with no step to finish and nothing new to save, it
+has its usual effect at once (a rank that is still starting when its job is torn down leaves then,
+not at the launcher's SIGKILL 30 s later).  ``training.max_nonfinite_steps`` consecutive skipped steps raise
 :class:`NonFiniteTrainingError`; no checkpoint is published during such a streak, so ``latest``
 names weights from before it.
 """
@@ -98,14 +100,21 @@ class StepOutcome:
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag that the training loop polls once per step (a second SIGINT
-    interrupts at once, as usual)."""
+    """Once training has begun, SIGTERM / SIGINT set a flag that the training loop polls once per
+    step (a second SIGINT interrupts at once, as usual); before, they do what they did before this
+    was installed, at once."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self.training = False
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum, frame) -> None:
+        if not self.training:
+            previous = self._previous[signum]  # None: not set from Python, the default
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            signal.raise_signal(signum)
+            return
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
@@ -353,6 +362,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------ #
 
     def run(self, stop: StopRequest) -> TrainResult:
+        stop.training = True
         training = self.cfg.training
         window, final_eval, eval_step, stopped_by = self._new_window(), None, -1, "max_steps"
         if self.step >= training.max_steps:

@@ -10,6 +10,7 @@ torn down (the others may be blocked in a collective) and the traceback is re-ra
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import socket
@@ -19,6 +20,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from parallel_latent.cli import GC_THRESHOLD
 
 TASK_TIMEOUT_S = float(os.environ.get("PL_TEST_TASK_TIMEOUT", "300"))
 
@@ -57,6 +60,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, env: dict) ->
         }
     )
     limit_threads()
+    gc.set_threshold(*GC_THRESHOLD)
     import torch.distributed as dist
 
     dist.init_process_group(

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import re
+import signal
 
 import pytest
 import torch
@@ -355,3 +356,33 @@ def test_tensorboard_events_when_installed(tmp_path):
     events.Reload()
     assert set(events.Tags()["scalars"]) == {"train/loss", "eval/eval_loss"}
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (3, 0.333)]
+
+
+def test_a_signal_before_training_does_what_it_did_before_and_after_it_asks_the_loop_to_stop():
+    """Before the loop there is no step to finish and nothing new to save: SIGTERM and SIGINT do at
+    once what they did before the request was installed (here: record it, and KeyboardInterrupt), so
+    a rank still starting when its job is torn down leaves then. Once the loop runs they set the
+    flag it polls, and a second SIGINT interrupts."""
+    from parallel_latent.training.trainer import StopRequest
+
+    seen = []
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}  # fmt: skip
+    try:
+        starting = StopRequest()
+        with starting.installed():
+            signal.raise_signal(signal.SIGTERM)
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert seen == [signal.SIGTERM] and not starting.requested
+        training = StopRequest()
+        with training.installed():
+            training.training = True
+            signal.raise_signal(signal.SIGTERM)
+            assert training.signal_name == "SIGTERM" and seen == [signal.SIGTERM]
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
