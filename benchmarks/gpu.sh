@@ -40,14 +40,12 @@ interpreter() {
 
 # pip's own output stays in a log: the one line says what went wrong. No configuration file either
 # (--isolated alone still reads the machine-wide ones): their find-links would be a second source.
-# --no-compile: the runs compile what they import (pip would compile all of pandas and DeepSpeed
-# first, a third of the install).
 install_wheelhouse() {
     local wheelhouse=$1 log
     [[ -d "$wheelhouse" ]] || { echo "gpu.sh: --wheelhouse $wheelhouse: not a directory" >&2; exit 1; }
     prefix=$(mktemp -d "${TMPDIR:-/tmp}/parallel-latent-prefix.XXXXXX")
     log="$prefix.pip.log"
-    if ! PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install --no-compile --no-index --find-links "$wheelhouse" --prefix "$prefix" \
+    if ! PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip --isolated install --no-index --find-links "$wheelhouse" --prefix "$prefix" \
         --no-warn-script-location 'parallel-latent[gpu]' >"$log" 2>&1; then
         echo "gpu.sh: installing from $wheelhouse with $PYTHON failed: $(grep -m1 ERROR "$log" || tail -n1 "$log") (log: $log)" >&2
         exit 1
