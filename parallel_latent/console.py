@@ -270,6 +270,10 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
         if exit_code == ExitStatus.FAILURE:
             lines.insert(0, f"{PROG}: traceback of rank {rank}: {_rank_log(log_dir, rank)}")
         return lines, exit_code
+    if failure.exitcode == -signal.SIGTERM:  # every rank's: the job was stopped from outside (a Ctrl-C
+        # forwarded by `train --nproc`, the cluster) during start-up, when a signal has its usual effect
+        line = error_line("stopped by SIGTERM during start-up, before the first step (nothing to save)")
+        return [line], 128 + signal.SIGTERM
     if failure.exitcode == -signal.SIGKILL:
         how = "was killed by SIGKILL (out of memory?)"
     elif failure.exitcode < 0:

@@ -5,6 +5,7 @@ faults injected into one rank by tests/helpers/worker_faults/sitecustomize.py.""
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,24 @@ def test_a_rank_that_stops_for_another_rank_s_failure_reports_that_rank_and_reas
     assert status == ExitStatus.FAILURE
     assert lines[-1] == "parallel-latent: error: rank 1: RuntimeError: injected fault in shard 1"
     assert lines[0] == f"parallel-latent: traceback of rank 1: {tmp_path / 'rank1.log'}"
+
+
+def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_start_up(tmp_path):
+    """torchrun's teardown sends SIGTERM to the ranks beside one that failed; only a stop from
+    outside (a Ctrl-C that `train --nproc` forwards, the cluster's SIGTERM) ends every rank with it,
+    and only during start-up, when the signal has its usual effect: one line, and the shell's 143."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from parallel_latent.console import _root_cause, failure_lines
+    from parallel_latent.errors import PROG
+
+    stopped = {rank: ProcessFailure(rank, 1000 + rank, -signal.SIGTERM, str(tmp_path / "none")) for rank in (0, 1)}
+    lines, status = failure_lines(*_root_cause(ChildFailedError("train", stopped)), tmp_path)
+    assert lines == [f"{PROG}: error: stopped by SIGTERM during start-up, before the first step (nothing to save)"]
+    assert status == 128 + signal.SIGTERM
+    killed = {**stopped, 1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none"))}
+    lines, status = failure_lines(*_root_cause(ChildFailedError("train", killed)), tmp_path)
+    assert lines == ["parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 1
 
 
 ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
