@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,6 +99,8 @@ def body(args, report: Report) -> None:
         output, _ = job.communicate(timeout=600)
     finally:
         job.kill()
+        job.wait()
+        shutil.rmtree(scratch, ignore_errors=True)  # its run directory, checkpoints and all
     if job.returncode != 0:
         raise RuntimeError(f"the restarted job ended with status {job.returncode}: {output[-2000:]}")
     [line] = [line for line in output.splitlines() if line.startswith("restart 1 of 1")]
