@@ -152,7 +152,7 @@ def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_st
     assert status == 128 + signal.SIGTERM
     killed = {**stopped, 1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none"))}
     lines, status = failure_lines(*_root_cause(ChildFailedError("train", killed)), tmp_path)
-    assert lines == ["parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 1
+    assert lines == [f"{PROG}: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 1
 
 
 ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}

@@ -39,6 +39,7 @@ import tempfile
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,11 +151,17 @@ def lacking_from_freeze(args, out: Path, present: dict[str, str]) -> list[dict]:
         pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report), "--target",
             str(stand_ins / "target"), *target_options(args), "--find-links", str(out), "--find-links",
             str(stand_ins), "-c", str(constraints), f"{PROJECT}[gpu]")  # fmt: skip
-        resolved = json.loads(report.read_text())["install"]
+        return to_download(json.loads(report.read_text())["install"])
+
+
+def to_download(items: list[dict], also_skipped: Callable[[str], bool] = lambda name: False) -> list[dict]:
+    """The items of pip's report that the wheelhouse downloads: neither a stand-in for what the
+    node has, nor the project or an sdist built here, nor a name ``also_skipped`` says."""
     return [
-        item for item in resolved
+        item for item in items
         if not item["metadata"]["version"].endswith(f"+{PRESENT}")
-        and canonical(item["metadata"]["name"]) not in {PROJECT, *SDIST_ONLY}
+        and (name := canonical(item["metadata"]["name"])) not in {PROJECT, *SDIST_ONLY}
+        and not also_skipped(name)
     ]  # fmt: skip
 
 
@@ -183,14 +190,8 @@ def lacking_from_names(args, out: Path, requirements: list[str], own: dict[str, 
     requirements (the node has them: they were not named), torch's stack and the sdist-only ones."""
     named = {requirement_name(r) for r in requirements}
     assumed = own.keys() - named
-    keep = []
-    for item in resolved(args, requirements, [out], assumed):
-        name, version = canonical(item["metadata"]["name"]), item["metadata"]["version"]
-        if name in assumed or name in SDIST_ONLY or name == PROJECT or TORCH_STACK.fullmatch(name):
-            continue
-        if not version.endswith(f"+{PRESENT}"):
-            keep.append(item)
-    return keep
+    items = resolved(args, requirements, [out], assumed)
+    return to_download(items, lambda name: name in assumed or TORCH_STACK.fullmatch(name) is not None)
 
 
 def download(out: Path, items: list[dict]) -> None:
