@@ -32,7 +32,7 @@ GOALS = {
     # LD4LG's BART-base figure on ROCStories at 32 floats per token (ours: the bundled corpus).
     "compressed.yaml": {"token_accuracy": 0.99, "bleu": 97.6, "wall_s": 1200.0},
 }
-# The latent evaluations shown beside them (parallel_latent.latent_space), where a run has them.
+# The latent evaluations shown beside them (parallel_latent.evaluation.latent_space), where a run has them.
 LATENT = {
     "floats_per_token": "eval_floats_per_token",
     "length_accuracy": "eval_length_accuracy",

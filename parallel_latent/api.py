@@ -38,14 +38,14 @@ from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
 from parallel_latent.console import report_hang
 from parallel_latent.data import tokenize_samples
-from parallel_latent.latent_space import LatentStats
+from parallel_latent.evaluation.latent_space import LatentStats
+from parallel_latent.evaluation.records import detokenize
 from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import device_kind, init_distributed
-from parallel_latent.quality import detokenize
 from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
@@ -73,7 +73,6 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
     with random_features_unannounced():  # every weight is loaded next: the warning does not apply
         model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
     load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
-    model.latent_stats = LatentStats.from_dict(manifest.get("latent_stats"))
     return model.eval()
 
 
@@ -111,10 +110,16 @@ class TextAutoencoder:
     """A :class:`LatentAutoencoder` and its tokenizer. Every method runs the model in eval mode and
     leaves its mode as it found it (a trainer can call them between steps)."""
 
-    def __init__(self, model: LatentAutoencoder, tokenizer, source: Path | None = None):
+    def __init__(
+        self, model: LatentAutoencoder, tokenizer, source: Path | None = None, latent_stats: LatentStats | None = None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.source = source  # the directory it was loaded from: save_pretrained's model card reads its record
+        # The latents' per-feature mean and standard deviation [k] at the checkpoint's last
+        # evaluation (see :mod:`parallel_latent.evaluation.latent_space`); None for checkpoints
+        # written before they were recorded. save_pretrained records them again.
+        self.latent_stats = latent_stats
 
     @classmethod
     def from_checkpoint(
@@ -127,7 +132,8 @@ class TextAutoencoder:
         def load(directory: Path) -> TextAutoencoder:
             manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
             model = load_autoencoder(directory, tp_group)
-            return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), source=directory)
+            stats = LatentStats.from_dict(manifest.get("latent_stats"))
+            return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), directory, stats)
 
         # A run that trains meanwhile may prune the checkpoint found first: the newest is read.
         autoencoder = read_newest(path, load)
@@ -169,13 +175,6 @@ class TextAutoencoder:
         with eval_mode(self.model):
             latents = self.model.encode(input_ids, attention_mask)
         return Latents(latents, attention_mask, batch.truncated)
-
-    @property
-    def latent_stats(self) -> LatentStats | None:
-        """The latents' per-feature mean and standard deviation [k] at the checkpoint's last
-        evaluation (see :mod:`parallel_latent.latent_space`); None for checkpoints written before
-        they were recorded."""
-        return self.model.latent_stats
 
     @torch.no_grad()
     def decode_ids(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -50,12 +50,21 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
             "parallel_latent.config",
             "parallel_latent.latents",
             "parallel_latent.pretrained",
-            "parallel_latent.inference",
+            "parallel_latent.evaluation",
             "parallel_latent.deepspeed_patches",
             *USERS,
         ),
     ),
-    ("model", ("parallel_latent.checkpoint", "parallel_latent.latents", "parallel_latent.pretrained", *USERS)),
+    (
+        "model",
+        (
+            "parallel_latent.checkpoint",
+            "parallel_latent.latents",
+            "parallel_latent.pretrained",
+            "parallel_latent.evaluation",
+            *USERS,
+        ),
+    ),
     (
         "checkpoint",
         (
@@ -64,12 +73,14 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
             "parallel_latent.data",
             "parallel_latent.latents",
             "parallel_latent.pretrained",
+            "parallel_latent.evaluation",
             *USERS,
         ),
     ),
     ("data", ("parallel_latent.latents", "parallel_latent.pretrained", *USERS)),
-    ("latents", ("parallel_latent.inference", *USERS)),
-    ("pretrained", ("parallel_latent.inference", "parallel_latent.latents", *USERS)),
+    ("latents", ("parallel_latent.evaluation", *USERS)),
+    ("pretrained", ("parallel_latent.evaluation", "parallel_latent.latents", *USERS)),
+    ("evaluation", USERS),
 ]
 
 
@@ -133,26 +144,19 @@ def test_no_import_inside_a_function_of_the_checkpoint_package():
 
 # Library modules that the commands and the API use, and so may not import them back.
 LIBRARY_DOES_NOT_IMPORT = {
-    "inference.py": ("parallel_latent.api", "parallel_latent.cli"),
-    "api.py": ("parallel_latent.cli", "parallel_latent.inference"),
+    "api.py": ("parallel_latent.cli", "parallel_latent.evaluation.held_out", "parallel_latent.evaluation.periodic"),
     "training/trainer.py": ("parallel_latent.cli", "parallel_latent.api"),
     "training/startup.py": (
         "parallel_latent.cli",
         "parallel_latent.api",
         "parallel_latent.training.trainer",
-        "parallel_latent.training.evaluation",
+        "parallel_latent.evaluation",
     ),
     "training/world.py": (
         "parallel_latent.cli",
         "parallel_latent.training.engine",
         "parallel_latent.training.startup",
         "parallel_latent.training.trainer",
-    ),
-    "training/evaluation.py": (
-        "parallel_latent.cli",
-        "parallel_latent.api",
-        "parallel_latent.training.trainer",
-        "parallel_latent.training.startup",
     ),
     # The watchdog reads files and writes stacks: nothing of the job it watches, not even torch.
     "training/watchdog.py": (

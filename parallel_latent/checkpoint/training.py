@@ -73,12 +73,12 @@ def _rng_file(step_dir: Path, rank: int) -> Path:
     return step_dir / layout.RNG_DIR / f"rank_{rank:05d}.json"
 
 
-def _tensor_facts(engine, model, tp_size: int) -> dict[str, Any]:
-    """What the conversion to the universal state needs beyond DeepSpeed's files: the model's record,
-    how each tensor is split over TP, the optimizer's class and (ZeRO-0) which parameter each
-    optimizer slot holds."""
+def _tensor_facts(engine, model, tp_size: int, record_keywords: dict | None = None) -> dict[str, Any]:
+    """What the conversion to the universal state needs beyond DeepSpeed's files: the model's record
+    (given ``record_keywords``), how each tensor is split over TP, the optimizer's class and (ZeRO-0)
+    which parameter each optimizer slot holds."""
     table, aliases = tensor_table(model, tp_size)
-    facts: dict[str, Any] = {"model_record": model_record(model), "tensors": table, "aliases": aliases}
+    facts: dict[str, Any] = {"model_record": model_record(model, record_keywords), "tensors": table, "aliases": aliases}
     try:
         optimizer = base_optimizer(engine)
     except CheckpointError:

@@ -99,7 +99,7 @@ def cmd_interpolate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from parallel_latent.data import read_samples
-    from parallel_latent.inference import evaluate_held_out, evaluate_texts
+    from parallel_latent.evaluation.held_out import evaluate_held_out, evaluate_texts
 
     autoencoder = _load(args)
     if args.data:  # any corpus, e.g. out-of-domain text

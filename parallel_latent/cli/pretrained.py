@@ -13,7 +13,7 @@ def save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: st
     from parallel_latent import pretrained
     from parallel_latent.api import TextAutoencoder
     from parallel_latent.checkpoint import require_empty_output
-    from parallel_latent.inference import evaluate_held_out
+    from parallel_latent.evaluation.held_out import evaluate_held_out
 
     require_empty_output(out)  # before loading anything
     autoencoder = TextAutoencoder.from_pretrained(checkpoint)

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
-from parallel_latent.latent_space import LatentStats
 from parallel_latent.parallel import (
     CompiledWithFallback,
     CompileOutcome,
@@ -129,19 +128,18 @@ class LatentAutoencoder(nn.Module):
             tp_group=tp_group,
         )  # fmt: skip
         mark_replicated(self)
-        # The latents' per-feature statistics at the last evaluation (the trainer's evaluator sets
-        # them, a loader reads them back): every checkpoint records them for downstream models.
-        self.latent_stats: LatentStats | None = None
 
-    def checkpoint_record(self) -> dict:
+    def checkpoint_record(self, latent_stats=None) -> dict:
         """What a checkpoint records about this model beyond its tensors: enough to rebuild it
-        (the GPT-2 from its recorded shape, no hub needed) and to tell another model from it."""
+        (the GPT-2 from its recorded shape, no hub needed) and to tell another model from it; and
+        the statistics of its latents that whoever saves it measured (``latent_stats``, anything
+        with ``to_dict()``: the evaluation's ``LatentStats``), for downstream models."""
         return {
             "model_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "model_config": dataclasses.asdict(self.model_cfg),
             "feature_model_config": dataclasses.asdict(self.feature_cfg),
             "feature_model_architecture": self.feature_model.architecture(),
-            "latent_stats": None if self.latent_stats is None else self.latent_stats.to_dict(),
+            "latent_stats": None if latent_stats is None else latent_stats.to_dict(),
         }
 
     def checkpoint_mismatch(self, record: dict) -> str | None:

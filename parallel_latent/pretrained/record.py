@@ -29,7 +29,7 @@ METRICS = [  # (key in an evaluation record, model-index metric type, display na
     ("exact_match", "exact_match", "Exact match"),
     ("bleu", "bleu", "BLEU"),
 ]
-# The latent evaluations (parallel_latent.latent_space), by their names without the trainer's eval_
+# The latent evaluations (parallel_latent.evaluation.latent_space), by their names without the trainer's eval_
 # prefix, as the card's second table shows them.
 LATENT_METRICS = (
     "floats_per_token", "compression", "length_accuracy",

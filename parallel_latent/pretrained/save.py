@@ -49,7 +49,8 @@ def save_pretrained(
     autoencoder, directory: str | Path, *, record: TrainingRecord | None = None, repo_id: str | None = None
 ) -> Path:
     """Write ``autoencoder`` (a :class:`parallel_latent.api.TextAutoencoder`) as a pretrained
-    directory (see :mod:`.layout`); ``record`` defaults to what its source checkpoint says.
+    directory (see :mod:`.layout`); ``record`` defaults to what its source checkpoint says, and the
+    latents' statistics recorded are the autoencoder's (``latent_stats``).
 
     Under a process group it is collective: every rank calls it (each TP rank contributes its
     slices; global rank 0 assembles and publishes). ``directory`` must be new or empty; the files
@@ -72,6 +73,7 @@ def save_pretrained(
             tokenizer_facts(autoencoder.tokenizer),
             getattr(model, "tp_group", None),
             step=record.steps,
+            record_keywords={"latent_stats": getattr(autoencoder, "latent_stats", None)},
         )
         if is_main():
             try:

@@ -8,7 +8,7 @@ checkpoint.
   build nothing (``train --nproc`` runs them before it launches a rank, without transformers or
   DeepSpeed);
 - :mod:`.engine`: the DeepSpeed config, optimizer, schedule and ``deepspeed.initialize``;
-- :mod:`.evaluation`: the periodic held-out evaluation;
+- the periodic held-out evaluation that the trainer runs is :mod:`parallel_latent.evaluation.periodic`;
 - :mod:`.metrics`, :mod:`.flops`, :mod:`.report`: metric sinks and records, FLOPs and MFU, the
   banner and the summary;
 - :mod:`.watchdog`: the hang watchdog; :mod:`.run_lock`: one job per run directory;

@@ -28,12 +28,12 @@ __all__ = ["Checkpointer"]
 
 class Checkpointer:
     """The checkpoints of one run (``run``: a :class:`.startup.Run`). ``state``: what the trainer
-    keeps beside the engine's state (its ``state_dict``); ``before_save(step)``: what must be
-    measured first (the latent statistics a checkpoint records)."""
+    keeps beside the engine's state (its ``state_dict``); ``latent_stats_at(step)``: the latents'
+    statistics that a checkpoint of ``step`` records (measured first if need be; collective)."""
 
-    def __init__(self, run: Any, state: Callable[[], dict], before_save: Callable[[int], Any]):
+    def __init__(self, run: Any, state: Callable[[], dict], latent_stats_at: Callable[[int], Any]):
         self.run, self.cfg = run, run.cfg
-        self.state, self.before_save = state, before_save
+        self.state, self.latent_stats_at = state, latent_stats_at
         self.saved_step: int | None = None  # the step of the last save started
         self.last_step: int | None = None  # the last complete checkpoint's step, and its directory
         self.last_path: Path | None = None
@@ -65,10 +65,10 @@ class Checkpointer:
         run, checkpoint = self.run, self.cfg.checkpoint
         run.progress.enter("save")
         self.finish()
-        self.before_save(step)
         arguments = dict(
             model=run.model, cfg=self.cfg, tokenizer_facts=run.tokenizer_facts, keep_last=checkpoint.keep_last,
             export_portable=checkpoint.export_portable, tp_group=run.state.tp_group,
+            record_keywords={"latent_stats": self.latent_stats_at(step)},
         )  # fmt: skip
         directory, state = checkpoints_dir(run.run_dir), self.state()
         if checkpoint.background:

@@ -162,7 +162,7 @@ class Window:
     loss, accuracy and exact match (this rank's, on the device) count only the steps that were
     applied (a skipped step's non-finite loss would turn the window's means into NaN)."""
 
-    stats: torch.Tensor  # the statistics vector (parallel_latent.quality's layout) on the device
+    stats: torch.Tensor  # the statistics vector (parallel_latent.evaluation.totals) on the device
     steps: int = 0
     seconds: float = 0.0
     tokens_processed: float = 0.0

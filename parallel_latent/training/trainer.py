@@ -51,10 +51,10 @@ from parallel_latent.config import Config
 from parallel_latent.data import ShardedBatchSampler
 from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches, to_device
 from parallel_latent.errors import ExitStatus, one_line
-from parallel_latent.quality import LOSS_SUM, NUM_STATS, SAMPLES, output_totals
+from parallel_latent.evaluation.periodic import EvaluatedRun, Evaluator
+from parallel_latent.evaluation.totals import LOSS_SUM, NUM_STATS, SAMPLES, output_totals, reduce_stats
 
 from .checkpointer import Checkpointer
-from .evaluation import Evaluator, reduce_stats
 from .flops import model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
 from .metrics import (
     MetricsLogger,
@@ -92,7 +92,7 @@ class TrainResult:
 
 @dataclass
 class StepOutcome:
-    stats: torch.Tensor  # this rank's statistics of the step (parallel_latent.quality's layout), on the device
+    stats: torch.Tensor  # this rank's statistics of the step (parallel_latent.evaluation.totals), on the device
     applied: bool  # False: DeepSpeed skipped a non-finite update
     stop: bool  # some rank received SIGTERM / SIGINT
     tokens: float  # non-pad tokens of the step's global batch
@@ -167,6 +167,14 @@ class NonFiniteWatch:
             )
 
 
+def evaluated_run(run: Run) -> EvaluatedRun:
+    """What the periodic evaluation reads of ``run``."""
+    return EvaluatedRun(
+        engine=run.engine, model=run.model, tokenizer=run.tokenizer, eval_set=run.eval_set, state=run.state,
+        training=run.cfg.training, max_length=run.cfg.model.max_length, run_dir=run.run_dir, is_main=run.is_main,
+    )  # fmt: skip
+
+
 class Trainer:
     """The training loop of one rank over a started :class:`Run`: the step, the data feeding, the
     stop vote, checkpoints, and when to log, evaluate and save."""
@@ -184,7 +192,7 @@ class Trainer:
         )  # fmt: skip
         self.prefetcher: BatchPrefetcher | None = None
         self.step, self.step_lr = 0, math.nan
-        self.evaluator = Evaluator(run)
+        self.evaluator = Evaluator(evaluated_run(run))
         self.checkpointer = Checkpointer(run, self.state_dict, self.evaluator.latent_stats_at)
         self.nonfinite = NonFiniteWatch(self.cfg)
         features = self.model.feature_model  # the GPT-2 that was loaded, not the YAML's widths

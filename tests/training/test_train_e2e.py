@@ -171,8 +171,8 @@ def test_every_evaluation_measures_the_latent_space_and_every_checkpoint_records
     """metrics.jsonl carries the latent evaluations under their names; the checkpoint (and the
     model loaded from it) carries the per-feature statistics of its own step, one per feature."""
     from parallel_latent.api import TextAutoencoder
+    from parallel_latent.evaluation.latent_space import NOISE_LEVELS
     from parallel_latent.files import read_jsonl
-    from parallel_latent.latent_space import NOISE_LEVELS
 
     last = [r for r in read_jsonl(run_a / "metrics.jsonl") if r["kind"] == "eval"][-1]
     width = 32  # TINY_MODEL's d_model: no bottleneck, one latent per position

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_latent.quality import corpus_bleu, position_accuracy
+from parallel_latent.evaluation.bleu import corpus_bleu
+from parallel_latent.evaluation.records import position_accuracy
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 
 PAIRS = [  # (reconstruction, input): lower case, no punctuation, so 13a tokenisation is str.split

@@ -9,15 +9,16 @@ import math
 import torch
 
 from parallel_latent.config import ModelConfig
-from parallel_latent.inference import EvaluationWorld, latent_space_metrics, score_samples
-from parallel_latent.latent_space import (
+from parallel_latent.evaluation.latent_space import (
     NOISE_LEVELS,
     LatentMoments,
     LatentStats,
     latent_size_metrics,
+    latent_space_metrics,
     noise_for,
     noised,
 )
+from parallel_latent.evaluation.scoring import EvaluationWorld, score_samples
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.autoencoder_tp import COMPRESSED

@@ -1,52 +1,72 @@
 """The trainer's periodic held-out evaluation: when it is due, its numbers (loss, token accuracy, exact
 match, BLEU, the per-position accuracy and the latent evaluations, the same on every rank), the
-reconstructions it keeps and their file. It scores with :func:`parallel_latent.inference.score_samples`,
-the loop ``parallel-latent evaluate`` runs too. The trainer asks :meth:`Evaluator.due` at every
-step; the evaluator decides.
+reconstructions it keeps and their file, and the latents' statistics that a checkpoint records. It
+scores with :func:`.scoring.score_samples`, the loop ``parallel-latent evaluate`` runs too. The
+trainer asks :meth:`Evaluator.due` at every step; the evaluator decides.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parallel_latent.checkpoint.zero_access import gathered
+from parallel_latent.config import TrainingConfig
 from parallel_latent.data import get_batch
 from parallel_latent.data.prefetch import to_device
-from parallel_latent.inference import EvaluationWorld, Scored, latent_space_metrics, reconstruction_bleu, score_samples
-from parallel_latent.latent_space import LatentMoments, LatentStats
-from parallel_latent.model import eval_mode
-from parallel_latent.quality import (
-    SAMPLES,
-    position_accuracy,
-    reconstruction_metrics,
-    reconstruction_records,
-    truncation_note,
-)
+from parallel_latent.model import LatentAutoencoder, eval_mode
+from parallel_latent.parallel import ParallelState
 
-__all__ = ["Evaluator", "reduce_stats"]
+from .bleu import reconstruction_bleu
+from .latent_space import LatentMoments, LatentStats, latent_space_metrics
+from .records import position_accuracy, reconstruction_records, truncation_note
+from .scoring import EvaluationWorld, Scored, score_samples
+from .totals import SAMPLES, reconstruction_metrics, reduce_stats
+
+__all__ = ["EvaluatedRun", "Evaluator"]
+
+
+@dataclass
+class EvaluatedRun:
+    """What the periodic evaluation reads of a training run (the trainer builds it from its
+    :class:`parallel_latent.training.startup.Run`): the same on every rank but for each rank's
+    slices of the model and its DP rank."""
+
+    engine: torch.nn.Module  # the DeepSpeed engine: its forward (ZeRO-3 gathers), train/eval mode, device
+    model: LatentAutoencoder  # the engine's module: decode, its configs, its parameters
+    tokenizer: Any
+    eval_set: Any  # the held-out split
+    state: ParallelState  # the DP rank and size, the DP group, the TP size
+    training: TrainingConfig  # micro_batch_size and the eval_* settings
+    max_length: int  # model.max_length: how far a held-out sample is read
+    run_dir: Path
+    is_main: bool
 
 
 class Evaluator:
-    """The periodic evaluation of one run (``run``: :class:`parallel_latent.training.startup.Run`). Its subset
-    is the first ``eval_batches * micro_batch * dp_size`` held-out samples, rounded down to a
-    multiple of dp_size: DP rank r takes the r-th contiguous share, so every rank runs the same
-    number of forwards (ZeRO-3 gathers parameters over DP)."""
+    """The periodic evaluation of one run. Its subset is the first ``eval_batches * micro_batch *
+    dp_size`` held-out samples, rounded down to a multiple of dp_size: DP rank r takes the r-th
+    contiguous share, so every rank runs the same number of forwards (ZeRO-3 gathers parameters
+    over DP)."""
 
-    def __init__(self, run: Any):
-        self.run, self.cfg, self.state = run, run.cfg, run.state
-        self.micro_batch = run.cfg.training.micro_batch_size
+    def __init__(self, run: EvaluatedRun):
+        self.run, self.training, self.state = run, run.training, run.state
+        self.micro_batch = run.training.micro_batch_size
         # The first ``training.eval_reconstructions`` samples of the last evaluation, with their
         # reconstructions (rank 0), and its step.
         self.examples: list[dict] = []
         self.examples_step: int | None = None
+        # The latents' statistics last measured (by an evaluation, or for a checkpoint), with their step.
+        self.latent_stats: LatentStats | None = None
 
     def due(self, step: int) -> bool:
-        every = self.cfg.training.eval_every
+        every = self.training.eval_every
         return bool(every and step % every == 0)
 
     def evaluate(self, step: int) -> dict[str, float] | None:
@@ -62,13 +82,13 @@ class Evaluator:
         try:
             scored = self._score_my_share(total, first)
             with gathered(run.model.parameters()):
-                latent_metrics, self.run.model.latent_stats = latent_space_metrics(
+                latent_metrics, self.latent_stats = latent_space_metrics(
                     scored, run.model.decode, self._world(), held_out["input_ids"], held_out["attention_mask"],
                     self.micro_batch, run.engine.device, first,
                 )  # fmt: skip
         finally:
             run.engine.train()
-        self.run.model.latent_stats.step = step
+        self.latent_stats.step = step
         totals = reduce_stats(scored.stats, run.engine.device, state.tp_size)
         predicted = self._gather_over_dp(scored.predictions)
         bleu = self._score_reconstructions(total, predicted, step)
@@ -84,7 +104,7 @@ class Evaluator:
     def _subset(self) -> tuple[int, int]:
         """(samples evaluated, the first of this DP rank's equal share of them)."""
         dp_size = self.state.dp_size
-        limit = self.cfg.training.eval_batches * self.micro_batch * dp_size
+        limit = self.training.eval_batches * self.micro_batch * dp_size
         total = min(len(self.run.eval_set), limit) // dp_size * dp_size
         return total, self.state.dp_rank * (total // dp_size)
 
@@ -99,9 +119,8 @@ class Evaluator:
     def latent_stats_at(self, step: int) -> LatentStats | None:
         """The latents' statistics of the weights at ``step`` (collective), which a checkpoint of
         ``step`` records: this step's evaluation's, else measured now on the evaluation's samples."""
-        model = self.run.model
-        if model.latent_stats is not None and model.latent_stats.step == step:
-            return model.latent_stats
+        if self.latent_stats is not None and self.latent_stats.step == step:
+            return self.latent_stats
         total, first = self._subset()
         if total == 0:
             return None
@@ -111,8 +130,8 @@ class Evaluator:
         finally:
             self.run.engine.train()
         moments = self._world().sum(LatentMoments.of(latents).as_tensor())
-        model.latent_stats = LatentMoments.from_tensor(moments).stats(total, step)
-        return model.latent_stats
+        self.latent_stats = LatentMoments.from_tensor(moments).stats(total, step)
+        return self.latent_stats
 
     def _world(self) -> EvaluationWorld:
         """This run's data-parallel ranks, each holding its share of the evaluated samples."""
@@ -158,7 +177,7 @@ class Evaluator:
                 run.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), cut
             )
             score[0] = reconstruction_bleu(records)
-            self.examples = records[: self.cfg.training.eval_reconstructions]
+            self.examples = records[: self.training.eval_reconstructions]
         dist.broadcast(score, src=0)
         return score.item()
 
@@ -177,7 +196,7 @@ class Evaluator:
             records = reconstruction_records(
                 run.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), self._truncated(count)
             )
-        note = truncation_note(self.cfg.model.max_length)
+        note = truncation_note(self.run.max_length)
         return [(r["input"] + (f" {note}" if r["truncated"] else ""), r["reconstruction"]) for r in records]
 
     def write_reconstructions(self, step: int, tensorboard=None) -> None:
@@ -202,12 +221,3 @@ class Evaluator:
                 for r in records
             ]
             tensorboard.add_text("eval/reconstructions", "\n".join(table), step)
-
-
-def reduce_stats(stats: torch.Tensor, device: torch.device, tp_size: int) -> torch.Tensor:
-    """Sum over the world, divided by TP: the ranks of a TP group hold identical statistics (same
-    samples, the loss is reduced over the vocabulary slices), so this is the sum over the
-    data-parallel group (on the host: the one read of these numbers)."""
-    reduced = stats.to(device, copy=True)
-    dist.all_reduce(reduced)
-    return reduced.cpu() / tp_size

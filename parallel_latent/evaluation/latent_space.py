@@ -1,6 +1,7 @@
 """What a model trained on the latents needs to know of them: their size against the text, their
 per-feature statistics (saved with every checkpoint, to standardise with), and how well they survive
-noise (a diffusion model's samples are never exact).
+noise (a diffusion model's samples are never exact); and the evaluation that measures the three
+(:func:`latent_space_metrics`).
 
 A latent sample is [N, k]: N latents (``model.num_latents``) of k features (``model.latent_dim``). A
 *feature* is one of the k: its statistics pool the N latents of every sample evaluated (every
@@ -18,12 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel_latent.model.autoencoder import length_mask, predicted_lengths
+
+from .bleu import corpus_bleu
+from .records import detokenize
+from .scoring import EvaluationWorld, Scored
+
 __all__ = [
     "NOISE_LEVELS",
     "NOISE_SEED",
     "LatentMoments",
     "LatentStats",
     "latent_size_metrics",
+    "latent_space_metrics",
     "noise_for",
     "noised",
 ]
@@ -131,3 +139,56 @@ def noised(latents: torch.Tensor, first_index: int, level: float, rms: float, se
         [noise_for(first_index + i, tuple(latents.shape[1:]), level, seed) for i in range(len(latents))]
     )
     return latents + (level * rms * noise).to(latents.device, latents.dtype)
+
+
+def decode_batches(decode, latents: torch.Tensor, attention_mask: torch.Tensor | None, batch_size: int, device):
+    """``decode(latents, mask)`` [S, T] ids of host latents in batches (``attention_mask`` None: the
+    predicted length), on the host."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, latents.shape[0], batch_size):
+            rows = slice(start, start + batch_size)
+            mask = None if attention_mask is None else attention_mask[rows].to(device)
+            out.append(decode(latents[rows].to(device), mask).cpu())
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def noise_scores(tokenizer, input_ids, attention_mask, predictions, pad_token_id: int, predict_length: bool):
+    """(token accuracy over the real tokens, corpus BLEU) of ``predictions`` [S, T] of noised
+    latents: a hypothesis ends at its predicted length where the model predicts one, else at its mask."""
+    real = attention_mask.bool().cpu()
+    correct = ((predictions.cpu() == input_ids.cpu()) & real).sum().item()
+    accuracy = correct / max(real.sum().item(), 1)
+    ends = length_mask(predicted_lengths(predictions, pad_token_id), predictions.shape[1])
+    hypotheses = detokenize(tokenizer, predictions, ends if predict_length else attention_mask)
+    return accuracy, corpus_bleu(hypotheses, detokenize(tokenizer, input_ids, attention_mask))
+
+
+def latent_space_metrics(
+    scored: Scored, decode, world: EvaluationWorld, input_ids, attention_mask, batch_size: int, device, first: int = 0
+) -> tuple[dict[str, float], LatentStats]:
+    """The latent evaluations: size, per-feature statistics and reconstruction from noised latents,
+    with the model's ``decode(latents, mask)``. ``scored``: this rank's share, samples ``first`` ..
+    of the evaluated ``input_ids`` [S, T] / ``attention_mask`` (all of them, on the host)."""
+    cfg = world.model_cfg
+    moments = LatentMoments.from_tensor(world.sum(LatentMoments.of(scored.latents).as_tensor()))
+    samples = input_ids.shape[0]
+    stats = moments.stats(samples)
+    rms = moments.global_rms()
+    metrics = {**latent_size_metrics(cfg, world.feature_width), **stats.metrics()}
+    share = slice(first, first + scored.latents.shape[0])
+    for level in NOISE_LEVELS:
+        latents = noised(scored.latents, first, level, rms, NOISE_SEED)
+        mask = None if cfg.predict_length else attention_mask[share]
+        predictions = world.gather(decode_batches(decode, latents, mask, batch_size, device))
+        accuracy, bleu = world.on_main(
+            lambda p=predictions: noise_scores(
+                world.tokenizer, input_ids, attention_mask, p, cfg.pad_token_id, cfg.predict_length
+            )
+        )
+        metrics[f"eval_token_accuracy_noise_{level}"] = accuracy
+        metrics[f"eval_bleu_noise_{level}"] = bleu
+    if cfg.predict_length:
+        exact = world.sum(torch.tensor([float(scored.length_exact)], dtype=torch.float64)).item()
+        metrics["eval_length_accuracy"] = exact / max(samples, 1)
+    return metrics, stats

@@ -10,10 +10,11 @@ from parallel_latent.checkpoint import save_portable
 from parallel_latent.cli import main
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.data import tokenize_samples
-from parallel_latent.inference import evaluate_texts
+from parallel_latent.evaluation.bleu import corpus_bleu
+from parallel_latent.evaluation.held_out import evaluate_texts
+from parallel_latent.evaluation.records import detokenize
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
-from parallel_latent.quality import corpus_bleu, detokenize
 from tests.helpers.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
