@@ -70,6 +70,11 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
     ("data", ("parallel_latent.latents", "parallel_latent.pretrained", *USERS)),
     ("latents", ("parallel_latent.inference", *USERS)),
     ("pretrained", ("parallel_latent.inference", "parallel_latent.latents", *USERS)),
+    # The process groups are told who the ranks are and where they meet: below the commands, nothing
+    # starts or watches rank processes or reads a launcher's environment (docs/CONTRACTS.md).
+    ("parallel", ("parallel_latent.launching",)),
+    ("model", ("parallel_latent.launching",)),
+    ("checkpoint", ("parallel_latent.launching",)),
 ]
 
 
