@@ -73,11 +73,11 @@ def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, 
 
     from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
     from parallel_latent.checkpoint.zero_access import HostCopies
-    from parallel_latent.parallel import init_distributed
+    from parallel_latent.launching.rendezvous import join_job
     from parallel_latent.training.engine import initialize_engine
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=1))
-    init_distributed(1, "gloo")
+    join_job(1, "gloo")
     engine = initialize_engine(model, cfg, 1).engine
     arguments = dict(model=model, cfg=cfg, keep_last=1, export_portable=True)
     sync, stall, whole, copies = [], [], [], HostCopies()  # reused from save to save, as the trainer does

@@ -89,11 +89,11 @@ def bench_throughput(
     from parallel_latent.api import TextAutoencoder
     from parallel_latent.data import open_for_training
     from parallel_latent.latents import export_latents, plan_export
+    from parallel_latent.launching.rendezvous import join_job
     from parallel_latent.model import eval_mode
-    from parallel_latent.parallel import init_distributed
 
     plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
-    init_distributed(1, "gloo")
+    join_job(1, "gloo")
     autoencoder = TextAutoencoder.from_checkpoint(plan.directory, device=device)
     data = open_for_training(plan.cfg, autoencoder.tokenizer, announce=False)
     batch_size, model = plan.export.batch_size, autoencoder.model

@@ -43,7 +43,7 @@ def rank_of(run_dir: Path, rank: int) -> int:
         except OSError:
             continue
         ours = f"RANK={rank}".encode() in environ and f"logging.run_dir={run_dir}".encode() in cmdline
-        if ours and b"parallel_latent" in cmdline and b"parallel_latent.console" not in cmdline:
+        if ours and b"parallel_latent" in cmdline and b"parallel_latent.launching.agent" not in cmdline:
             return int(entry.name)
     raise RuntimeError(f"rank {rank} not found")
 

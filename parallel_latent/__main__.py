@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from parallel_latent.console import redirect_worker_output
+from parallel_latent.launching.worker_logs import redirect_worker_output
 
 redirect_worker_output()  # a rank of `train --nproc` other than 0 writes to its log file, from the start
 

@@ -36,16 +36,17 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
 from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
-from parallel_latent.console import report_hang
 from parallel_latent.data import tokenize_samples
 from parallel_latent.evaluation.latent_space import LatentStats
 from parallel_latent.evaluation.records import detokenize
 from parallel_latent.latents import export_latents, plan_export
+from parallel_latent.launching.rendezvous import join_job
+from parallel_latent.launching.reports import report_hang
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
-from parallel_latent.parallel import device_kind, init_distributed
+from parallel_latent.parallel import device_kind
 from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
@@ -251,7 +252,7 @@ def encode_corpus(
     training = plan.cfg.training
     on_cuda = device_kind(training.device, "training.device") == "cuda"
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
-    state = init_distributed(plan.tensor_parallel, plan.cfg.parallel.backend, timeout_s, training.hang_long_phase_s)
+    state = join_job(plan.tensor_parallel, plan.cfg.parallel.backend, timeout_s, training.hang_long_phase_s)
     autoencoder = TextAutoencoder.from_checkpoint(
         plan.directory, tp_group=state.tp_group, device=state.device if on_cuda else None
     )

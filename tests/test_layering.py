@@ -81,6 +81,11 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
     ("latents", ("parallel_latent.evaluation", *USERS)),
     ("pretrained", ("parallel_latent.evaluation", "parallel_latent.latents", *USERS)),
     ("evaluation", USERS),
+    # The process groups are told who the ranks are and where they meet: below the commands, nothing
+    # starts or watches rank processes or reads a launcher's environment (docs/CONTRACTS.md).
+    ("parallel", ("parallel_latent.launching",)),
+    ("model", ("parallel_latent.launching",)),
+    ("checkpoint", ("parallel_latent.launching",)),
 ]
 
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitStatus.INTERRUPTED
     except Exception as error:
         status = exit_status(error)
-        if train.reports_per_rank(args):  # every rank of a training job meets it: console says it
+        if train.reports_per_rank(args):  # every rank of a training job meets it: launching.reports says it
             return train.report_rank_failure(error, status)
         if status is ExitStatus.FAILURE:
             raise  # unexpected: Python's own traceback

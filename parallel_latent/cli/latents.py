@@ -13,7 +13,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from parallel_latent.cli.train import PER_RANK, _launch_local, _prefer_cpu_accelerator, under_launcher
+from parallel_latent.cli.train import PER_RANK, _prefer_cpu_accelerator
 from parallel_latent.errors import ExitStatus, UsageError
 
 
@@ -26,6 +26,8 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
     from parallel_latent.latents import WORK_DIR, index_summary, output_state, plan_export
+    from parallel_latent.launching.cluster import under_launcher
+    from parallel_latent.launching.local import launch_local
     from parallel_latent.training.world import dp_size
 
     plan = plan_export(args.checkpoint, args.data, args.overrides)
@@ -38,7 +40,7 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
         if nproc > 1:
             # The ranks' logs go under DIR/.export/ (never into the export itself); once the export
             # is complete the launcher removes them with the rest of the work files.
-            status = _launch_local(nproc, _rank_argv(args), out / WORK_DIR)
+            status = launch_local(nproc, _rank_argv(args), out / WORK_DIR)
             if status == ExitStatus.OK:
                 shutil.rmtree(out / WORK_DIR, ignore_errors=True)
                 from parallel_latent.latents import open_latents
@@ -54,7 +56,7 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
     from parallel_latent.api import encode_corpus
     from parallel_latent.coordination import is_main
 
-    setattr(args, PER_RANK, True)  # from here on every rank reports its failure (console.report_failure)
+    setattr(args, PER_RANK, True)  # from here on every rank reports its failure (launching.reports.report_failure)
     index = encode_corpus(args.checkpoint, args.data, out, args.overrides)
     if is_main() and not under_launcher():
         print(f"wrote {out}: {index_summary(index)}")

@@ -1,7 +1,8 @@
-"""``parallel-latent train``: one rank of a training job, or the launcher of ``--nproc`` local ranks.
+"""``parallel-latent train``: one rank of a training job, or the launcher of ``--nproc`` local ranks
+(started and watched by :func:`parallel_latent.launching.local.launch_local`).
 
 A failure inside training is met by every rank of the job: :func:`report_rank_failure` hands it to
-the per-rank writer (:func:`parallel_latent.console.report_failure`), which says it once.
+the per-rank writer (:func:`parallel_latent.launching.reports.report_failure`), which says it once.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from parallel_latent.errors import ExitStatus, UsageError, require_file
@@ -20,12 +18,6 @@ from parallel_latent.errors import ExitStatus, UsageError, require_file
 # Set on the parsed arguments once training has started on this rank: from then on a failure is
 # reported per rank, and the process groups are torn down at the end.
 PER_RANK = "reports_per_rank"
-
-
-def under_launcher() -> bool:
-    """Started by torchrun / the deepspeed launcher / accelerate launch / mpirun (they set RANK
-    or OMPI_*).  A bare SLURM allocation does not count: its batch step is a plain shell."""
-    return "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ
 
 
 # --------------------------------------------------------------------------- #
@@ -55,117 +47,12 @@ def _load_train_config(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
-def _torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
-    """torchrun through the agent of :mod:`parallel_latent.console` (one line per failure), which
-    restarts the ranks up to ``max_restarts`` times when one fails."""
-    return [
-        sys.executable,
-        "-m",
-        "parallel_latent.console",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "-m",
-        "parallel_latent",
-        *argv,
-    ]
-
-
-def _children(pid: int) -> list[int]:
-    """Direct child processes of ``pid`` (Linux /proc scan; empty elsewhere)."""
-    children = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(entry.name))
-    return children
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the launched torchrun gets SIGTERM if this process dies (Linux only)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def _launch_local(
-    nproc: int, argv: list[str], run_dir: Path, lock=None, run_dir_existed: bool | None = None, max_restarts: int = 0
-) -> int:
-    """Run ``argv`` as ``nproc`` ranks on this machine under torchrun; return the exit status of
-    the first rank that failed (0 if none did).
-
-    torchrun runs in its own session so a terminal's Ctrl-C reaches only this process, which
-    forwards SIGTERM to the ranks themselves (not to the torchrun agent): they finish the step,
-    write a checkpoint and exit 0, and torchrun then exits 0 as well.  (Signalling the agent
-    instead makes it tear the ranks down and exit non-zero.)  A second Ctrl-C kills the ranks.
-
-    Rank 0 keeps the terminal; the other ranks, torchrun's messages and any traceback go to
-    ``RUN_DIR/logs/<time>/`` (see :mod:`parallel_latent.console`), and a failure ends with its
-    one line. Bad input (status 2) leaves no logs behind, nor a run directory made only for them.
-
-    ``lock``: the run directory's (:mod:`parallel_latent.training.run_lock`), held for the ranks (across
-    restarts), then released. ``max_restarts``: how often torchrun restarts every rank when one fails;
-    each restart resumes from the newest complete checkpoint, and says so in one line.
-    """
-    from parallel_latent.console import WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
-    from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV
-
-    log_dir, existed = open_worker_logs(run_dir)
-    env = {**os.environ, WORKER_LOGS_ENV: str(log_dir.resolve())}
-    env.update({HELD_BY_LAUNCHER_ENV: str(lock.path.resolve())} if lock is not None else {})
-    # One compute thread per rank unless told otherwise: ranks share the machine's cores.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    process = subprocess.Popen(
-        _torchrun_command(nproc, argv, max_restarts),
-        env=env,
-        start_new_session=True,
-        # A single prctl() call, and this process has started no thread.
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,  # noqa: PLW1509
-    )
-    signals_seen = 0
-
-    def forward(signum, frame):
-        nonlocal signals_seen
-        signals_seen += 1
-        ranks = _children(process.pid)
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM if signals_seen == 1 else signal.SIGKILL)
-        if not ranks:  # not Linux, or the ranks have not started yet: the agent handles it
-            process.send_signal(signal.SIGTERM)
-        elif signals_seen > 1:  # the user asked for it: no report of ranks "killed by SIGKILL"
-            process.kill()
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while True:
-            try:
-                status = process.wait()
-                break
-            except InterruptedError:
-                continue
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if lock is not None:
-            lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
-    close_worker_logs(log_dir, existed if run_dir_existed is None else run_dir_existed, status, ExitStatus.BAD_INPUT)
-    return 128 - status if status < 0 else status  # killed by a signal: the shell's convention
-
-
 def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     """``train --nproc N``: the run directory's lock first (torch-free: a second job on it is
     refused in seconds, before any work), then the checks in this one process (bad input costs one
     line and no launch, and leaves nothing behind), then the ranks."""
-    from parallel_latent.training.run_lock import acquire_run_lock
+    from parallel_latent.launching.local import launch_local
+    from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV, acquire_run_lock
 
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
@@ -185,7 +72,8 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # only if empty
         raise
-    return _launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts)
+    held = {HELD_BY_LAUNCHER_ENV: str(lock.path.resolve())} if lock is not None else {}  # rank 0 takes none of its own
+    return launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts, held)
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -198,6 +86,8 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from parallel_latent.launching.cluster import under_launcher
+
     deepspeed_overrides = _parse_overrides_json(args.deepspeed_overrides)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc={args.nproc} must be >= 1")
@@ -222,7 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
 
     _prefer_cpu_accelerator()
-    from parallel_latent.console import quiet_repeated_notices
+    from parallel_latent.launching.worker_logs import quiet_repeated_notices
     from parallel_latent.training.trainer import train
 
     quiet_repeated_notices()
@@ -239,7 +129,8 @@ def report_rank_failure(error: Exception, status: ExitStatus) -> int:
     """Deterministic input problems (ConfigError, DataError, CheckpointError, a path of the wrong
     kind), non-finite steps and a failed save hit every rank alike: one line. An unexpected failure
     in one process keeps Python's own traceback; under a launcher the rank names itself."""
-    from parallel_latent.console import report_failure
+    from parallel_latent.launching.cluster import under_launcher
+    from parallel_latent.launching.reports import report_failure
 
     if status is ExitStatus.FAILURE and not under_launcher():
         raise error

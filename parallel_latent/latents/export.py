@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from parallel_latent import coordination, files
-from parallel_latent.console import WORKER_LOGS_ENV
 from parallel_latent.data import open_for_training, resolve_source
 from parallel_latent.data.sources import read_split, samples_per_file
 from parallel_latent.errors import os_reason
+from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import eval_mode
 from parallel_latent.parallel import get_parallel_state
 

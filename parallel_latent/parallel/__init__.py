@@ -33,7 +33,6 @@ from .state import (
     get_parallel_state,
     init_distributed,
     initialize_model_parallel,
-    launcher_environment,
     release_model_parallel,
 )
 from .utils import (
@@ -71,7 +70,6 @@ __all__ = [
     "group_size",
     "init_distributed",
     "initialize_model_parallel",
-    "launcher_environment",
     "mark_replicated",
     "mark_sequence_parallel",
     "normal_init",

@@ -2,22 +2,22 @@
 
 This registry is the one piece of global mutable state in the project. TP groups are consecutive
 ranks (so they stay inside a node, where bandwidth is highest); DP groups take one rank of each
-TP group. Layers never read it: they receive their ``tp_group`` explicitly.
+TP group. Layers never read it: they receive their ``tp_group`` explicitly. Who the ranks are and
+the store where they meet are the caller's to say (:func:`init_distributed`); nothing here parses a
+launcher's environment.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from parallel_latent.errors import BadInput
-
-from .rendezvous import job_store
 
 
 @dataclass(frozen=True)
@@ -42,74 +42,6 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """``gpu[03-05,9],cpu1`` -> ``gpu03``: the host that runs rank 0 under srun."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """``SLURM_TASKS_PER_NODE`` (``8(x2),4``: 8 on each of two nodes, then 4) for node ``node_id``."""
-    counts = []
-    for part in tasks_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not match:
-            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts[min(node_id, len(counts) - 1)]
-
-
-def launcher_environment(env=None) -> dict:
-    """Rank facts from whichever launcher started us: torchrun, the deepspeed launcher and
-    ``accelerate launch`` set RANK/WORLD_SIZE/LOCAL_RANK; plain ``srun`` sets SLURM_*; ``mpirun``
-    sets OMPI_*. No launcher at all means a single process.
-
-    ``local_world_size`` is the number of processes on this node (None when the launcher does not
-    say): torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, SLURM's tasks per node,
-    Open MPI's local size."""
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local_rank = int(env.get("LOCAL_RANK", 0))
-        local_world = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
-        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local_rank = int(env.get("SLURM_LOCALID", 0))
-        local_world = env.get("SLURM_NTASKS_PER_NODE")
-        if not local_world and env.get("SLURM_TASKS_PER_NODE"):
-            local_world = slurm_tasks_on_node(env["SLURM_TASKS_PER_NODE"], int(env.get("SLURM_NODEID", 0)))
-        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000)
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"])
-        local_rank = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0))
-        local_world = env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
-    else:
-        return {
-            "rank": 0,
-            "world_size": 1,
-            "local_rank": 0,
-            "local_world_size": 1,
-            "master_addr": None,
-            "master_port": None,
-        }
-    return {
-        "rank": rank,
-        "world_size": world,
-        "local_rank": local_rank,
-        "local_world_size": int(local_world) if local_world else None,
-        "master_addr": addr,
-        "master_port": str(port),
-    }
 
 
 def select_device_index(local_rank: int, device_count: int) -> int:
@@ -202,39 +134,52 @@ def init_distributed(
     backend: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     startup_timeout_s: float | None = None,
+    *,
+    launcher: dict,
+    job_store: Callable,
 ) -> ParallelState:
-    """Join (or create) the default process group from the launcher's environment, then build
-    the TP and DP groups (every group, the gloo control group included, with ``timeout_s``). The
-    ranks meet in a store of this attempt's own (:mod:`.rendezvous`): every rank is there within
-    ``startup_timeout_s`` (default ``timeout_s``), or the job ends with one line naming the missing
-    ones. Safe to call when the default group already exists (tests, DeepSpeed)."""
+    """Join (or create) the default process group of the job that ``launcher`` describes (the rank
+    facts of :func:`parallel_latent.launching.cluster.launcher_environment`: rank, world_size,
+    local_rank, local_world_size, master_addr, master_port), then build the TP and DP groups (every
+    group, the gloo control group included, with ``timeout_s``). The ranks meet in the store that
+    ``job_store(launcher, startup_timeout_s or timeout_s, timeout)`` opens (this attempt's own:
+    :func:`parallel_latent.launching.rendezvous.job_store`, where every rank is there within
+    ``startup_timeout_s``, or the job ends with one line naming the missing ones). Safe to call when
+    the default group already exists (tests, DeepSpeed)."""
     if not dist.is_initialized():
-        env = launcher_environment()
         backend = _choose_backend(backend)
         device_id = None
         if backend == "nccl":
-            torch.cuda.set_device(select_device_index(env["local_rank"], torch.cuda.device_count()))
+            torch.cuda.set_device(select_device_index(launcher["local_rank"], torch.cuda.device_count()))
             device_id = torch.device("cuda", torch.cuda.current_device())  # communicators made now, not in step 1
         timeout = datetime.timedelta(seconds=timeout_s)
-        if env["world_size"] == 1 and env["master_addr"] is None:
+        if launcher["world_size"] == 1 and launcher["master_addr"] is None:
             store = dist.HashStore()  # no launcher: a private in-memory store, no port to pick
         else:
-            os.environ.setdefault("MASTER_ADDR", env["master_addr"])
-            os.environ.setdefault("MASTER_PORT", env["master_port"])
-            store = job_store(env, startup_timeout_s or timeout_s, timeout)
+            os.environ.setdefault("MASTER_ADDR", launcher["master_addr"])
+            os.environ.setdefault("MASTER_PORT", launcher["master_port"])
+            store = job_store(launcher, startup_timeout_s or timeout_s, timeout)
         dist.init_process_group(
-            backend, store=store, rank=env["rank"], world_size=env["world_size"], timeout=timeout, device_id=device_id
+            backend,
+            store=store,
+            rank=launcher["rank"],
+            world_size=launcher["world_size"],
+            timeout=timeout,
+            device_id=device_id,
         )
-        os.environ.setdefault("LOCAL_RANK", str(env["local_rank"]))
-    state = initialize_model_parallel(tensor_parallel, timeout_s)
+        os.environ.setdefault("LOCAL_RANK", str(launcher["local_rank"]))
+    state = initialize_model_parallel(tensor_parallel, timeout_s, launcher["local_world_size"])
     if state.backend == "nccl":  # over gloo, before any NCCL collective
         check_one_process_per_device(device_identity(torch.cuda.current_device()), state.control_group)
     return state
 
 
-def initialize_model_parallel(tensor_parallel: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+def initialize_model_parallel(
+    tensor_parallel: int, timeout_s: float = DEFAULT_TIMEOUT_S, local_world_size: int | None = None
+) -> ParallelState:
     """Build TP groups of consecutive ranks and DP groups across them, and the gloo control group
-    with ``timeout_s`` (collective: all ranks call)."""
+    with ``timeout_s`` (collective: all ranks call). ``local_world_size``: the processes on this
+    node, when the launcher says (recorded in the state)."""
     global _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
     if tensor_parallel < 1 or world % tensor_parallel != 0:
@@ -273,7 +218,7 @@ def initialize_model_parallel(tensor_parallel: int, timeout_s: float = DEFAULT_T
         backend=backend,
         device=device,
         control_group=control_group,
-        local_world_size=launcher_environment()["local_world_size"],
+        local_world_size=local_world_size,
     )
     return _STATE
 

@@ -25,14 +25,16 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.checkpoint.layout import read_info
 from parallel_latent.config import Config, ConfigError, save_config
-from parallel_latent.console import WORKER_LOGS_ENV, report_hang, restart_line
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
+from parallel_latent.launching.cluster import launcher_environment
+from parallel_latent.launching.rendezvous import StartupTimeout, join_job
+from parallel_latent.launching.reports import report_hang, restart_line
+from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model
 from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
-from parallel_latent.parallel import ParallelState, init_distributed, launcher_environment
-from parallel_latent.parallel.rendezvous import StartupTimeout
+from parallel_latent.parallel import ParallelState
 
 from .engine import EngineBundle, dump_deepspeed_config, initialize_engine
 from .preflight import checkpoint_to_resume, planned_resume, preflight, resolve_device
@@ -199,8 +201,8 @@ def start_run(
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
     try:
-        state = init_distributed(
-            cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s, training.hang_long_phase_s or None
+        state = join_job(
+            cfg.parallel.tensor_parallel, cfg.parallel.backend, timeout_s, training.hang_long_phase_s or None, launcher
         )
     except StartupTimeout as error:
         raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None

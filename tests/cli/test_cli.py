@@ -10,6 +10,7 @@ import pytest
 
 from parallel_latent import cli
 from parallel_latent.errors import ExitStatus
+from parallel_latent.launching import local
 from tests.helpers.trainer_runs import REPO, TINY, TINY_CONFIG, rank_env
 
 
@@ -139,7 +140,7 @@ def test_more_processes_than_gpus_is_refused_before_any_worker_starts(tmp_path, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    monkeypatch.setattr(cli.train, "_launch_local", lambda *a: pytest.fail("workers were started"))
+    monkeypatch.setattr(local, "launch_local", lambda *a: pytest.fail("workers were started"))
     assert cli.main(train_argv(tmp_path / "run", nproc=2)) == 2
     assert_one_line_error(capsys, "--nproc 2 needs 2 GPUs but 1 is visible (CUDA_VISIBLE_DEVICES=3)")
     assert not (tmp_path / "run").exists()
@@ -155,10 +156,10 @@ def test_ranks_run_the_command_without_nproc():
         ["train", "--config", "c.yaml", "--nproc", "4", "a.b=1", "--deepspeed-overrides", "{}"]
     )
     assert cli.train._rank_argv(args) == ["train", "--config", "c.yaml", "--deepspeed-overrides", "{}", "a.b=1"]
-    command = cli.train._torchrun_command(4, cli.train._rank_argv(args))
-    assert command[1:7] == ["-m", "parallel_latent.console", "--standalone", "--nproc_per_node=4",
+    command = local.torchrun_command(4, cli.train._rank_argv(args))
+    assert command[1:7] == ["-m", "parallel_latent.launching.agent", "--standalone", "--nproc_per_node=4",
                             "--max-restarts=0", "-m"]  # fmt: skip
-    assert "--max-restarts=2" in cli.train._torchrun_command(4, cli.train._rank_argv(args), max_restarts=2)
+    assert "--max-restarts=2" in local.torchrun_command(4, cli.train._rank_argv(args), max_restarts=2)
 
 
 def test_deepspeed_launchers_local_rank_argument_is_accepted():

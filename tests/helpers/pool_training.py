@@ -44,7 +44,7 @@ def train_task(config: str, overrides: list[str]) -> tuple[str, str]:
     import os
 
     from parallel_latent.config import load_config
-    from parallel_latent.console import quiet_repeated_notices
+    from parallel_latent.launching.worker_logs import quiet_repeated_notices
     from parallel_latent.training.trainer import train
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # a pool started without POOL_ENV

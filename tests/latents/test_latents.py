@@ -549,7 +549,9 @@ def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup
         assert other.returncode == 2 and "holds an export of another export.precision" in other.stderr
         assert len(other.stderr.strip().splitlines()) == 1
         agent = [
-            pid for pid in rank_pids(job.pid) if b"parallel_latent.console" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            pid
+            for pid in rank_pids(job.pid)
+            if b"parallel_latent.launching.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         ranks = sorted(set(rank_pids(job.pid)) - set(agent))
         assert len(ranks) == 2, ranks

@@ -1,4 +1,4 @@
-"""Process groups and the DeepSpeed mpu: layout of TP/DP groups, launcher environments, errors."""
+"""Process groups and the DeepSpeed mpu: layout of TP/DP groups, the device of each launcher's ranks, errors."""
 
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from parallel_latent.parallel import ModelParallelUnit, initialize_model_parallel, launcher_environment
-from parallel_latent.parallel.state import first_slurm_host
+from parallel_latent.launching.cluster import launcher_environment
+from parallel_latent.parallel import ModelParallelUnit, initialize_model_parallel
 
 
 def layout(tp: int) -> dict:
@@ -67,55 +67,6 @@ def test_a_released_layout_frees_its_groups_and_another_follows(pool4):
     assert [r[2] for r in results] == [(0.0 + 1 + 2 + 3, float(rank)) for rank in range(4)]  # TP=4 x DP=1
 
 
-def test_launcher_environments():
-    torchrun = {
-        "RANK": "5",
-        "WORLD_SIZE": "8",
-        "LOCAL_RANK": "1",
-        "LOCAL_WORLD_SIZE": "4",
-        "MASTER_ADDR": "10.0.0.1",
-        "MASTER_PORT": "1234",
-    }
-    assert launcher_environment(torchrun) == {
-        "rank": 5,
-        "world_size": 8,
-        "local_rank": 1,
-        "local_world_size": 4,
-        "master_addr": "10.0.0.1",
-        "master_port": "1234",
-    }
-    deepspeed_launcher = {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_SIZE": "8"}
-    assert launcher_environment(deepspeed_launcher)["local_world_size"] == 8
-    slurm = {
-        "SLURM_PROCID": "3",
-        "SLURM_NTASKS": "4",
-        "SLURM_LOCALID": "1",
-        "SLURM_JOB_ID": "777",
-        "SLURM_JOB_NODELIST": "gpu[07-08]",
-    }
-    env = launcher_environment(slurm)
-    assert (env["rank"], env["world_size"], env["local_rank"], env["master_addr"]) == (3, 4, 1, "gpu07")
-    assert env["local_world_size"] is None  # not said: nothing to check against
-    assert launcher_environment({**slurm, "SLURM_NTASKS_PER_NODE": "2"})["local_world_size"] == 2
-    uneven = {**slurm, "SLURM_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}
-    assert launcher_environment(uneven)["local_world_size"] == 4
-    mpi = {
-        "OMPI_COMM_WORLD_RANK": "2",
-        "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-    }
-    assert (launcher_environment(mpi)["rank"], launcher_environment(mpi)["local_world_size"]) == (2, 2)
-    assert launcher_environment({}) == {
-        "rank": 0,
-        "world_size": 1,
-        "local_rank": 0,
-        "local_world_size": 1,
-        "master_addr": None,
-        "master_port": None,
-    }
-
-
 @pytest.mark.parametrize(
     ("launch", "env", "visible_gpus", "device"),
     [
@@ -158,18 +109,14 @@ def test_tensor_parallel_groups_stay_inside_a_node():
     validate_world(cfg, 48, "gpt2.yaml", processes_per_node=8)
 
 
-@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("gpu[03-05,9],cpu1", "gpu03"), ("a-b[1,2]", "a-b1")])
-def test_first_slurm_host(nodelist, first):
-    assert first_slurm_host(nodelist) == first
-
-
 def test_world_size_one_without_launcher():
     # A fresh interpreter with no launcher variables: one rank, gloo, groups of size 1.
     code = (
         "import os\n"
         "for k in ('RANK','WORLD_SIZE','LOCAL_RANK','MASTER_ADDR','MASTER_PORT'): os.environ.pop(k, None)\n"
-        "from parallel_latent.parallel import init_distributed, destroy_distributed, ModelParallelUnit\n"
-        "s = init_distributed(1)\n"
+        "from parallel_latent.launching.rendezvous import join_job\n"
+        "from parallel_latent.parallel import destroy_distributed, ModelParallelUnit\n"
+        "s = join_job(1)\n"
         "m = ModelParallelUnit()\n"
         "print(s.world_size, s.tp_size, s.dp_size, s.backend, m.get_data_parallel_world_size())\n"
         "destroy_distributed()\n"

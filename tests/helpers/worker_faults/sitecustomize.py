@@ -35,7 +35,7 @@ if (
     import signal
     import threading
 
-    import parallel_latent.parallel.state as state
+    import parallel_latent.launching.rendezvous as rendezvous
     import parallel_latent.training.startup as startup
     from parallel_latent.training.trainer import Trainer
 
@@ -81,7 +81,7 @@ if (
 
         preparing.prepare = prepare
     elif fault == "hang":
-        state.job_store = lambda *args, **kwargs: act()
+        rendezvous.job_store = lambda *args, **kwargs: act()
     elif fault_step == 0:
         startup.build_datasets = lambda *args, **kwargs: act()
     else:

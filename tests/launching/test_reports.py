@@ -1,4 +1,4 @@
-"""What the terminal shows when training runs as several processes (parallel_latent/console.py),
+"""What the terminal shows when training runs as several processes (parallel_latent/launching/: reports.py, agent.py),
 counted in lines of stderr of real jobs: `parallel-latent train --nproc 2` and plain torchrun, with
 faults injected into one rank by tests/helpers/worker_faults/sitecustomize.py."""
 
@@ -117,8 +117,8 @@ def test_a_rank_that_stops_for_another_rank_s_failure_reports_that_rank_and_reas
     """Rank 0 stops because rank 1 failed (a failure every rank learns of from a collective): its
     record carries rank 1 and rank 1's reason, so the job's line is the same whichever of the two
     records the launcher takes as the first, a race the records' times cannot settle."""
-    from parallel_latent.console import failure_lines, report_failure
     from parallel_latent.errors import ExitStatus, PeerFailure
+    from parallel_latent.launching.reports import failure_lines, report_failure
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("RANK", "0")
@@ -143,8 +143,9 @@ def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_st
     and only during start-up, when the signal has its usual effect: one line, and the shell's 143."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from parallel_latent.console import _root_cause, failure_lines
     from parallel_latent.errors import PROG
+    from parallel_latent.launching.agent import _root_cause
+    from parallel_latent.launching.reports import failure_lines
 
     stopped = {rank: ProcessFailure(rank, 1000 + rank, -signal.SIGTERM, str(tmp_path / "none")) for rank in (0, 1)}
     lines, status = failure_lines(*_root_cause(ChildFailedError("train", stopped)), tmp_path)
@@ -186,6 +187,6 @@ ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
     ],
 )
 def test_a_restarted_job_says_which_restart_how_the_last_attempt_ended_and_where_it_resumes(env, before, step, line):
-    from parallel_latent.console import restart_line
+    from parallel_latent.launching.reports import restart_line
 
     assert restart_line(before, step, env) == line

@@ -1,4 +1,4 @@
-"""How the ranks of an attempt meet (parallel_latent/parallel/rendezvous.py), with real TCPStores in
+"""How the ranks of an attempt meet (parallel_latent/launching/rendezvous.py), with real TCPStores in
 this process, the ranks as threads: under torchrun's shared agent store an earlier attempt's name of
 its store (a dead one, or one holding another nonce) is never taken; every rank checks in; a rank
 that does not come is named within the bound."""
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from parallel_latent.parallel.rendezvous import AGENT_STORE_ENV, ATTEMPT_KEY, StartupTimeout, job_store
+from parallel_latent.launching.rendezvous import AGENT_STORE_ENV, ATTEMPT_KEY, StartupTimeout, job_store
 from tests.helpers.distributed import free_port
 
 LONG = datetime.timedelta(seconds=60)

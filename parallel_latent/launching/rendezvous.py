@@ -1,5 +1,6 @@
 """How the ranks of a job meet: the store behind the process groups, new for every attempt of the
-job, with every rank accounted for within a bound.
+job, with every rank accounted for within a bound; :func:`join_job` builds this process's groups on
+it, from its launcher's environment (:mod:`.cluster`).
 
 A launcher hands every rank ``MASTER_ADDR`` and ``MASTER_PORT``. Two cases:
 
@@ -18,6 +19,9 @@ A launcher hands every rank ``MASTER_ADDR`` and ``MASTER_PORT``. Two cases:
 Then every rank checks in and rank 0 waits for all of them: a rank that does not come within
 ``timeout_s`` ends the job with one line naming the phase and the ranks missing
 (:class:`StartupTimeout`), instead of a wait as long as the process groups' own timeout.
+
+:mod:`parallel_latent.parallel.state` knows no launcher: it is handed the launcher's rank facts and
+:func:`job_store`.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ import time
 import torch.distributed as dist
 
 from parallel_latent.errors import ExitStatus
+from parallel_latent.parallel.state import DEFAULT_TIMEOUT_S, ParallelState, init_distributed
 
-__all__ = ["AGENT_STORE_ENV", "ATTEMPT_KEY", "StartupTimeout", "job_store"]
+from .cluster import launcher_environment
+
+__all__ = ["AGENT_STORE_ENV", "ATTEMPT_KEY", "StartupTimeout", "job_store", "join_job"]
 
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 ATTEMPT_KEY = "parallel_latent/attempt_store"  # in the agent's store: "<port> <nonce>" of this attempt's
@@ -134,3 +141,22 @@ def job_store(env: dict, timeout_s: float, timeout: datetime.timedelta):
     _check_in(store, rank, world_size, deadline, timeout_s)
     store.set_timeout(timeout)
     return dist.PrefixStore(PREFIX, store)
+
+
+def join_job(
+    tensor_parallel: int = 1,
+    backend: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    startup_timeout_s: float | None = None,
+    launcher: dict | None = None,
+) -> ParallelState:
+    """This process's place in its launcher's job: the process groups of
+    :func:`~parallel_latent.parallel.state.init_distributed` (TP x DP, every group with
+    ``timeout_s``), built on this attempt's store (:func:`job_store`), which every rank joins within
+    ``startup_timeout_s`` (default ``timeout_s``). ``launcher``: the rank facts of
+    :func:`.cluster.launcher_environment`, read from this process's environment when not given.
+    Collective: every rank calls it."""
+    launcher = launcher_environment() if launcher is None else launcher
+    return init_distributed(
+        tensor_parallel, backend, timeout_s, startup_timeout_s, launcher=launcher, job_store=job_store
+    )
