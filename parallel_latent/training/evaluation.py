@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_latent.checkpoint.zero_access import gathered
 from parallel_latent.data import get_batch
 from parallel_latent.data.prefetch import to_device
 from parallel_latent.inference import EvaluationWorld, Scored, latent_space_metrics, reconstruction_bleu, score_samples
@@ -27,6 +26,7 @@ from parallel_latent.quality import (
     reconstruction_records,
     truncation_note,
 )
+from parallel_latent.zero.params import gathered
 
 __all__ = ["Evaluator", "reduce_stats"]
 
