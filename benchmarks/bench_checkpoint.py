@@ -72,7 +72,7 @@ def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, 
     import dataclasses
 
     from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
-    from parallel_latent.checkpoint.zero_access import HostCopies
+    from parallel_latent.checkpoint.background import HostCopies
     from parallel_latent.launching.rendezvous import join_job
     from parallel_latent.training.engine import initialize_engine
 

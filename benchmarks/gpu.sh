@@ -65,7 +65,7 @@ gpu_tests() {
     fi
     timeout "${GPU_TESTS_S:-60}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o addopts="" -rs \
         --junitxml "$junit" tests/parallel/test_dropout.py tests/parallel/test_cross_entropy.py \
-        tests/training/test_train_syncs.py tests/test_deepspeed_patches.py >"$GPU_OUT/gpu-tests.log" 2>&1 || status=$?
+        tests/training/test_train_syncs.py tests/zero/test_patches.py >"$GPU_OUT/gpu-tests.log" 2>&1 || status=$?
     echo "GPU tests (pytest -m gpu, exit $status): $(tail -n1 "$GPU_OUT/gpu-tests.log")"
     export GPU_TESTS_XML="$junit"
 }

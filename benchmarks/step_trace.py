@@ -10,7 +10,7 @@ Two traces make one step:
   chunks, ``training.compile``'s blocks;
 * everything else of ``Trainer.train_step``, from a **real** step on the CPU (the DeepSpeed engine
   and all, at gpt2.yaml's parameter count, micro-batch 1): the trainer's own work, DeepSpeed's in
-  backward (its gradient hooks or the bulk path of ``parallel_latent/deepspeed_patches.py``) and
+  backward (its gradient hooks or the bulk path of ``parallel_latent/zero/patches.py``) and
   its optimizer step, the Python hook calls among them counted.
 
 Which trace an operator of the real step belongs to is decided the same way in both: inside the

@@ -6,6 +6,9 @@ Torch-free, so that the command line can build its parser and report errors with
 - :class:`BadInput`: the base of every error that means "the input is wrong" (a config key, a
   path, a corrupt checkpoint, an empty corpus): one line naming the problem, exit status 2, and
   nothing written. An error class that ends a run otherwise names its status in ``exit_status``;
+- :class:`CheckpointError`: a checkpoint that is missing, damaged or does not fit, raised by the
+  checkpoint package and by the code below it that reads DeepSpeed's files and state
+  (:mod:`parallel_latent.zero`);
 - :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as.
 
 A path that names the wrong kind of thing (a file where a directory is expected, a directory where
@@ -36,6 +39,10 @@ class BadInput(ValueError):
     catches the standard exception for a bad value catches these too."""
 
     exit_status = ExitStatus.BAD_INPUT
+
+
+class CheckpointError(BadInput):
+    """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
 
 
 # OSErrors that say something about the path a user gave, not about the machine.

@@ -1,11 +1,13 @@
 """Checkpoints: exact-resume training checkpoints, portable safetensors shards that load at any TP
 degree, consolidation, inspection, and resharded resume with the optimizer's state.
 
-The modules import one way (layout, zero_access, shards, integrity, portable, universal, training, background,
-saving, describe);
+The modules import one way (layout, background, shards, integrity, portable, universal, training, saving,
+describe) and reach DeepSpeed's files and ZeRO's parameters through :mod:`parallel_latent.zero`;
 their commands are in :mod:`parallel_latent.cli.checkpoint`. No model is known here: a model describes
 itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
+
+from parallel_latent.zero.files import safe_torch_load
 
 from .describe import inspect_checkpoint as inspect
 from .integrity import checkpoint_damage, move_aside, require_intact, resumable
@@ -27,7 +29,6 @@ from .saving import finish_background_save, save_training_checkpoint, start_back
 from .shards import PortableCheckpoint
 from .training import load_training_checkpoint, saved_client_state
 from .universal import convert_to_universal
-from .zero_access import safe_torch_load
 
 __all__ = [
     "CheckpointError",

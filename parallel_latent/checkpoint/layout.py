@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from parallel_latent.coordination import broadcast_value, first_failure, is_main
-from parallel_latent.errors import BadInput, ExitStatus, first_line
+from parallel_latent.errors import CheckpointError, ExitStatus, first_line
 from parallel_latent.files import Staged, discard, publish, replace_file
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ RNG_DIR = "rng"
 PORTABLE_DIR = "model"
 UNIVERSAL_DIR = "universal"
 MANIFEST_NAME = "manifest.json"
-
-
-class CheckpointError(BadInput):
-    """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
 
 
 class CheckpointSaveError(RuntimeError):

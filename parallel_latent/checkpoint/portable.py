@@ -24,10 +24,11 @@ from torch import nn
 
 from parallel_latent.coordination import all_gather_value
 from parallel_latent.parallel.state import get_dp_rank
+from parallel_latent.zero.params import write_param
 
 from . import layout, shards
+from .background import HostCopies
 from .layout import CheckpointError, CheckpointSaveError
-from .zero_access import HostCopies, write_param
 
 MODEL_PREFIX = "model"
 PART_PREFIX = ".part-tp"  # a rank's shard records, until the manifest that gathers them is written

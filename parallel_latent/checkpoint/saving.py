@@ -28,14 +28,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel_latent.coordination import all_gather_value, barrier, is_main
+from parallel_latent.zero.files import save_keeping_errno
+from parallel_latent.zero.patches import checkpoint_writes
+from parallel_latent.zero.version import import_deepspeed
 
 from . import layout
-from .background import BackgroundSave
+from .background import BackgroundSave, HostCopies, snapshot
 from .integrity import file_record
 from .layout import CheckpointSaveError
 from .portable import capture_portable, plain
 from .training import _rank, _rng_file, _tensor_facts, capture_rng_state, engine_layout
-from .zero_access import HostCopies, deferred_writes, import_deepspeed
 
 __all__ = ["PendingSave", "finish_background_save", "save_training_checkpoint", "start_background_save"]
 
@@ -99,6 +101,22 @@ def _client_state_record(request: SaveRequest) -> dict:
         "tokenizer": plain(request.tokenizer_facts),
         "config": plain(request.cfg) if request.cfg is not None else None,
     }
+
+
+def deferred_writes(engine, failures: list[str], jobs: list, copies: HostCopies | None = None):
+    """Inside the block, each file DeepSpeed's save writes becomes a job appended to ``jobs`` (its
+    state taken now with ``copies``: a :func:`.background.snapshot`, so training may go on), and a
+    write it fails (a directory, the recovery script) appends the reason to ``failures`` instead of
+    raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at."""
+
+    def save(state_dict, path: str, zipfile: bool) -> None:
+        state = snapshot(state_dict, copies, (Path(path).name,)) if copies is not None else state_dict
+        jobs.append(lambda: save_keeping_errno(state, path, zipfile))
+
+    def recorded(write):
+        return lambda *args, **kwargs: layout.attempt(failures, lambda: write(*args, **kwargs))
+
+    return checkpoint_writes(engine, save, recorded)
 
 
 def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str], list[Callable], Callable[[], None]]:

@@ -26,9 +26,9 @@ from torch import nn
 
 from parallel_latent.files import inside
 from parallel_latent.parallel.utils import group_rank, group_size
+from parallel_latent.zero.params import gathered, is_zero3, local_shape
 
 from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
-from .zero_access import gathered, is_zero3, local_shape
 
 FORMAT = "parallel-latent-portable"
 FORMAT_VERSION = 2

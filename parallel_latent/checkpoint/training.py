@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.coordination import broadcast_value, is_main
+from parallel_latent.zero.files import weights_only_loading
+from parallel_latent.zero.params import base_optimizer
 
 from . import layout
 from .integrity import checkpoint_damage, damaged_error
 from .layout import CheckpointError
 from .portable import check_model_record, model_record
 from .universal import ensure_universal_state, load_universal_state, tensor_table
-from .zero_access import base_optimizer, weights_only_loading
 
 
 def engine_layout(engine) -> dict[str, Any]:

@@ -4,11 +4,11 @@ The bridge between layouts is the *universal* state, stored as shards (:mod:`.sh
 trainable parameter ``p`` its fp32 master ``fp32/<p>`` and the optimizer's per-parameter state
 (``exp_avg/<p>`` and ``exp_avg_sq/<p>``, or SGD's ``momentum_buffer/<p>``; whole over DP, split over
 TP like the weight), ``state/<name>`` for every frozen tensor, and the optimizer's kind, step and
-hyperparameters in the manifest. It is converted from DeepSpeed's files of any ZeRO stage, in one
-process: by rank 0 when a resume finds another layout, or by ``parallel-latent reshard``.
+hyperparameters in the manifest. It is converted from DeepSpeed's files of any ZeRO stage (read by
+:mod:`parallel_latent.zero.files`), in one process: by rank 0 when a resume finds another layout, or
+by ``parallel-latent reshard``; a resume sets it through :mod:`parallel_latent.zero.params`.
 """
 
-import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from parallel_latent.coordination import broadcast_value, is_main
+from parallel_latent.zero import params as zero_params
+from parallel_latent.zero.files import MASTER, read_tp_rank
 
-from . import layout, shards, zero_access
+from . import layout, shards
 from .layout import CheckpointError, CheckpointSaveError
 from .portable import MODEL_PREFIX, check_model_record
 
 UNIVERSAL_PREFIX = "optim"
-MASTER = "fp32"
 FROZEN = "state"
 # Param-group keys worth carrying over (the LR itself is re-derived by the scheduler too).
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "initial_lr", "momentum", "dampening", "nesterov")
@@ -49,107 +50,6 @@ def _json_group(group: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None}
 
 
-def _with_state(master: torch.Tensor, state: dict, moments: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """A master and the optimizer's state of it, zeros where there is none (before the first step;
-    SGD without momentum)."""
-    return {MASTER: master, **{k: torch.zeros_like(master) if state.get(k) is None else state[k] for k in moments}}
-
-
-def _optimizer_files(step_dir: Path, mp_rank: int, saved: dict):
-    """Every DP rank's ZeRO optimizer state, in order."""
-    prefix = "bf16_" if saved["precision"] == "bf16" else ""
-    for dp_rank in range(saved["data_parallel"]):
-        path = step_dir / f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
-        yield zero_access.safe_torch_load(path, "cpu")["optimizer_state_dict"]
-
-
-def _param_shapes(model_states: dict) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(shape) for group in model_states["param_shapes"] for name, shape in group.items()}
-
-
-def _whole(step_dir: Path, shapes: dict, runs: list[tuple[dict, dict]], moments: tuple[str, ...]) -> dict:
-    """Each parameter's master and moments from the flat runs that hold its pieces, in order: a run
-    is (flat tensors by key, ``{name: (start, length)}``)."""
-    pieces = {name: {key: [] for key in (MASTER, *moments)} for name in shapes}
-    for flat, mapping in runs:
-        for name, (start, length) in mapping.items():
-            for key, tensor in flat.items():
-                pieces[name][key].append(tensor.narrow(0, start, length))
-    for name, shape in shapes.items():
-        for key, parts in pieces[name].items():
-            whole = torch.cat(parts) if parts else torch.empty(0)
-            if whole.numel() != math.prod(shape):
-                raise CheckpointError(
-                    f"{step_dir}: ZeRO fragments of {name!r} hold {whole.numel()} elements, expected {math.prod(shape)}"
-                )
-            pieces[name][key] = whole.view(shape).float()
-    return pieces
-
-
-def _zero12_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
-    """Each DP rank's flat fp32 partition holds a contiguous run of fragments;
-    ``param_slice_mappings`` says which parameter each fragment belongs to, in order."""
-    model_states = zero_access.safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-    runs, step, groups = [], 0, []
-    for sd in _optimizer_files(step_dir, mp_rank, info["layout"]):
-        base = sd["base_optimizer_state"]
-        groups = base.get("param_groups", groups)
-        for index, mapping in enumerate(sd["param_slice_mappings"]):
-            state = base["state"].get(index, {})
-            step = zero_access.adam_step(state) or step
-            flat = _with_state(sd["single_partition_of_fp32_groups"][index], state, moments)
-            runs.append((flat, {name: (address.start, address.numel) for name, address in mapping.items()}))
-    return _whole(step_dir, _param_shapes(model_states), runs, moments), model_states["module"], step, groups
-
-
-def _zero3_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
-    """Every parameter is split into ``ceil(numel / dp)`` pieces, one per DP rank (the last
-    padded), and a rank's flat group is its pieces of all parameters in order."""
-    dp_size = info["layout"]["data_parallel"]
-    model_states = [
-        zero_access.safe_torch_load(step_dir / f"zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-        for r in range(dp_size)
-    ]
-    shapes = _param_shapes(model_states[0])
-    runs, step, groups = [], 0, []
-    for dp_rank, sd in enumerate(_optimizer_files(step_dir, mp_rank, info["layout"])):
-        base = sd["optimizer_state_dict"]
-        groups = base.get("param_groups", groups)
-        step = zero_access.adam_step(base["state"].get(0, {})) or step
-        flats = [
-            _with_state(g.reshape(-1), base["state"].get(i, {}), moments) for i, g in enumerate(sd["fp32_flat_groups"])
-        ]
-        mapping, offset = {}, 0
-        for name, shape in shapes.items():
-            per_rank = math.ceil(math.prod(shape) / dp_size)
-            mapping[name] = (offset, max(0, min(per_rank, math.prod(shape) - dp_rank * per_rank)))  # padding cut
-            offset += per_rank
-        runs.append(({key: torch.cat([f[key].reshape(-1) for f in flats]) for key in flats[0]}, mapping))
-    # Frozen parameters are stored as each rank's fragment; buffers whole in every rank's module.
-    module = dict(model_states[0]["module"])
-    for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
-        whole = torch.cat([ms["frozen_param_fragments"][name].reshape(-1) for ms in model_states])
-        module[name] = whole[: math.prod(shape)].view(tuple(shape))
-    return _whole(step_dir, shapes, runs, moments), module, step, groups
-
-
-def _zero0_tensors(step_dir: Path, mp_rank: int, info: dict, moments: tuple[str, ...]):
-    """ZeRO-0 (fp32): weights and the torch optimizer's state dict sit in the model states file;
-    the state is keyed by position in the optimizer, mapped to names recorded at save time."""
-    model_states = zero_access.safe_torch_load(step_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", "cpu")
-    module, names = model_states["module"], info.get("optimizer_param_names", [])
-    optimizer_sd = model_states.get("optimizer") or {}
-    order = [i for group in optimizer_sd.get("param_groups", []) for i in group["params"]]
-    if len(order) != len(names):
-        raise CheckpointError(f"{step_dir}: optimizer holds {len(order)} tensors, {len(names)} names recorded")
-    result, step = {}, 0
-    for index, name in zip(order, names, strict=True):
-        state = optimizer_sd.get("state", {}).get(index, {})
-        result[name] = _with_state(module[name].float(), state, moments)
-        step = zero_access.adam_step(state) or step
-    return result, module, step, optimizer_sd.get("param_groups", [])
-
-
 def convert_to_universal(step_dir: str | Path, output: str | Path | None = None) -> Path:
     """Build the universal state of a training checkpoint from DeepSpeed's files (one process, no
     process group), as ``universal/`` next to them unless ``output`` is given."""
@@ -167,9 +67,8 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
     optimizer_class = info.get("optimizer_class", "AdamW")
-    moments = zero_access.moments_of(optimizer_class)
-    read = {0: _zero0_tensors, 1: _zero12_tensors, 2: _zero12_tensors, 3: _zero3_tensors}[stage]
-    per_rank = [read(step_dir, r, info, moments) for r in range(saved["tensor_parallel"])]
+    moments = zero_params.moments_of(optimizer_class)
+    per_rank = [read_tp_rank(step_dir, r, info, moments) for r in range(saved["tensor_parallel"])]
 
     entries_by_rank: list[list[shards.Entry]] = [[] for _ in per_rank]
     for name, spec in table.items():
@@ -247,17 +146,17 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dic
     for name, tensor in shards.module_tensors(model)[0].items():
         place = shards.placement_of(tensor, tp_size, name)
         plan.append((name, tensor, place, saved(MASTER if trainable(tensor) else FROZEN, name, place)))
-    zero_access.ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
+    zero_params.ensure_optimizer_state(engine, int(manifest["optimizer"]["step"]))
     with torch.no_grad():
         for name, tensor, place, key in plan:
             if not trainable(tensor):
-                zero_access.write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
+                zero_params.write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
-            zero_access.set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in zero_access.moments_of(manifest["optimizer"].get("class", "AdamW")):
+            zero_params.set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
+            for moment in zero_params.moments_of(manifest["optimizer"].get("class", "AdamW")):
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
-                zero_access.set_moment(engine, tensor, moment, value)
-    groups, optimizer = manifest["optimizer"].get("param_groups", []), zero_access.base_optimizer(engine)
+                zero_params.set_moment(engine, tensor, moment, value)
+    groups, optimizer = manifest["optimizer"].get("param_groups", []), zero_params.base_optimizer(engine)
     if len(groups) == len(optimizer.param_groups):
         for group, kept in zip(optimizer.param_groups, groups, strict=True):
             group.update({k: tuple(v) if isinstance(group[k], tuple) else v for k, v in kept.items() if k in group})

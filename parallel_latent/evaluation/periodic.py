@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_latent.checkpoint.zero_access import gathered
 from parallel_latent.config import TrainingConfig
 from parallel_latent.data import get_batch
 from parallel_latent.data.prefetch import to_device
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.parallel import ParallelState
+from parallel_latent.zero.params import gathered
 
 from .bleu import reconstruction_bleu
 from .latent_space import LatentMoments, LatentStats, latent_space_metrics

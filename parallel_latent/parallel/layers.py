@@ -265,18 +265,6 @@ class _TiedVocabLogits(torch.autograd.Function):
         return grad_x, grad_table, None, None, None, None
 
 
-def _register_table_with_zero3(head: TiedVocabParallelHead, args) -> None:
-    # ZeRO-3 partitions every parameter and gathers one only around the forward and backward of
-    # the module that owns it; the table belongs to another module, so tell DeepSpeed that this
-    # one uses it too. Runs before DeepSpeed's own pre-forward hook (prepended at construction),
-    # and only once DeepSpeed has converted the table (it then is already imported).
-    table = head.table
-    if hasattr(table, "ds_id") and id(table) not in getattr(head, "_external_params", {}):
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(head, table)
-
-
 class TiedVocabParallelHead(nn.Module):
     """Projection to the vocabulary through an embedding table that every rank of the TP group
     holds whole (weight tying, as GPT-2 ties its LM head to its token table):
@@ -318,11 +306,16 @@ class TiedVocabParallelHead(nn.Module):
         set_tensor_parallel_attributes(self.log_scale, False, None)
         if options.sequence_parallel:
             mark_sequence_parallel(self.log_scale, tp_group)  # applied on this rank's positions
-        self.register_forward_pre_hook(_register_table_with_zero3, prepend=True)
 
     @property
     def table(self) -> torch.Tensor:
         return self._embedding[0].weight
+
+    def borrowed_parameters(self) -> tuple[torch.Tensor, ...]:
+        """The parameters this module reads but another owns: the table. A runtime that gathers a
+        partitioned parameter only around its owner's forward and backward (ZeRO-3) must gather
+        these for this module's too."""
+        return (self.table,)
 
     @property
     def vocab_start(self) -> int:

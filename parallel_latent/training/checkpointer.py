@@ -20,8 +20,8 @@ from parallel_latent.checkpoint import (
     save_training_checkpoint,
     start_background_save,
 )
+from parallel_latent.checkpoint.background import HostCopies
 from parallel_latent.checkpoint.saving import PendingSave
-from parallel_latent.checkpoint.zero_access import HostCopies
 
 __all__ = ["Checkpointer"]
 

@@ -1,5 +1,5 @@
-"""DeepSpeed glue: the DeepSpeed config built from our YAML, the optimizer, the learning-rate
-schedule and ``deepspeed.initialize``.
+"""What the trainer hands DeepSpeed: the DeepSpeed config built from our YAML, the optimizer and the
+learning-rate schedule; the engine is built from them by :func:`parallel_latent.zero.engine.initialize`.
 
 Our YAML (:mod:`parallel_latent.config`) is the single source of truth; the DeepSpeed JSON is
 derived from it (and written next to the run for the record), never edited by hand.  Expert
@@ -10,40 +10,30 @@ Optimizer: ``torch.optim.AdamW`` handed to DeepSpeed as ``optimizer=``.  DeepSpe
 FusedAdam / DeepSpeedCPUAdam need compiled ops (a CUDA toolchain, or a C++ build of the CPU
 Adam), which a fresh machine does not have; torch's AdamW works everywhere and runs its
 ``fused`` kernel on CUDA.  ZeRO wraps it (``zero_allow_untested_optimizer``), keeps fp32 master
-weights for bf16 / fp16 and partitions its state over the data-parallel group.
+weights for bf16 / fp16 and partitions its state over the data-parallel group.  At ZeRO stage 0 in
+fp32 it is the guarded AdamW of :mod:`parallel_latent.zero.engine`, which clips and skips a
+non-finite step itself.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import math
-import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from parallel_latent.config import Config, ScheduleConfig
-from parallel_latent.deepspeed_patches import (
-    bulk_zero_gradients,
-    report_grad_norm,
-    skip_unused_cpu_comm_kernel,
-    sync_free_zero_step,
-    zero_optimizer_check_without_muon,
-)
 from parallel_latent.parallel import ModelParallelUnit
+from parallel_latent.zero.engine import NonFiniteGuardAdamW, NonFiniteGuardSGD, initialize
 
 from .preflight import resolve_device
 from .world import dp_size, resolved_global_batch_size
 
 __all__ = [
     "EngineBundle",
-    "NonFiniteGuard",
-    "NonFiniteGuardAdamW",
-    "NonFiniteGuardSGD",
     "build_lr_scheduler",
     "build_optimizer",
     "deepspeed_config",
@@ -197,51 +187,6 @@ def parameter_groups(parameters: list[torch.nn.Parameter], weight_decay: float) 
     return [group for group in groups if group["params"]]
 
 
-class NonFiniteGuard:
-    """An optimizer mixin that clips by the global gradient norm and skips a step whose norm is
-    not finite.
-
-    Used only where DeepSpeed hands the bare optimizer the gradients (ZeRO stage 0 in fp32, see
-    :func:`uses_stage0_guard`).  The norm is DeepSpeed's ``clip_grad_norm_`` with our mpu, so a
-    replicated parameter is counted once per tensor-parallel group (its
-    ``tensor_model_parallel`` flag) and split ones once per slice, exactly as ZeRO does.  The
-    engine reads whether it skipped (gradients are zeroed, the schedule does not advance,
-    ``skipped_steps`` counts it) and the norm (``engine.get_global_grad_norm()``), as
-    :func:`parallel_latent.deepspeed_patches.report_grad_norm` tells it.
-    """
-
-    def __init__(self, params, *, max_grad_norm: float, mpu, **optimizer_kwargs):
-        super().__init__(params, **optimizer_kwargs)
-        self.max_grad_norm = max_grad_norm
-        self.mpu = mpu
-        report_grad_norm(self, None, overflow=False)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not with_grad:  # nothing to do (and the norm helper needs one tensor)
-            report_grad_norm(self, 0.0, overflow=False)
-            return super().step(closure)
-        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
-        # Collective over the model-parallel and data-parallel groups: every rank gets the same
-        # norm, so every rank takes the same decision.
-        norm = float(clip_grad_norm_(with_grad, max_norm=max_norm, mpu=self.mpu))
-        report_grad_norm(self, norm, overflow=not math.isfinite(norm))
-        if self.overflow:
-            return None
-        return super().step(closure)
-
-
-class NonFiniteGuardAdamW(NonFiniteGuard, torch.optim.AdamW):
-    pass
-
-
-class NonFiniteGuardSGD(NonFiniteGuard, torch.optim.SGD):
-    pass
-
-
 def build_optimizer(parameters: list[torch.nn.Parameter], cfg: Config, device: str, mpu) -> torch.optim.Optimizer:
     """AdamW (the default), or SGD with momentum: its update is linear in the gradient, which makes
     it the optimizer for comparing layouts over many steps (Adam divides by sqrt(v) + eps, and so
@@ -274,26 +219,16 @@ class EngineBundle:
     config: dict  # the DeepSpeed config it runs with
 
 
-def quiet_deepspeed_logs(level: int = logging.WARNING) -> None:
-    """DeepSpeed logs its whole config and every bucket at INFO on every rank; keep warnings."""
-    from deepspeed.utils import logger as ds_logger
-
-    ds_logger.setLevel(level)
-
-
 def initialize_engine(
     model: torch.nn.Module, cfg: Config, world_size: int, overrides: dict | None = None, mpu=None
 ) -> EngineBundle:
     """``deepspeed.initialize`` with the trainable parameters only, our AdamW and schedule, the
-    config derived from ``cfg`` and the tensor/data-parallel ``mpu``.
+    config derived from ``cfg`` and the tensor/data-parallel ``mpu``
+    (:func:`parallel_latent.zero.engine.initialize`).
 
     Process groups must exist first (:func:`parallel_latent.parallel.init_distributed`):
     DeepSpeed then adopts the default group instead of creating its own.
     """
-    import deepspeed
-
-    quiet_deepspeed_logs()
-    skip_unused_cpu_comm_kernel()
     device = resolve_device(cfg)
     mpu = mpu or ModelParallelUnit()
     if cfg.training.precision == "fp64":
@@ -306,25 +241,10 @@ def initialize_engine(
     optimizer = build_optimizer(trainable, cfg, device, mpu)
     scheduler = build_lr_scheduler(optimizer, cfg)
     ds_config = deepspeed_config(cfg, world_size, overrides)
-    # DeepSpeed would otherwise call set_device(LOCAL_RANK) itself, which is wrong under srun with
-    # one GPU per task (every task sees its GPU as device 0): it follows our one device choice.
-    device_args = None
-    if device == "cuda":
-        device_args = SimpleNamespace(device_rank=torch.cuda.current_device(), local_rank=int(os.environ["LOCAL_RANK"]))
-    with zero_optimizer_check_without_muon():
-        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-            args=device_args,
-            model=model,
-            model_parameters=trainable,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=ds_config,
-            mpu=mpu,
-            dist_init_required=False,
-        )
-    sync_free_zero_step(ds_optimizer)
-    if cfg.parallel.zero_gradients == "bulk":
-        bulk_zero_gradients(ds_optimizer)
+    bulk = cfg.parallel.zero_gradients == "bulk"
+    engine, ds_optimizer, ds_scheduler = initialize(
+        model, trainable, optimizer, scheduler, ds_config, mpu, device=device, bulk_gradients=bulk
+    )
     return EngineBundle(engine=engine, optimizer=ds_optimizer, lr_scheduler=ds_scheduler, config=ds_config)
 
 

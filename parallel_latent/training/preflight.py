@@ -18,9 +18,9 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.config import Config, ConfigError
 from parallel_latent.data import check_source
-from parallel_latent.deepspeed_patches import require_supported_deepspeed
 from parallel_latent.errors import BadInput
 from parallel_latent.parallel import device_kind
+from parallel_latent.zero import require_supported_deepspeed
 
 from .world import keep_global_batch, validate_world
 

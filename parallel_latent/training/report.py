@@ -24,7 +24,7 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
     ]
     zero = run.bundle.config["zero_optimization"]
     reduce_dtype = run.bundle.config.get("communication_data_type", cfg.training.precision)
-    if hasattr(run.bundle.optimizer, "bulk_gradients"):  # deepspeed_patches.bulk_zero_gradients applied
+    if hasattr(run.bundle.optimizer, "bulk_gradients"):  # zero.patches.bulk_zero_gradients applied
         how = ", in bulk after backward (one multi-tensor copy, one all-reduce)"
     elif zero["stage"]:
         how = f", overlapped with backward: {'on' if zero.get('overlap_comm') else 'off'}"

@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.checkpoint.shards import module_tensors, placement_of
-from parallel_latent.checkpoint.zero_access import (
+from parallel_latent.parallel import (
+    ModelParallelUnit,
+    get_parallel_state,
+    initialize_model_parallel,
+    vocab_parallel_cross_entropy,
+)
+from parallel_latent.zero.params import (
     ADAM_MOMENTS,
     adam_step,
     base_optimizer,
@@ -17,13 +23,7 @@ from parallel_latent.checkpoint.zero_access import (
     local_shape,
     plain_param,
 )
-from parallel_latent.deepspeed_patches import skip_unused_cpu_comm_kernel
-from parallel_latent.parallel import (
-    ModelParallelUnit,
-    get_parallel_state,
-    initialize_model_parallel,
-    vocab_parallel_cross_entropy,
-)
+from parallel_latent.zero.patches import skip_unused_cpu_comm_kernel
 from tests.helpers.checkpoint_stack import VOCAB, Stack, T, batch
 
 GLOBAL_BATCH = 4
@@ -33,7 +33,7 @@ BETAS, WEIGHT_DECAY, ADAM_EPS = (0.9, 0.95), 0.01, 1e-8
 def make_engine(tp: int, zero_stage: int, seed: int = 0, dropout: float = 0.1, lr: float = 1e-2):
     import deepspeed
 
-    # As the trainer does (training/engine.py): no JIT build of DeepSpeed's CPU inference all-reduce,
+    # As the trainer does (zero/engine.py): no JIT build of DeepSpeed's CPU inference all-reduce,
     # minutes of a C++ compiler on a fresh machine, for a kernel training never calls.
     skip_unused_cpu_comm_kernel()
     state = initialize_model_parallel(tp)

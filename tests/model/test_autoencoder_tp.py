@@ -161,9 +161,9 @@ def reference_sgd(frozen: bool) -> tuple[dict, float]:
 def train_under_zero(zero_stage: int, frozen: bool) -> tuple[dict, float]:
     """TP=2 x DP=2 through the trainer's engine set-up: ZeRO-3 partitions the frozen or trainable
     table over DP, and the head, which does not own it, must still see it whole."""
-    from parallel_latent.checkpoint.zero_access import gathered
     from parallel_latent.config import Config, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainingConfig
     from parallel_latent.training.engine import initialize_engine
+    from parallel_latent.zero.params import gathered
 
     state = initialize_model_parallel(2)
     configs = head_configs(0.0, "tied", frozen)

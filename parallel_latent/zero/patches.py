@@ -1,5 +1,5 @@
-"""Every use of DeepSpeed's private API, each checked against the DeepSpeed releases it was written
-for (:data:`SUPPORTED`, the range ``pyproject.toml`` pins).
+"""Every patch of DeepSpeed's private API, each checked against the releases it was written for
+(:data:`.version.SUPPORTED`).
 
 DeepSpeed has no public hook for what these do, so they reach into its classes:
 
@@ -18,107 +18,35 @@ DeepSpeed has no public hook for what these do, so they reach into its classes:
   ``load``, ``save`` and ``makedirs``) and its recovery-script copy, so that checkpoints load without
   running pickled code and a failed write is reported by every rank instead of hanging the others.
   Skipping these would change what is safe to load and how a full disk ends a run, so outside the
-  range the job stops before any work: :func:`require_supported_deepspeed` (one line, exit status 2).
+  range the job stops before any work: :func:`.version.require_supported_deepspeed` (one line, exit
+  status 2).
 - :func:`relink_optimizer_state`, :func:`has_zero_master`, :func:`report_grad_norm`: the private
   attributes through which DeepSpeed's ZeRO-1/2 optimizer maps parameters to its flat partitions, and
   its engine reads an optimizer's gradient norm.
-
-The version is read from the installed distribution's metadata (no import of DeepSpeed), so the
-command line checks it in milliseconds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import re
 from collections.abc import Callable, Iterator
-from importlib import metadata
 from types import MethodType
 
 import torch
 
-from parallel_latent.errors import BadInput
+from .version import require_supported_deepspeed, usable
 
 __all__ = [
-    "SUPPORTED",
-    "DeepSpeedVersionError",
     "bulk_zero_gradients",
     "checkpoint_reads",
     "checkpoint_writes",
     "has_zero_master",
-    "installed_version",
     "relink_optimizer_state",
     "report_grad_norm",
-    "require_supported_deepspeed",
     "skip_unused_cpu_comm_kernel",
-    "supported",
     "sync_free_zero_step",
     "zero_optimizer_check_without_muon",
 ]
-
-logger = logging.getLogger(__name__)
-
-# [first, end): the releases whose private classes, methods and checkpoint keys this code was written
-# against and tested with.
-SUPPORTED = ((0, 19, 8), (0, 20, 0))
-
-
-class DeepSpeedVersionError(BadInput):
-    """The installed DeepSpeed is outside the releases whose checkpoint engine this code patches."""
-
-
-def _release(version: str) -> tuple[int, int, int]:
-    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
-    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
-
-
-def _range_words() -> str:
-    (a, b, c), (d, e, _) = SUPPORTED
-    return f">={a}.{b}.{c},<{d}.{e}"
-
-
-def installed_version() -> str:
-    """The installed DeepSpeed's version, from its distribution's metadata."""
-    try:
-        return metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        import deepspeed  # a source checkout on the path: its own attribute
-
-        return deepspeed.__version__
-
-
-def supported(version: str | None = None) -> bool:
-    """Whether ``version`` (default: the installed DeepSpeed's) is in :data:`SUPPORTED`."""
-    release = _release(installed_version() if version is None else version)
-    return SUPPORTED[0] <= release < SUPPORTED[1]
-
-
-def require_supported_deepspeed(version: str | None = None) -> None:
-    """Refuse (one line, exit status 2) a DeepSpeed whose checkpoint engine this code cannot patch."""
-    version = installed_version() if version is None else version
-    if not supported(version):
-        raise DeepSpeedVersionError(
-            f"DeepSpeed {version} is installed, but parallel-latent's checkpoints patch DeepSpeed's checkpoint "
-            f"engine as releases {_range_words()} have it: pip install 'deepspeed{_range_words()}'"
-        )
-
-
-def _usable(what: str, version: str | None) -> bool:
-    """Whether a patch that only speeds DeepSpeed up applies; outside the range, one warning saying
-    what is skipped (DeepSpeed's own code path runs: correct, slower)."""
-    version = installed_version() if version is None else version
-    if supported(version):
-        return True
-    logger.warning(
-        "DeepSpeed %s is outside the releases %s that parallel-latent's %s was written for: skipped, "
-        "DeepSpeed's own code runs instead (correct, slower)",
-        version,
-        _range_words(),
-        what,
-    )
-    return False
 
 
 # --------------------------------------------------------------------------- #
@@ -165,7 +93,7 @@ def sync_free_zero_step(optimizer, version: str | None = None) -> bool:
     Only for the bf16 ZeRO-1/2 optimizer without CPU offload: fp16 decides on its loss scale on
     the host by design; ZeRO-3 (``stage3.py``) keeps its own helpers, and ZeRO stage 0 under bf16
     runs DeepSpeed's ``BF16_Optimizer``, whose norm and clip also read the device. The methods are
-    bound to this instance only. Outside :data:`SUPPORTED` it is skipped with one warning.
+    bound to this instance only. Outside :data:`.version.SUPPORTED` it is skipped with one warning.
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -173,7 +101,7 @@ def sync_free_zero_step(optimizer, version: str | None = None) -> bool:
         return False
     if optimizer.dtype != torch.bfloat16 or optimizer.check_grad_overflow or optimizer.cpu_offload:
         return False
-    if not _usable("sync-free bf16 ZeRO-1/2 step", version):
+    if not usable("sync-free bf16 ZeRO-1/2 step", version):
         return False
     optimizer.get_grad_norm_direct = MethodType(_grad_norm_direct, optimizer)
     optimizer.unscale_and_clip_grads = MethodType(_unscale_and_clip_grads, optimizer)
@@ -268,7 +196,7 @@ def bulk_zero_gradients(optimizer, version: str | None = None) -> bool:
 
     Not applied (DeepSpeed's own path runs) with CPU offload, fp16 (its overflow checks read the
     per-bucket state), MoE or ZenFlow groups, gradients kept in a separate accumulation attribute,
-    a non-default gradient pre-divide or averaging, or outside :data:`SUPPORTED` (one warning).
+    a non-default gradient pre-divide or averaging, or outside :data:`.version.SUPPORTED` (one warning).
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -283,7 +211,7 @@ def bulk_zero_gradients(optimizer, version: str | None = None) -> bool:
         not optimizer.gradient_average,
         any(optimizer._is_muon_group(group) for group in optimizer.bit16_groups if group),
     )
-    if any(unsupported) or not _usable("bulk ZeRO-1/2 gradient path", version):
+    if any(unsupported) or not usable("bulk ZeRO-1/2 gradient path", version):
         return False
     for hook in optimizer._grad_acc_hooks:
         hook.remove()
@@ -425,7 +353,7 @@ def skip_unused_cpu_comm_kernel(version: str | None = None) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu" or not _usable("skip of the unused CPU communication kernel", version):
+    if accelerator.device_name() != "cpu" or not usable("skip of the unused CPU communication kernel", version):
         return
     builder = accelerator.create_op_builder("ShareMemCommBuilder")
     if builder is not None:
@@ -441,7 +369,7 @@ def zero_optimizer_check_without_muon(version: str | None = None) -> contextlib.
     start-up on a small machine, for an optimizer this trainer never builds (its AdamW and SGD are
     answered by the list alone, as before). The answer is the same; only the import is skipped.
     """
-    if not _usable("ZeRO optimizer check without the Muon import", version):
+    if not usable("ZeRO optimizer check without the Muon import", version):
         return contextlib.nullcontext()
     import deepspeed.runtime.engine as ds_engine
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS

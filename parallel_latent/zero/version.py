@@ -1,0 +1,106 @@
+"""The DeepSpeed releases this package was written for (:data:`SUPPORTED`, the range
+``pyproject.toml`` pins) and the one gate every part of it goes through.
+
+Every use of DeepSpeed's private classes, methods and checkpoint keys (:mod:`.patches`,
+:mod:`.params`, :mod:`.files`) was written against these releases. What only speeds DeepSpeed up
+asks :func:`usable` (outside the range: one warning, DeepSpeed's own code runs); what safety depends
+on (the checkpoint engine's patches, DeepSpeed's private checkpoint keys) asks
+:func:`require_supported_deepspeed` (outside the range: one line, exit status 2), which the job runs
+before any work and :func:`import_deepspeed` runs before the checkpoint code touches DeepSpeed.
+
+The version is read once from the installed distribution's metadata (no import of DeepSpeed), so
+the command line checks it in milliseconds and every later check is free.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from importlib import metadata
+
+from parallel_latent.errors import BadInput
+
+__all__ = [
+    "SUPPORTED",
+    "DeepSpeedVersionError",
+    "import_deepspeed",
+    "installed_version",
+    "require_supported_deepspeed",
+    "supported",
+    "usable",
+]
+
+logger = logging.getLogger(__name__)
+
+# [first, end): the releases whose private classes, methods and checkpoint keys this code was written
+# against and tested with.
+SUPPORTED = ((0, 19, 8), (0, 20, 0))
+
+
+class DeepSpeedVersionError(BadInput):
+    """The installed DeepSpeed is outside the releases whose checkpoint engine this code patches."""
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
+
+
+def _range_words() -> str:
+    (a, b, c), (d, e, _) = SUPPORTED
+    return f">={a}.{b}.{c},<{d}.{e}"
+
+
+# Read once: the installed release does not change while the process runs, and reading the metadata
+# costs milliseconds, which ZeRO-3's gathers (through the gate, for every tensor) would pay each time.
+@functools.cache
+def installed_version() -> str:
+    """The installed DeepSpeed's version, from its distribution's metadata."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        import deepspeed  # a source checkout on the path: its own attribute
+
+        return deepspeed.__version__
+
+
+def supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed DeepSpeed's) is in :data:`SUPPORTED`."""
+    release = _release(installed_version() if version is None else version)
+    return SUPPORTED[0] <= release < SUPPORTED[1]
+
+
+def require_supported_deepspeed(version: str | None = None) -> None:
+    """Refuse (one line, exit status 2) a DeepSpeed whose checkpoint engine this code cannot patch."""
+    version = installed_version() if version is None else version
+    if not supported(version):
+        raise DeepSpeedVersionError(
+            f"DeepSpeed {version} is installed, but parallel-latent's checkpoints patch DeepSpeed's checkpoint "
+            f"engine as releases {_range_words()} have it: pip install 'deepspeed{_range_words()}'"
+        )
+
+
+def usable(what: str, version: str | None) -> bool:
+    """Whether a patch that only speeds DeepSpeed up applies; outside the range, one warning saying
+    what is skipped (DeepSpeed's own code path runs: correct, slower)."""
+    version = installed_version() if version is None else version
+    if supported(version):
+        return True
+    logger.warning(
+        "DeepSpeed %s is outside the releases %s that parallel-latent's %s was written for: skipped, "
+        "DeepSpeed's own code runs instead (correct, slower)",
+        version,
+        _range_words(),
+        what,
+    )
+    return False
+
+
+def import_deepspeed():
+    """DeepSpeed, for code that reads its private state: refused (:func:`require_supported_deepspeed`)
+    outside :data:`SUPPORTED`."""
+    require_supported_deepspeed()
+    import deepspeed
+
+    return deepspeed
