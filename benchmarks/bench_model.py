@@ -18,8 +18,9 @@
    one chunk (the fp32 temporary of the whole logits the loss kept before it was chunked), and
    torch's F.cross_entropy on the logits cast to fp32.
 
-Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
-Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 15 --threads 1]
+Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
+min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides.
+Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
        python benchmarks/bench_model.py --quick     # seconds: tiny shapes, 3 repeats
 """
 
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,7 @@ from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_gpt2
 
-from common import REPO, Report, add_common_arguments, run
+from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -163,17 +162,6 @@ def plain_twin(ours: LatentAutoencoder) -> PlainAutoencoder:
 # --------------------------------------------------------------------------- #
 
 
-def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    times = {name: [] for name in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab - 2, (args.batch, args.seq), generator=gen)
@@ -214,16 +202,19 @@ def model_vs_plain(args, report: Report) -> None:
             plain(ids, mask).backward()
             plain.zero_grad(set_to_none=True)
 
-        med = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats)
+        samples = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats, ratios=[("ours", "plain")],
+                              most=args.most_repeats)  # fmt: skip
+        spread = samples.spread("ours", "plain")
         print(
-            f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {med['ours'] * 1e3:.1f} ms, "
-            f"plain PyTorch {med['plain'] * 1e3:.1f} ms"
+            f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {samples.median('ours') * 1e3:.1f} ms, "
+            f"plain PyTorch {samples.median('plain') * 1e3:.1f} ms"
         )
         report.figure(
             f"model fwd+bwd ours / plain PyTorch, dropout {dropout}",
-            med["ours"] / med["plain"],
+            spread.median,
             "x",
             at_most=1.05 if dropout == 0.0 else None,
+            spread=spread,
         )
 
 
@@ -252,14 +243,17 @@ def features_vs_full(args, report: Report) -> None:
     def run_truncated():
         truncated(ids, mask)
 
-    med = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats)
+    samples = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats,
+                          ratios=[("truncated", "full")], most=args.most_repeats)  # fmt: skip
+    spread = samples.spread("truncated", "full")
     held = sum(p.numel() for p in truncated.parameters()) / sum(p.numel() for p in full.parameters())
     print(
         f"features, {cfg.n_layer}-layer GPT-2 of width {cfg.n_embd}, batch {args.feature_batch}x{args.seq}: "
-        f"truncated {med['truncated'] * 1e3:.1f} ms, full output_hidden_states {med['full'] * 1e3:.1f} ms; "
+        f"truncated {samples.median('truncated') * 1e3:.1f} ms, full output_hidden_states "
+        f"{samples.median('full') * 1e3:.1f} ms; "
         f"weights held {held:.3f}x"
     )
-    report.figure("features truncated / full GPT-2", med["truncated"] / med["full"], "x", at_most=0.87)
+    report.figure("features truncated / full GPT-2", spread.median, "x", at_most=0.87, spread=spread)
 
 
 def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
@@ -369,6 +363,7 @@ def loss_memory(args, report: Report) -> None:
 def body(args, report: Report) -> None:
     if args.quick:
         args.batch, args.seq, args.d_model, args.feature_layers, args.repeats = 2, 8, 32, 2, 3
+        args.most_repeats = None
         args.feature_batch, args.feature_width, args.feature_layers_full = 2, 48, 4
     torch.set_num_threads(args.threads)
     logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
@@ -400,7 +395,7 @@ def main() -> int:
     parser.add_argument("--feature-batch", type=int, default=8)
     parser.add_argument("--feature-width", type=int, default=768, help="GPT-2 width of the feature comparison")
     parser.add_argument("--feature-layers-full", type=int, default=12, help="GPT-2 depth of the feature comparison")
-    parser.add_argument("--repeats", type=int, default=15)
+    add_repeat_arguments(parser, repeats=16, most=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--only", choices=["model", "features", "ops", "loss"], default=None)

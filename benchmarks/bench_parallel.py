@@ -15,8 +15,10 @@
    feature pass vs the replicated one, on a model whose frozen pass is most of a rank's work (the
    share is printed); the overlapped backward collective vs not overlapped.
 
-Repeats are interleaved (A, B, A, B, ...) and medians compared, so machine noise hits both sides.
-Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 30]
+Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
+min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides. Two
+processes timing together agree on when to stop repeating (an all-reduce of their verdicts).
+Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 16]
        python benchmarks/bench_parallel.py --quick    # seconds: tiny shapes, 3 repeats
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
 
-from common import REPO, Report, add_common_arguments, run
+from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
@@ -54,14 +55,13 @@ def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(fns: dict, repeats: int, warmup: int = 3) -> dict:
-    times = {name: [] for name in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            t = fn()
-            if i >= warmup:
-                times[name].append(t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def all_ranks_agree(settled: bool) -> bool:
+    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(settled)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def tp1_overhead(args, report: Report) -> None:
@@ -78,22 +78,26 @@ def tp1_overhead(args, report: Report) -> None:
         def advance(rng=rng):
             rng.step += 1
 
-        med = interleaved(
+        samples = interleaved(
             {
                 "ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
                 "plain": lambda plain=plain: step_time(plain, x),
             },
             args.repeats,
+            ratios=[("ours", "plain")],
+            most=args.most_repeats,
         )
+        spread = samples.spread("ours", "plain")
         print(
-            f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {med['ours'] * 1e3:.2f} ms, nn.Sequential "
-            f"{med['plain'] * 1e3:.2f} ms"
+            f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
+            f"{samples.median('plain') * 1e3:.2f} ms"
         )
         report.figure(
             f"TP=1 MLP ours / nn.Sequential, dropout {dropout}",
-            med["ours"] / med["plain"],
+            spread.median,
             "x",
             at_most=1.02 if dropout == 0.0 else None,
+            spread=spread,
         )
 
 
@@ -121,15 +125,17 @@ def _tp2_task(args) -> dict:
 
         return run
 
-    return interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats)
+    return interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats, ratios=[("ours", "torch")],
+                       most=args.most_repeats, agree=all_ranks_agree)  # fmt: skip
 
 
-def tp2_vs_torch(med: dict, args, report: Report) -> None:
+def tp2_vs_torch(samples, args, report: Report) -> None:
     print(
-        f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {med['ours'] * 1e3:.2f} ms, "
-        f"torch.distributed.tensor.parallel {med['torch'] * 1e3:.2f} ms"
+        f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {samples.median('ours') * 1e3:.2f} ms, "
+        f"torch.distributed.tensor.parallel {samples.median('torch') * 1e3:.2f} ms"
     )
-    report.figure("TP=2 MLP ours / torch.distributed.tensor.parallel", med["ours"] / med["torch"], "x", at_most=1.0)
+    spread = samples.spread("ours", "torch")
+    report.figure("TP=2 MLP ours / torch.distributed.tensor.parallel", spread.median, "x", at_most=1.0, spread=spread)
 
 
 # --------------------------------------------------------------------------- #
@@ -320,26 +326,29 @@ def _timed(args) -> dict:
 
         return run
 
-    med = interleaved({name: step(model) for name, model in models.items()}, args.repeats)
-    return {"share": share, **med}
+    ratios = [("split", "replicated"), ("overlap on", "overlap off")]
+    samples = interleaved({name: step(model) for name, model in models.items()}, args.repeats, ratios=ratios,
+                          most=args.most_repeats, agree=all_ranks_agree)  # fmt: skip
+    return {"share": share, "samples": samples}
 
 
-def timed_switches(med: dict, args, report: Report) -> None:
+def timed_switches(result: dict, args, report: Report) -> None:
+    samples = result["samples"]
+    ms = {name: samples.median(name) * 1e3 for name in samples.wall}
     print(
         f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, {args.switch_gpt2_layers - 2} frozen "
-        f"GPT-2 blocks of width 128 under 1+1 Perceiver blocks): the frozen pass is {med['share'] * 100:.0f}% of a "
-        f"rank's replicated work; split feature pass {med['split'] * 1e3:.1f} ms vs replicated "
-        f"{med['replicated'] * 1e3:.1f} ms; backward collective overlapped {med['overlap on'] * 1e3:.1f} ms vs not "
-        f"{med['overlap off'] * 1e3:.1f} ms"
+        f"GPT-2 blocks of width 128 under 1+1 Perceiver blocks): the frozen pass is {result['share'] * 100:.0f}% of "
+        f"a rank's replicated work; split feature pass {ms['split']:.1f} ms vs replicated {ms['replicated']:.1f} ms; "
+        f"backward collective overlapped {ms['overlap on']:.1f} ms vs not {ms['overlap off']:.1f} ms"
     )
-    report.figure("TP=2 step split feature pass / replicated", med["split"] / med["replicated"], "x", at_most=0.85)
-    report.figure("TP=2 step overlapped / not overlapped backward", med["overlap on"] / med["overlap off"], "x",
-                  at_most=1.0)  # fmt: skip
+    split, overlap = samples.spread("split", "replicated"), samples.spread("overlap on", "overlap off")
+    report.figure("TP=2 step split feature pass / replicated", split.median, "x", at_most=0.85, spread=split)
+    report.figure("TP=2 step overlapped / not overlapped backward", overlap.median, "x", at_most=1.0, spread=overlap)
 
 
 def body(args, report: Report) -> None:
     if args.quick:
-        args.batch, args.seq, args.hidden, args.repeats = 2, 8, 32, 3
+        args.batch, args.seq, args.hidden, args.repeats, args.most_repeats = 2, 8, 32, 3, None
         args.flops_width, args.switch_gpt2_layers = 64, 4
     torch.set_num_threads(args.threads)
     if args.only in (None, "tp1"):
@@ -366,7 +375,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=30)
+    add_repeat_arguments(parser, repeats=16, most=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--flops-width", type=int, default=768, help="GPT-2 width of the FLOP count")
     parser.add_argument("--switch-gpt2-layers", type=int, default=14, help="GPT-2 depth of the timed switches")

@@ -71,10 +71,38 @@ from step_trace import (  # noqa: F401 (the tracer's names, for the tests)
 from common import Report, add_common_arguments, run
 
 PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator
-BIG_MATMUL_FLOPS, BIG_MATMUL_RATE, SMALL_MATMUL_RATE = 20e9, 700e12, 593e12
-BANDWIDTH = 4.0e12  # bytes/s
-LAUNCH_S = 5e-6  # per kernel launch (the project captures no CUDA graph: every kernel is launched)
-MIN_KERNEL_S = 2e-6  # device time of the smallest kernel
+BIG_MATMUL_FLOPS = 20e9  # a matmul above this many FLOPs runs at the big rate
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """What one H200 is taken to do: matmul rates above and below BIG_MATMUL_FLOPS, memory bandwidth
+    (bytes/s), host time per eager kernel launch (the project captures no CUDA graph: every kernel is
+    launched), device time of the smallest kernel."""
+
+    big_matmul_rate: float
+    small_matmul_rate: float
+    bandwidth: float
+    launch_s: float
+    min_kernel_s: float
+
+
+# The pinned figures (comparable from change to change), and the low end of what H100/H200 reports
+# show for each assumption: cuBLAS at K or N = 768 (550 / 450 TFLOP/s), 3.3 TB/s of HBM, 10 us per
+# eager launch. The smallest kernel's time is the same in both.
+PINNED = Roofline(big_matmul_rate=700e12, small_matmul_rate=593e12, bandwidth=4.0e12, launch_s=5e-6, min_kernel_s=2e-6)
+PESSIMISTIC = Roofline(big_matmul_rate=550e12, small_matmul_rate=450e12, bandwidth=3.3e12, launch_s=10e-6,
+                       min_kernel_s=2e-6)  # fmt: skip
+# Each assumption of the range: the constants it moves from PINNED to PESSIMISTIC.
+ASSUMPTIONS = {"matmul rate": ("big_matmul_rate", "small_matmul_rate"), "bandwidth": ("bandwidth",),
+               "launch cost": ("launch_s",)}  # fmt: skip
+
+
+def pessimistic_in(assumption: str) -> Roofline:
+    """PINNED with one assumption's constants at their pessimistic values."""
+    return dataclasses.replace(PINNED, **{name: getattr(PESSIMISTIC, name) for name in ASSUMPTIONS[assumption]})
+
+
 MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}  # overlapped figure, dropout 0.1
 DEEPSPEED_KERNEL_GOALS = {1: 250, 2: 300}  # DeepSpeed's backward work + its step, per DP size
 HOOK_CALL_GOAL = 20
@@ -149,9 +177,9 @@ class Kernel:
     part: str = "model"
 
 
-def matmul_seconds(flops: float, nbytes: int) -> float:
-    rate = BIG_MATMUL_RATE if flops > BIG_MATMUL_FLOPS else SMALL_MATMUL_RATE
-    return max(flops / rate, nbytes / BANDWIDTH)
+def matmul_seconds(flops: float, nbytes: int, roofline: Roofline = PINNED) -> float:
+    rate = roofline.big_matmul_rate if flops > BIG_MATMUL_FLOPS else roofline.small_matmul_rate
+    return max(flops / rate, nbytes / roofline.bandwidth)
 
 
 def _distinct_bytes(accesses) -> int:
@@ -207,8 +235,8 @@ def op_bytes(op: Op) -> int:
     return min(source[2], written) + sum(b for *_, b in others) + written
 
 
-def kernels_of(ops: list[Op]) -> list[Kernel]:
-    """The kernels a traced op list launches under the pinned rules."""
+def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
+    """The kernels a traced op list launches under the pinned rules, timed by ``roofline``."""
     reads_after: list[set[int]] = [set() for _ in ops]  # storage keys read by ops after index i
     seen: set[int] = set()
     for i in range(len(ops) - 1, -1, -1):
@@ -219,7 +247,8 @@ def kernels_of(ops: list[Op]) -> list[Kernel]:
     def close_run(end: int) -> None:
         if run:
             nbytes = _fused_run(run, reads_after[end])
-            kernels.append(Kernel(f"{run_region[0]} (fused)", max(nbytes / BANDWIDTH, MIN_KERNEL_S), 0.0, run[0].part))
+            seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
+            kernels.append(Kernel(f"{run_region[0]} (fused)", seconds, 0.0, run[0].part))
             run.clear()
 
     for i, op in enumerate(ops):
@@ -233,25 +262,29 @@ def kernels_of(ops: list[Op]) -> list[Kernel]:
         count = kernels_per_op(op)
         if count == 0:
             continue
-        seconds = matmul_seconds(op.flops, op.bytes) if op.kind == "matmul" else op_bytes(op) / BANDWIDTH
+        if op.kind == "matmul":
+            seconds = matmul_seconds(op.flops, op.bytes, roofline)
+        else:
+            seconds = op_bytes(op) / roofline.bandwidth
         label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
         # The bytes spread over the kernels, each no shorter than the minimum.
-        kernels += [Kernel(label, max(seconds / count, MIN_KERNEL_S), op.flops / count, op.part)] * count
+        kernels += [Kernel(label, max(seconds / count, roofline.min_kernel_s), op.flops / count, op.part)] * count
     close_run(len(ops) - 1)
     return kernels
 
 
-def cuda_only(cfg) -> list[Kernel]:
+def cuda_only(cfg, roofline: Roofline = PINNED) -> list[Kernel]:
     """What CUDA runs that a CPU trace cannot show: the micro-batch's ids and mask copied to the
     device (pinned host memory, one copy each)."""
     nbytes = cfg.training.micro_batch_size * cfg.model.max_length * 8  # int64
-    copy = Kernel("host-to-device copy of the batch [step]", max(nbytes / BANDWIDTH, MIN_KERNEL_S), 0.0, "trainer")
+    seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
+    copy = Kernel("host-to-device copy of the batch [step]", seconds, 0.0, "trainer")
     return [copy] * 2
 
 
-def projection(kernels: list[Kernel], model_flops: float) -> dict:
+def projection(kernels: list[Kernel], model_flops: float, roofline: Roofline = PINNED) -> dict:
     device = sum(k.device_s for k in kernels)
-    launch = LAUNCH_S * len(kernels)
+    launch = roofline.launch_s * len(kernels)
     overlapped, summed = max(device, launch), device + launch
     return {
         "step_ms_overlapped": overlapped * 1e3,
@@ -268,7 +301,7 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
     """(label, device + launch ms, kernels) of the ``n`` biggest kinds of kernel."""
     totals, counts = defaultdict(float), Counter()
     for k in kernels:
-        totals[k.label] += k.device_s + LAUNCH_S
+        totals[k.label] += k.device_s + PINNED.launch_s
         counts[k.label] += 1
     ranked = sorted(totals, key=totals.get, reverse=True)[:n]
     return [(label, totals[label] * 1e3, counts[label]) for label in ranked]
@@ -300,16 +333,28 @@ def deepspeed_ops(rest: list[Op]) -> list[Op]:
     return [op for op in rest if op.part in ("deepspeed backward", "optimizer")]
 
 
+def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline: Roofline) -> list[Kernel]:
+    """The kernels of one step: the traced model's, and with ``rest`` the rest of the step's."""
+    kernels = kernels_of(ops, roofline)
+    if rest:
+        kernels += kernels_of(rest_of_step(quick, 1)[0], roofline) + cuda_only(cfg, roofline)
+    return kernels
+
+
 def project(setting: dict, quick: bool = False, rest: bool = True) -> dict:
-    """The projection of one gpu.sh setting, with its kernels and traced FLOPs."""
+    """The projection of one gpu.sh setting, with its kernels and traced FLOPs; under ``ranges`` the
+    same trace timed by the pessimistic roofline and by PINNED with each assumption made pessimistic
+    alone."""
     cfg = row_config(setting, quick)
     ops = trace_model(cfg, "cuda")
-    kernels = kernels_of(ops)
-    if rest:
-        kernels += kernels_of(rest_of_step(quick, 1)[0]) + cuda_only(cfg)
+    kernels = step_kernels(cfg, ops, quick, rest, PINNED)
     flops = model_flops(cfg)
+    rooflines = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
+    ranges = {name: projection(step_kernels(cfg, ops, quick, rest, roofline), flops, roofline)
+              for name, roofline in rooflines.items()}  # fmt: skip
     return {
         **projection(kernels, flops),
+        "ranges": ranges,
         "model_flops": flops,
         "traced_flops": sum(op.flops for op in ops),
         "top": top_costs(kernels),
@@ -378,12 +423,43 @@ def report_deepspeed(args, report: Report) -> None:
         report.figure(f"Python hook calls per step, DP={data_parallel}", hooks, at_most=HOOK_CALL_GOAL)
 
 
+def report_range(name: str, result: dict, report: Report) -> None:
+    """The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone: the
+    same trace, timed again (not a factor on the pinned figure)."""
+    ranges = result["ranges"]
+    print(f"    MFU overlapped: pinned {result['mfu_overlapped'] * 100:.1f}%, pessimistic "
+          f"{ranges['pessimistic']['mfu_overlapped'] * 100:.1f}%; one assumption pessimistic alone: "
+          + ", ".join(f"{a} {ranges[a]['mfu_overlapped'] * 100:.1f}%" for a in ASSUMPTIONS))  # fmt: skip
+    report.figure(f"projected MFU overlapped, pessimistic, {name}", ranges["pessimistic"]["mfu_overlapped"])
+    report.figure(f"projected MFU summed, pessimistic, {name}", ranges["pessimistic"]["mfu_summed"])
+    for assumption in ASSUMPTIONS:
+        report.figure(f"projected MFU overlapped, {assumption} pessimistic alone, {name}",
+                      ranges[assumption]["mfu_overlapped"])  # fmt: skip
+
+
+def sensitivity_table(results: dict[str, dict]) -> list[str]:
+    """Per row, how much of the pinned MFU each assumption takes away at its pessimistic value."""
+    header = f"{'row':18s} {'pinned':>7s} " + " ".join(f"{a:>12s}" for a in [*ASSUMPTIONS, "all"])
+    lines = ["", "Sensitivity: points of MFU (overlapped) lost when one assumption is pessimistic", header]
+    for name, result in results.items():
+        pinned = result["mfu_overlapped"]
+        lost = [pinned - result["ranges"][a]["mfu_overlapped"] for a in [*ASSUMPTIONS, "pessimistic"]]
+        lines.append(f"{name:18s} {pinned * 100:6.1f}% " + " ".join(f"{x * 100:12.1f}" for x in lost))
+    return lines
+
+
+def largest_uncertainty(result: dict) -> str:
+    """The assumption whose pessimistic value alone takes the most MFU from this row."""
+    return max(ASSUMPTIONS, key=lambda a: result["mfu_overlapped"] - result["ranges"][a]["mfu_overlapped"])
+
+
 def body(args, report: Report) -> None:
     report_deepspeed(args, report)
+    results = {}
     for name, setting, goal in matrix(args.quick):
-        result = project(setting, args.quick)
+        result = results[name] = project(setting, args.quick)
         loss = [k for k in result["kernel_list"] if k.part == "loss"]
-        loss_ms = sum(k.device_s + LAUNCH_S for k in loss) * 1e3
+        loss_ms = sum(k.device_s + PINNED.launch_s for k in loss) * 1e3
         print(
             f"\n{label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
             f"(overlapped-summed), MFU {result['mfu_overlapped'] * 100:.1f}-{result['mfu_summed'] * 100:.1f}%; "
@@ -396,6 +472,7 @@ def body(args, report: Report) -> None:
         quick_goal = None if args.quick else goal
         report.figure(f"projected MFU overlapped, {name}", result["mfu_overlapped"], at_least=quick_goal)
         report.figure(f"projected MFU summed, {name}", result["mfu_summed"])
+        report_range(name, result, report)
         report.figure(f"projected step overlapped, {name}", result["step_ms_overlapped"], "ms")
         report.figure(f"projected step summed, {name}", result["step_ms_summed"], "ms")
         report.figure(f"kernels per step, {name}", result["kernels"])
@@ -404,6 +481,9 @@ def body(args, report: Report) -> None:
         if name in ("default", "compile", "micro32"):  # the goals' rows' top ten on the page (all printed above)
             for rank, (cost_label, ms, count) in enumerate(result["top"], 1):
                 report.figure(f"top cost {rank}, {name}: {count} x {cost_label}", ms, "ms")
+    print("\n".join(sensitivity_table(results)))
+    print("The largest uncertainty, by row: " + "; ".join(f"{name}: the {largest_uncertainty(r)}"
+                                                          for name, r in results.items()))  # fmt: skip
 
 
 def main() -> int:

@@ -2,8 +2,12 @@
 
 1. **Step time**: one training step at TP=1 through the real trainer (DeepSpeed ZeRO-2 engine,
    token-normalised loss, the per-step statistics all-reduce) against the same model trained by a
-   plain PyTorch loop (torch.optim.AdamW, clip_grad_norm_, the same schedule), in one process, in
-   the same invocation, measured in interleaved rounds.  Goal: ratio <= 1.10.
+   plain PyTorch loop (the trainer's own AdamW, clip_grad_norm_, the same schedule), in one process,
+   in the same invocation, one step of each in turn (common.interleaved: the median per-pair ratio
+   with its min, max and CPU-time ratio).  Both take a batch that is already read: the trainer's is
+   read ahead, the plain loop's fetched before its clock starts.  The one difference left is ZeRO's:
+   its AdamW updates one flat partition per group, the plain loop's each parameter (the share of
+   the plain step that its AdamW takes is printed).  Goal: ratio <= 1.10.
 
 2. **Memory**: bytes per rank of parameters + gradients + optimizer state of the trainable part,
    read from the real engine's tensors (the module's parameters, ZeRO's fp32 master partition, its
@@ -12,7 +16,7 @@
    Goal: ratio <= 0.30.
 
     python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
-    python benchmarks/bench_train.py --part step --steps 40 model.d_model=128
+    python benchmarks/bench_train.py --part step --repeats 16 model.d_model=128
     python benchmarks/bench_train.py --quick         # seconds: fewer steps, fp32 memory only (its TP1xDP1
                                                      # side read on part 1's trainer, no torchrun of its own)
 """
@@ -29,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, run
+from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = [
@@ -70,7 +74,7 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
 
     from parallel_latent.data import ShardedBatchSampler, get_batch
     from parallel_latent.model import build_model
-    from parallel_latent.training.engine import build_lr_scheduler, parameter_groups
+    from parallel_latent.training.engine import build_lr_scheduler, build_optimizer
     from parallel_latent.training.startup import start_run
     from parallel_latent.training.trainer import Trainer
 
@@ -82,63 +86,56 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
 
         plain_model = build_model(cfg).to(device).train()
         trainable = plain_model.trainable_parameters()
-        optimizer = torch.optim.AdamW(
-            parameter_groups(trainable, cfg.optimizer.weight_decay),
-            lr=cfg.optimizer.lr,
-            betas=tuple(cfg.optimizer.betas),
-            eps=cfg.optimizer.eps,
-            fused=device.type == "cuda",
-        )
+        # The trainer's own optimizer (class and flags); ZeRO hands it one flat partition per group,
+        # the plain loop its parameters one by one: that layout is the difference, and is ZeRO's.
+        optimizer = build_optimizer(trainable, cfg, device.type, mpu=None)
         scheduler = build_lr_scheduler(optimizer, cfg)
         sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size, seed=cfg.training.seed)
-        plain_step_count = 0
+        plain_step_count, optimizer_times = 0, []
 
-        def plain_step() -> None:
+        def synchronize() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def plain_step() -> float:
             nonlocal plain_step_count
+            # The batch is fetched before the clock starts, as the trainer's is read ahead.
             batch = get_batch(trainer.train_set, sampler.next_batch())
+            synchronize()
+            started = time.perf_counter()
             input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             plain_model.dropout_rng.step = plain_step_count
             out = plain_model(input_ids, attention_mask)
             (out.loss_sum / out.num_tokens.clamp(min=1)).backward()
             torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.grad_clip)
+            synchronize()
+            stepping = time.perf_counter()
             optimizer.step()
+            synchronize()
+            optimizer_times.append(time.perf_counter() - stepping)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             plain_step_count += 1
+            synchronize()
+            return time.perf_counter() - started
 
-        def trainer_step() -> None:
+        def trainer_step() -> float:
+            synchronize()
+            started = time.perf_counter()
             trainer.train_step()  # its statistics stay on the device until a log line
+            synchronize()
             trainer.step += 1
+            return time.perf_counter() - started
 
-        def timed(step_fn, count: int) -> list[float]:
-            times = []
-            for _ in range(count):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                step_fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
-            return times
-
-        timed(plain_step, args.warmup)
-        timed(trainer_step, args.warmup)
-        plain_times, trainer_times = [], []
-        per_round = max(1, args.steps // args.rounds)
-        for _ in range(args.rounds):  # interleaved, so machine noise hits both alike
-            plain_times += timed(plain_step, per_round)
-            trainer_times += timed(trainer_step, per_round)
+        samples = interleaved({"trainer": trainer_step, "plain": plain_step}, args.repeats, warmup=args.warmup,
+                              ratios=[("trainer", "plain")], most=args.most_repeats)  # fmt: skip
         # --quick: this trainer is the fp32 TP1xDP1 memory run's (ZeRO-2, TP=1, one rank, the same
         # overrides), so it measures that run's tensors here instead of a torchrun of its own.
         memory = measure_engine_memory(trainer) if measure_memory and cfg.training.precision == "fp32" else None
         trainer.logger.close()
-    plain, ds = statistics.median(plain_times), statistics.median(trainer_times)
     return {
-        "plain_pytorch_step_s": plain,
-        "trainer_zero2_step_s": ds,
-        "ratio": ds / plain,
-        "steps_each": len(plain_times),
+        "samples": samples,
+        "plain_optimizer_share": statistics.median(optimizer_times) / samples.median("plain"),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "tp1_dp1_memory": memory,
@@ -278,17 +275,20 @@ def body(args, report: Report) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.quick:
         args.overrides = [*QUICK_OVERRIDES, *args.overrides]
-        args.steps, args.warmup, args.rounds = 4, 1, 2
+        args.repeats, args.most_repeats, args.warmup = 4, None, 1
         args.precisions = args.precisions or "fp32"
     step = {}
     if args.part in ("step", "all"):
         step = bench_step_time(args, measure_memory=args.quick and args.part == "all")
-        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), median of {step['steps_each']}:")
-        print(f"  plain PyTorch loop (AdamW)      {step['plain_pytorch_step_s'] * 1e3:8.1f} ms")
-        print(f"  parallel-latent trainer, ZeRO-2 {step['trainer_zero2_step_s'] * 1e3:8.1f} ms")
-        report.figure("plain PyTorch step", step["plain_pytorch_step_s"] * 1e3, "ms")
-        report.figure("trainer (ZeRO-2) step", step["trainer_zero2_step_s"] * 1e3, "ms")
-        report.figure("trainer / plain step time", step["ratio"], "x", at_most=1.10)
+        samples = step["samples"]
+        spread = samples.spread("trainer", "plain")
+        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), medians of {spread.repeats}:")
+        print(f"  plain PyTorch loop (AdamW)      {samples.median('plain') * 1e3:8.1f} ms")
+        print(f"  parallel-latent trainer, ZeRO-2 {samples.median('trainer') * 1e3:8.1f} ms")
+        report.figure("plain PyTorch step", samples.median("plain") * 1e3, "ms")
+        report.figure("trainer (ZeRO-2) step", samples.median("trainer") * 1e3, "ms")
+        report.figure("plain step's AdamW (per-parameter tensors), share of the step", step["plain_optimizer_share"])
+        report.figure("trainer / plain step time", spread.median, "x", at_most=1.10, spread=spread)
     if args.part in ("memory", "all"):
         precisions = (args.precisions or ("bf16,fp32")).split(",")
         for precision in precisions:
@@ -309,9 +309,8 @@ def body(args, report: Report) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["step", "memory", "all"], default="all")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per side")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_repeat_arguments(parser, repeats=8, most=48)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
         "--precisions", default=None, help="memory benchmark precisions, comma-separated (default: bf16,fp32)"
     )

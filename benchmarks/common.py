@@ -6,6 +6,12 @@ one line starting ``figure:`` (what ``tests/benchmarks/test_benchmarks.py`` and 
 look for), and ``--json PATH`` writes them all with the machine they were measured on. A goal that
 is not met is reported, not an error: timings on a shared machine are noisy, and a benchmark's job
 is to measure. A script exits non-zero only when it could not produce its figures.
+
+A timing ratio comes from :func:`interleaved` repeats (the variants in turn, the order reversed every
+other repeat) as a :class:`Spread`: min / median / max of the per-repeat ratios, the median ratio of
+CPU time (on a shared machine the steadier one), the load average while it ran, and whether the
+first and second halves of the repeats agree on the median within :data:`STABLE_WITHIN` (a script
+that can repeat more does, up to its limit, then says "unstable").
 """
 
 from __future__ import annotations
@@ -16,15 +22,116 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # scripts are run as files: make the repository importable
     sys.path.insert(0, str(REPO))
+
+
+# The halves' medians of a stable ratio differ by at most this fraction: half of the 5% within which
+# two runs of a script are to agree, since a whole run's median is no steadier than a half's by much.
+STABLE_WITHIN = 0.025
+
+
+@dataclass
+class Spread:
+    """Per-repeat ratios of two variants timed in turn: their min, median and max; the median ratio of
+    their CPU time (user + sys of this process, every thread); the 1-minute load average while they
+    ran (median of one sample per repeat); whether the two halves of the repeats agree."""
+
+    low: float
+    median: float
+    high: float
+    cpu: float
+    repeats: int
+    load: float
+    stable: bool
+
+    def words(self) -> str:
+        steady = "" if self.stable else ", unstable"
+        return (f"{format_value(self.low)}-{format_value(self.high)} over {self.repeats} repeats, "
+                f"CPU time {format_value(self.cpu)}, load {self.load:.1f}{steady}")  # fmt: skip
+
+
+def halves_agree(ratios: list[float], within: float = STABLE_WITHIN) -> bool:
+    """Whether the first and second halves of ``ratios`` (in the order measured) have medians within
+    ``within`` of each other: a drift or a burst of load in one half shows here."""
+    if len(ratios) < 4:
+        return False
+    half = len(ratios) // 2
+    first, second = statistics.median(ratios[:half]), statistics.median(ratios[half:])
+    return abs(first - second) <= within * min(abs(first), abs(second))
+
+
+@dataclass
+class Samples:
+    """What :func:`interleaved` measured: per variant, wall and CPU seconds of each repeat, and the
+    load average after each repeat."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    load: list[float] = field(default_factory=list)
+
+    def spread(self, numerator: str, denominator: str) -> Spread:
+        walls = [a / b for a, b in zip(self.wall[numerator], self.wall[denominator], strict=True)]
+        cpus = [a / b for a, b in zip(self.cpu[numerator], self.cpu[denominator], strict=True) if b > 0]
+        return Spread(
+            low=min(walls),
+            median=statistics.median(walls),
+            high=max(walls),
+            cpu=statistics.median(cpus) if cpus else math.nan,
+            repeats=len(walls),
+            load=statistics.median(self.load) if self.load else os.getloadavg()[0],
+            stable=halves_agree(walls),
+        )
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.wall[name])
+
+
+def interleaved(
+    fns: dict[str, Callable[[], float | None]],
+    repeats: int,
+    *,
+    warmup: int = 2,
+    ratios: list[tuple[str, str]] = (),
+    most: int | None = None,
+    agree: Callable[[bool], bool] = bool,
+) -> Samples:
+    """Time ``fns`` in turn ``repeats`` times after ``warmup`` untimed rounds, in the given order on
+    even repeats and reversed on odd ones (whoever runs first in a round gets no edge). A function
+    that returns a float reports its own wall time (work inside it that is not to be counted, a
+    barrier, say, stays out); CPU time is always this process's around the call. With ``ratios``
+    and ``most``, repeats continue in steps of ``repeats`` until every named ratio's halves agree or
+    ``most`` repeats are done. ``agree`` turns this process's verdict into the one every process
+    of a multi-process measurement acts on (an all-reduce), so that all stop together."""
+    names = list(fns)
+    samples = Samples({name: [] for name in names}, {name: [] for name in names})
+    done, target = 0, repeats
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    while True:
+        while done < target:
+            for name in names if done % 2 == 0 else reversed(names):
+                cpu, wall = time.process_time(), time.perf_counter()
+                reported = fns[name]()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                samples.wall[name].append(wall if reported is None else reported)
+                samples.cpu[name].append(cpu)
+            samples.load.append(os.getloadavg()[0])
+            done += 1
+        settled = all(samples.spread(a, b).stable for a, b in ratios)
+        if most is None or done >= most or agree(settled):
+            return samples
+        target = min(most, done + repeats)
 
 
 @dataclass
@@ -33,11 +140,13 @@ class Figure:
     value: float
     unit: str = ""
     goal: str = ""  # "<= 1.10", ">= 0.8", or "" (information)
-    met: bool | None = None  # None: no goal
+    met: bool | None = None  # None: no goal (for a ratio with a spread: judged on its median)
+    spread: dict | None = None  # a timing ratio's Spread, as a dict
 
     def line(self) -> str:
         goal = f" (goal {self.goal}: {'met' if self.met else 'NOT met'})" if self.goal else ""
-        return f"figure: {self.name} = {format_value(self.value)}{self.unit and ' ' + self.unit}{goal}"
+        spread = f" [{Spread(**self.spread).words()}]" if self.spread else ""
+        return f"figure: {self.name} = {format_value(self.value)}{self.unit and ' ' + self.unit}{spread}{goal}"
 
 
 def format_value(value: float) -> str:
@@ -93,13 +202,15 @@ class Report:
         *,
         at_most: float | None = None,
         at_least: float | None = None,
+        spread: Spread | None = None,
     ) -> Figure:
+        """A figure; a timing ratio passes its :class:`Spread` and its median as ``value``."""
         goal, met = "", None
         if at_most is not None:
             goal, met = f"<= {at_most:g}", value <= at_most
         elif at_least is not None:
             goal, met = f">= {at_least:g}", value >= at_least
-        figure = Figure(name, float(value), unit, goal, met)
+        figure = Figure(name, float(value), unit, goal, met, None if spread is None else asdict(spread))
         self.figures.append(figure)
         print(figure.line(), flush=True)
         return figure
@@ -131,6 +242,15 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="tiny shapes and few repeats (seconds): checks the script runs"
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
+
+
+def add_repeat_arguments(parser: argparse.ArgumentParser, repeats: int, most: int) -> None:
+    """A timing script's repeats: at least ``repeats``, more (in steps of ``repeats``) until each
+    ratio's halves agree, at most ``most``."""
+    parser.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats per step of the measurement")
+    parser.add_argument(
+        "--most-repeats", type=int, default=most, help="repeats at most while a ratio's halves disagree"
+    )
 
 
 def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Report], None]) -> int:

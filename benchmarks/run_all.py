@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, format_value
+from common import REPO, Spread, format_value
 
 RESULTS = REPO / "docs" / "benchmarks"
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -133,7 +133,8 @@ def _cell(text: str) -> str:
 
 
 def _value(figure: dict) -> str:
-    return f"{format_value(figure['value'])} {figure['unit']}".strip()
+    value = f"{format_value(figure['value'])} {figure['unit']}".strip()
+    return f"{value} ({Spread(**figure['spread']).words()})" if figure.get("spread") else value
 
 
 def render_section(title: str, record: dict | None, failed: bool, missing_reason: str) -> list[str]:
@@ -167,9 +168,12 @@ def render_page(results: Path, failed: set[str] = frozenset()) -> str:
         "# Benchmark figures",
         "",
         "Written by `python benchmarks/run_all.py` from the JSON files in `docs/benchmarks/` (one per script; "
-        "`--only NAME` re-runs one, `--render` rewrites this page). Timings are medians of interleaved repeats "
-        "against a baseline run in the same process, so they are ratios, not absolute speeds; a goal not met is "
-        "reported here, not hidden. Each section names the command, date and machine of its figures.",
+        "`--only NAME` re-runs one, `--render` rewrites this page). A timing is a ratio against a baseline run in "
+        "the same process, one repeat of each in turn: the median of the per-repeat ratios, then in brackets their "
+        "min-max, the ratio of CPU time (steadier than wall time on a shared machine), the load average while it "
+        'ran, and "unstable" where the two halves of the repeats still disagreed by more than 2.5% on the median '
+        "after the most repeats the script allows (it repeats until they agree). A goal not met is reported here, "
+        "not hidden. Each section names the command, date and machine of its figures.",
         "",
     ]
     for name, (title, _) in BENCHMARKS.items():

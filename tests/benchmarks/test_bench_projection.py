@@ -5,6 +5,7 @@ read each chunk of logits once each way."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -37,6 +38,12 @@ def test_quick_mode_produces_a_projection_for_every_row(tmp_path, monkeypatch, c
         assert 0 < summed <= overlapped < 1, row
     assert figures["DeepSpeed kernels per step, DP=1"] > 0 and figures["DeepSpeed kernels per step, DP=2"] > 0
     assert figures["Python hook calls per step, DP=1"] <= 20
+    for row in ("default", "compile", "micro32", "dropout0", "dropout0 micro32"):
+        pessimistic = figures[f"projected MFU overlapped, pessimistic, {row}"]
+        alone = [figures[f"projected MFU overlapped, {a} pessimistic alone, {row}"] for a in projection.ASSUMPTIONS]
+        assert 0 < pessimistic <= min(alone) <= max(alone) <= figures[f"projected MFU overlapped, {row}"], row
+    assert "Sensitivity: points of MFU (overlapped) lost" in out
+    assert "The largest uncertainty, by row: default: the " in out
     printed = [line for line in out.splitlines() if line.startswith("figure: ")]
     assert len(printed) == len(record["figures"])
 
@@ -70,16 +77,48 @@ def test_a_compiled_region_is_one_kernel_per_run_between_matmuls_with_its_extern
         kernels = projection.kernels_of(tracer.ops)
         matmul = [k for k in kernels if k.flops]
         assert len(matmul) == 1 and matmul[0].flops == 2 * n**3
-        assert matmul[0].device_s == max(2 * n**3 / projection.BIG_MATMUL_RATE, 3 * size / projection.BANDWIDTH)
-        others = sorted(k.device_s * projection.BANDWIDTH for k in kernels if not k.flops)
+        pinned = projection.PINNED
+        assert matmul[0].device_s == max(2 * n**3 / pinned.big_matmul_rate, 3 * size / pinned.bandwidth)
+        others = sorted(k.device_s * projection.PINNED.bandwidth for k in kernels if not k.flops)
         if compiled:  # x*2+1 reads x, writes its result; relu().neg() reads the product, writes the result
             assert others[1:] == [2 * size, 2 * size] and len(kernels) == 4  # + the eager sum
         else:  # mul, add, relu, neg: each reads and writes one operand
             assert others[1:] == [2 * size] * 4 and len(kernels) == 6
     step = projection.projection(kernels, 2 * n**3)
     device = sum(k.device_s for k in kernels)
-    assert step["step_ms_summed"] == pytest.approx((device + 6 * projection.LAUNCH_S) * 1e3)
-    assert step["step_ms_overlapped"] == pytest.approx(max(device, 6 * projection.LAUNCH_S) * 1e3)
+    assert step["step_ms_summed"] == pytest.approx((device + 6 * projection.PINNED.launch_s) * 1e3)
+    assert step["step_ms_overlapped"] == pytest.approx(max(device, 6 * projection.PINNED.launch_s) * 1e3)
+
+
+def test_the_pessimistic_projection_times_the_same_trace_with_its_own_constants():
+    """A matmul-bound trace and a launch-bound one: under the pessimistic roofline each kernel's time
+    follows from that roofline's constants (so the two traces lose different shares, no common
+    factor), and each assumption made pessimistic alone moves only what it governs."""
+    n = 4096
+    with torch.device("meta"):
+        big, small = torch.empty(n, n, dtype=torch.bfloat16), torch.empty(8, 8, dtype=torch.bfloat16)
+    traces = {}
+    for name, (x, body) in {"matmul": (big, lambda x: x @ x), "launches": (small, lambda x: (x * 2 + 1).neg())}.items():
+        tracer = projection.StepTracer()
+        with tracer:
+            body(x)
+        traces[name] = tracer.ops
+    pinned, worst = projection.PINNED, projection.PESSIMISTIC
+    [matmul] = projection.kernels_of(traces["matmul"], worst)
+    assert matmul.device_s == max(2 * n**3 / worst.big_matmul_rate, 3 * n * n * 2 / worst.bandwidth)
+    launches = projection.kernels_of(traces["launches"], worst)
+    assert [k.device_s for k in launches] == [worst.min_kernel_s] * 3  # 128 bytes each: the smallest kernel
+    shares = {}
+    for name, ops in traces.items():
+        flops = sum(op.flops for op in ops) or 1.0
+        at = {label: projection.projection(projection.kernels_of(ops, roofline), flops, roofline)
+              for label, roofline in {"pinned": pinned, "worst": worst}.items()}  # fmt: skip
+        shares[name] = at["worst"]["step_ms_overlapped"] / at["pinned"]["step_ms_overlapped"]
+    assert shares["matmul"] == pytest.approx(700 / 550)  # compute-bound: the matmul rate's ratio
+    assert shares["launches"] == pytest.approx(10 / 5)  # launch-bound: the launch cost's ratio
+    launch_only = projection.pessimistic_in("launch cost")
+    assert launch_only == dataclasses.replace(pinned, launch_s=worst.launch_s)
+    assert projection.kernels_of(traces["matmul"], launch_only) == projection.kernels_of(traces["matmul"], pinned)
 
 
 def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
@@ -94,8 +133,8 @@ def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
     padded = math.ceil(vocab / 128) * 128
     logits_bytes = rows * padded * 2  # one chunk: the whole of these few rows, bf16
     forward, backward = chunks
-    assert logits_bytes <= forward.device_s * projection.BANDWIDTH <= logits_bytes * 1.01  # + per-row outputs
-    assert 2 * logits_bytes <= backward.device_s * projection.BANDWIDTH <= 2 * logits_bytes * 1.01
+    assert logits_bytes <= forward.device_s * projection.PINNED.bandwidth <= logits_bytes * 1.01  # + per-row outputs
+    assert 2 * logits_bytes <= backward.device_s * projection.PINNED.bandwidth <= 2 * logits_bytes * 1.01
 
 
 def test_project_row_gives_the_four_figures_bench_gpu_prints():
@@ -209,4 +248,4 @@ def test_a_gather_reads_what_it_gathers_a_host_scalar_costs_nothing_and_no_kerne
     assert projection.op_bytes(gather) == 2 * (8 * n * 2) + 8 * 8  # the rows read and written, the indices
     assert host.host and projection.kernels_per_op(host) == 0
     kernels = projection.kernels_of(tracer.ops)
-    assert len(kernels) == 2 and kernels[1].device_s == projection.MIN_KERNEL_S
+    assert len(kernels) == 2 and kernels[1].device_s == projection.PINNED.min_kernel_s
