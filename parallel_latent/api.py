@@ -182,13 +182,18 @@ class TextAutoencoder:
         """Token ids [B, T] (the pad id where ``attention_mask`` is 0). Without a mask (a model
         trained with ``model.predict_length``) T is ``max_length`` and each row ends at its
         predicted length."""
-        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != latents.shape[0]):
-            raise ValueError(
-                f"attention_mask {tuple(attention_mask.shape)} does not match {latents.shape[0]} latent samples"
-            )
+        check_decode_inputs(latents, attention_mask)
+        largest = latents.abs().max().item() if latents.numel() else 0.0
         latents = latents.to(self.device, next(self.model.parameters()).dtype)
         with eval_mode(self.model):
-            return self.model.decode(latents, None if attention_mask is None else attention_mask.to(self.device))
+            ids = self.model.decode(latents, None if attention_mask is None else attention_mask.to(self.device))
+        # Latents so large that the decoder's arithmetic overflows leave no largest logit to pick:
+        # the argmax then names no token.
+        if ((ids < 0) | (ids >= self.model.model_cfg.vocab_size)).any():
+            raise ValueError(
+                f"latents too large for the decoder (the largest |value| is {largest:.3g}): its output is not finite"
+            )
+        return ids
 
     def decode(self, latents: Latents | torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[str]:
         """Texts of ``latents`` (a :class:`Latents`, or a tensor with its ``attention_mask``; a model
@@ -230,6 +235,31 @@ class TextAutoencoder:
             longer = both.attention_mask[both.attention_mask.sum(dim=1).argmax()]
             middle = self.decode(between, longer.expand(steps - 2, -1))
         return [texts[0], *middle, texts[1]]
+
+
+def check_decode_inputs(latents: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """What decode takes, checked before the model sees it (a ValueError in one line): floating-point
+    latents of finite values, and a mask [B, T] of 0s and 1s (integers or booleans) for their B
+    samples. Their shape against the model is the model's own check."""
+    if not latents.is_floating_point():
+        raise ValueError(f"latents of dtype {latents.dtype}: expected floating point, as encode returns them")
+    finite = torch.isfinite(latents)
+    if not finite.all():
+        count = int((~finite).sum())
+        raise ValueError(f"latents hold {count} value{'s' if count > 1 else ''} that {'are' if count > 1 else 'is'} "
+                         "not finite (NaN or inf)")  # fmt: skip
+    if attention_mask is None:
+        return
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise ValueError(
+            f"attention_mask of dtype {attention_mask.dtype}: expected integers or booleans (1 a token, 0 none)"
+        )
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != latents.shape[0]:
+        raise ValueError(
+            f"attention_mask {tuple(attention_mask.shape)} does not match {latents.shape[0]} latent samples"
+        )
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError("attention_mask holds values other than 0 and 1")
 
 
 def encode_corpus(

@@ -98,21 +98,25 @@ def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
 
 
 def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` names, else (a crash between renames) the newest complete one."""
+    """The newest complete checkpoint. ``latest`` names it unless a save was cut off between
+    publishing its checkpoint and moving ``latest`` (then a newer complete one is there, and is it),
+    or ``latest`` names one that is gone or incomplete."""
     checkpoint_dir = Path(checkpoint_dir)
     latest = checkpoint_dir / LATEST_FILE
+    complete = list_checkpoints(checkpoint_dir)
     if latest.is_file():
         tag = latest.read_text(encoding="utf-8").strip()
         if not TAG_PATTERN.match(tag):  # never a path: a tag names a checkpoint beside it, nothing else
             raise CheckpointError(f"{latest}: names {tag[:80]!r}, not a checkpoint directory beside it; not read")
         candidate = checkpoint_dir / tag
         if is_complete(candidate):
-            return candidate
+            if complete[-1] != candidate:
+                logger.warning("%s names %s; %s is newer and complete: using it", latest, tag, complete[-1].name)
+            return complete[-1]
         if not (checkpoint_dir / f"{DAMAGED_PREFIX}{tag}").exists():  # moved aside: the line that did it says so
             logger.warning(
                 "%s names %s, which is not a complete checkpoint; using the newest complete one", latest, candidate.name
             )
-    complete = list_checkpoints(checkpoint_dir)
     return complete[-1] if complete else None
 
 
@@ -223,6 +227,31 @@ def staged(final: Path) -> Iterator[Path]:
         raise
     except Exception as error:
         raise CheckpointSaveError(f"{final}: not written: {error_reason(error)}") from error
+
+
+CONVERTING_NOTE = "CONVERTING.txt"
+DEEPSPEED_CONVERTERS = ("zero_to_fp32.py", "zero_to_torch.py")
+CONVERTING_TEXT = """\
+These are DeepSpeed ZeRO checkpoints whose model is also split over tensor-parallel ranks.
+DeepSpeed's zero_to_fp32.py reads one model-parallel rank's files and stops on them. What reads
+them, at any TP x DP x ZeRO layout (CHECKPOINT: this directory for its latest, or a step_N in it):
+
+  parallel-latent consolidate CHECKPOINT OUT   the whole model in one safetensors file, for one process
+  parallel-latent export CHECKPOINT OUT        portable safetensors shards and their manifest
+  parallel-latent reshard CHECKPOINT           the optimizer state without a layout (resume anywhere)
+  parallel-latent inspect CHECKPOINT           what a checkpoint holds
+"""
+
+
+def write_converting_note(checkpoints_dir: str | Path) -> None:
+    """In place of DeepSpeed's recovery scripts (they cannot read these checkpoints): a short note of
+    the commands that do, written once; scripts an older save left there are removed."""
+    directory = Path(checkpoints_dir)
+    for script in DEEPSPEED_CONVERTERS:
+        (directory / script).unlink(missing_ok=True)
+    note = directory / CONVERTING_NOTE
+    if not note.exists() or note.read_text() != CONVERTING_TEXT:
+        replace_file(note, CONVERTING_TEXT)
 
 
 def attempt(failures: list[str], write: Callable[[], Any]) -> None:

@@ -116,7 +116,7 @@ def deferred_writes(engine, failures: list[str], jobs: list, copies: HostCopies 
     def recorded(write):
         return lambda *args, **kwargs: layout.attempt(failures, lambda: write(*args, **kwargs))
 
-    return checkpoint_writes(engine, save, recorded)
+    return checkpoint_writes(engine, save, recorded, layout.write_converting_note)
 
 
 def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str], list[Callable], Callable[[], None]]:

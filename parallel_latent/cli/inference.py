@@ -101,6 +101,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from parallel_latent.data import read_samples
     from parallel_latent.evaluation.held_out import evaluate_held_out, evaluate_texts
 
+    if args.batch_size < 1:
+        raise UsageError(f"evaluate: --batch-size {args.batch_size}: at least 1")
+    if args.max_samples < 0:
+        raise UsageError(f"evaluate: --max-samples {args.max_samples}: at least 0 (0: every sample)")
     autoencoder = _load(args)
     if args.data:  # any corpus, e.g. out-of-domain text
         texts = read_samples(args.data)
@@ -153,6 +157,6 @@ def add_subcommands(sub) -> None:
         help="text/JSONL file or directory, e.g. another corpus to measure out-of-domain text "
         "(default: the run's held-out split)",
     )
-    evaluate.add_argument("--batch-size", type=int, default=32)
+    evaluate.add_argument("--batch-size", type=int, default=32, help="at least 1")
     evaluate.add_argument("--max-samples", type=int, default=0, help="0 = all")
     evaluate.set_defaults(handler=cmd_evaluate)

@@ -108,6 +108,25 @@ def apply_overrides(data: dict, overrides: list[str], source: str) -> dict:
     return result
 
 
+def refuse_repeated_keys(node: yaml.Node, source: str, path: str = "") -> None:
+    """A key given twice in one mapping (a ``training:`` section written twice, say) is refused with
+    the dotted key and both lines: YAML would keep the second silently and lose the first."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            refuse_repeated_keys(item, source, path)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        dotted = f"{path}.{key}" if path else key
+        line = key_node.start_mark.line + 1
+        if key in first_line and key_node.tag != "tag:yaml.org,2002:merge":
+            raise ConfigError(f"{source}: {dotted}: given twice, at lines {first_line[key]} and {line}")
+        first_line.setdefault(key, line)
+        refuse_repeated_keys(value_node, source, dotted)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply ``key.sub=value`` overrides, validate."""
     source = str(path)
@@ -118,6 +137,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{source}: cannot read config file: {error}") from None
     try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            refuse_repeated_keys(node, source)
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)

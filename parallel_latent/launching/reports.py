@@ -171,4 +171,6 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
     log = rank_log(log_dir, rank)
     if rank != 0 and log.is_file() and log.stat().st_size:
         how += f"; its output: {log}"
-    return [error_line(f"rank {rank} {how}")], ExitStatus.FAILURE
+    # A rank killed by a signal ends the job as the shell ends a command killed by it: 128 + its number.
+    status = 128 - failure.exitcode if failure.exitcode < 0 else ExitStatus.FAILURE
+    return [error_line(f"rank {rank} {how}")], status

@@ -403,19 +403,25 @@ def checkpoint_reads(engine, load: Callable) -> contextlib.AbstractContextManage
 
 
 @contextlib.contextmanager
-def checkpoint_writes(engine, save: Callable, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+def checkpoint_writes(
+    engine, save: Callable, wrap: Callable[[Callable], Callable], recovery: Callable[[str], None]
+) -> Iterator[None]:
     """Inside the block, the engine's checkpoint engine hands each file it writes to ``save(state_dict,
     path, zipfile)`` (``zipfile``: the engine's serialization setting) instead of writing it, and its
-    other writes (its ``makedirs``, the copy of the recovery script) run through ``wrap(write)``."""
+    ``makedirs`` runs through ``wrap(makedirs)``. Where DeepSpeed would copy its recovery scripts
+    (``zero_to_fp32.py``, ``zero_to_torch.py``) beside the checkpoints, ``wrap(recovery)(directory)``
+    runs instead: those scripts read one model-parallel rank's files, and stop on a TP > 1 checkpoint
+    with a message that reads as damage."""
     require_supported_deepspeed()
     checkpoint_engine = engine.checkpoint_engine
     zipfile = getattr(checkpoint_engine, "zipfile_serialization", True)
-    makedirs, copy_scripts = checkpoint_engine.makedirs, engine._copy_recovery_script
     with (
         _replaced(
-            checkpoint_engine, save=lambda state_dict, path: save(state_dict, path, zipfile), makedirs=wrap(makedirs)
+            checkpoint_engine,
+            save=lambda state_dict, path: save(state_dict, path, zipfile),
+            makedirs=wrap(checkpoint_engine.makedirs),
         ),
-        _replaced(engine, _copy_recovery_script=wrap(copy_scripts)),
+        _replaced(engine, _copy_recovery_script=wrap(recovery)),
     ):
         yield
 

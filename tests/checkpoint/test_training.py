@@ -145,6 +145,9 @@ def test_keep_last_and_latest(pool4, tmp_path):
     assert names == ["step_00000002", "step_00000003"]
     assert (tmp_path / "latest").read_text().strip() == "step_00000003"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # A crash between publishing step 3 and moving latest (latest lags behind it): step 3 is resumed.
+    (tmp_path / "latest").write_text("step_00000002\n")
+    assert find_latest_checkpoint(tmp_path).name == "step_00000003"
     # A crash between the two renames of a re-save (latest names a missing dir): newest complete wins.
     (tmp_path / "latest").write_text("step_00000009\n")
     assert find_latest_checkpoint(tmp_path).name == "step_00000003"

@@ -187,6 +187,18 @@ def test_reconstruct_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert_one_line_error(capsys, "no such checkpoint or run directory")
 
 
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [("--batch-size=0", "--batch-size 0: at least 1"), ("--max-samples=-1", "--max-samples -1: at least 0")],
+)
+def test_evaluate_options_are_bounded_before_the_checkpoint_is_read(tmp_path, capsys, option, expected):
+    """A batch of 0 would fail deep in range(); a negative sample count would report 0 samples, loss
+    0.0 and exit 0. Both are refused like a config key, before anything is loaded."""
+    argv = ["evaluate", "--checkpoint", str(tmp_path / "not read"), option]
+    assert cli.main(argv) == ExitStatus.BAD_INPUT
+    assert_one_line_error(capsys, f"evaluate: {expected}")
+
+
 def test_help_is_instant_and_lists_the_commands():
     result = subprocess.run(
         [sys.executable, "-m", "parallel_latent", "--help"],

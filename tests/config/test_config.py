@@ -359,6 +359,22 @@ def test_file_errors_are_one_line(tmp_path):
         assert message.startswith(f"{path}: ") and expected in message and "\n" not in message
 
 
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    """YAML keeps the second of two equal keys and loses the first without a word: a section or a
+    setting written twice is refused, naming the dotted key and both lines."""
+    section = write_yaml(tmp_path, "training:\n  max_steps: 5\nmodel:\n  d_model: 32\ntraining:\n  seed: 3\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(section)
+    assert str(caught.value) == f"{section}: training: given twice, at lines 1 and 5"
+    setting = write_yaml(tmp_path, "model:\n  d_model: 32\n  n_heads: 4\n  d_model: 64\n", "setting.yaml")
+    with pytest.raises(ConfigError) as caught:
+        load_config(setting)
+    assert str(caught.value) == f"{setting}: model.d_model: given twice, at lines 2 and 4"
+    nested = write_yaml(tmp_path, "data:\n  sources:\n    - {path: a, path: b}\n", "nested.yaml")
+    with pytest.raises(ConfigError, match=r": data.sources.path: given twice, at lines 3 and 3$"):
+        load_config(nested)
+
+
 def test_error_names_the_yaml_file(tmp_path):
     path = write_yaml(tmp_path, {"model": {"n_headz": 4}})
     with pytest.raises(ConfigError, match=rf"^{path}: model.n_headz: unknown key"):

@@ -76,6 +76,41 @@ def test_decode_rejects_a_wrong_file(checkpoint, tmp_path, capsys):
     assert len(err) == 1 and "not a readable latents file" in err[0]
 
 
+def bad_latents(latents: torch.Tensor, mask: torch.Tensor) -> dict[str, tuple[dict, str]]:
+    """name -> (the tensors of a latents file, what the one line says)."""
+    nan = latents.clone()
+    nan[0, 0, 0] = float("nan")
+    return {
+        "NaN": ({"latents": nan, "attention_mask": mask}, "latents hold 1 value that is not finite"),
+        "inf": ({"latents": latents * float("inf"), "attention_mask": mask}, "values that are not finite"),
+        "1e30": ({"latents": torch.full_like(latents, 1e30), "attention_mask": mask}, "latents too large"),
+        "int64": ({"latents": latents.long(), "attention_mask": mask}, "latents of dtype torch.int64"),
+        "float mask": ({"latents": latents, "attention_mask": mask.float()}, "attention_mask of dtype"),
+        "mask of 7s": ({"latents": latents, "attention_mask": mask * 7}, "values other than 0 and 1"),
+        "8 of 12 latents": ({"latents": latents[:, :8], "attention_mask": mask}, "do not fit this model"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_latents(torch.zeros(1, 12, 32), torch.ones(1, 12, dtype=torch.long))))
+def test_decode_refuses_latents_it_cannot_read_in_one_line(checkpoint, tmp_path, capsys, case):
+    """Latents that are not finite, too large to decode, of an integer dtype, with a mask that is not
+    0/1 integers, or of another shape than the model's: one line naming the file and status 2 from
+    the command; the same ValueError from the API."""
+    from safetensors.torch import save_file
+
+    directory, model, tokenizer = checkpoint
+    autoencoder = TextAutoencoder(model, tokenizer)
+    good = autoencoder.encode(TEXTS[:1])
+    tensors, expected = bad_latents(good.latents, good.attention_mask)[case]
+    path = tmp_path / "bad.safetensors"
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path))
+    assert main(["decode", "--checkpoint", str(directory), str(path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"parallel-latent: error: {path}: ") and expected in line, line
+    with pytest.raises(ValueError, match=expected):
+        autoencoder.decode(tensors["latents"], tensors["attention_mask"])
+
+
 def test_evaluate_reports_bleu_of_reconstructions_against_what_the_model_saw(checkpoint, tmp_path, capsys):
     """Another corpus (out of domain, one line cut at max_length) through --data: BLEU is corpus BLEU
     of what reconstruct returns against the texts as far as the model saw them."""

@@ -132,9 +132,6 @@ def write_task(directory: str):
         tp_group=state.tp_group,
     )
     normal = decoded_ids(model)
-    # DeepSpeed copies its recovery scripts next to every checkpoint; nothing here reads them.
-    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
-        (directory / "run" / "checkpoints" / script).unlink(missing_ok=True)
     cfg, state, engine, model = train("tied")
     save_portable(model, directory / "portable", cfg, FACTS, state.tp_group, step=STEPS["tied"])
     return {"normal": normal, "tied": decoded_ids(model)}

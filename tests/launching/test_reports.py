@@ -72,7 +72,7 @@ def test_a_rank_killed_without_a_word_is_named(tmp_path):
     """Rank 1 is killed (as the out-of-memory killer does): the one line names it, not rank 0's
     "connection reset by peer" that follows."""
     result = train_nproc(tmp_path / "run", "training.max_steps=3", env=fault_env("kill"))
-    assert result.returncode == 1, describe(result)
+    assert result.returncode == 128 + signal.SIGKILL, describe(result)  # the shell's status of a killed command
     assert result.stderr.splitlines() == ["parallel-latent: error: rank 1 was killed by SIGKILL (out of memory?)"]
 
 
@@ -153,7 +153,10 @@ def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_st
     assert status == 128 + signal.SIGTERM
     killed = {**stopped, 1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none"))}
     lines, status = failure_lines(*_root_cause(ChildFailedError("train", killed)), tmp_path)
-    assert lines == [f"{PROG}: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 1
+    assert lines == [f"{PROG}: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 128 + signal.SIGKILL
+    silent = {**stopped, 1: ProcessFailure(1, 1001, 3, str(tmp_path / "none"))}
+    lines, status = failure_lines(*_root_cause(ChildFailedError("train", silent)), tmp_path)
+    assert lines == [f"{PROG}: error: rank 1 exited with status 3 without saying why"] and status == 1
 
 
 ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}

@@ -48,6 +48,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallel_latent.cli import build_parser
 from parallel_latent.config import load_config
 from tests.helpers.in_process_cli import run_main, train_on_pool
 from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound
@@ -165,6 +166,16 @@ def test_single_process_trains_evaluates_and_checkpoints(run_a):
     assert_trained(run_a)
     assert (run_a / "checkpoints" / f"step_{STEPS:08d}" / "model" / "manifest.json").is_file()
     assert (run_a / "config.yaml").is_file() and (run_a / "deepspeed_config.json").is_file()
+    # Not DeepSpeed's recovery scripts (they stop on a TP > 1 checkpoint): the commands that read it.
+    checkpoints = run_a / "checkpoints"
+    assert not list(checkpoints.glob("zero_to_*.py"))
+    note = (checkpoints / "CONVERTING.txt").read_text()
+    named = {line.split()[1] for line in note.splitlines() if line.strip().startswith("parallel-latent ")}
+    assert named == {"consolidate", "export", "reshard", "inspect"}
+    for name in named:  # a command of this program: its --help exits 0
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args([name, "--help"])
+        assert exited.value.code == 0, name
 
 
 def test_every_evaluation_measures_the_latent_space_and_every_checkpoint_records_its_statistics(run_a):

@@ -73,7 +73,7 @@ def test_every_part_refuses_an_unsupported_deepspeed_with_the_same_line(version,
         "DeepSpeed for its private state": zero_version.import_deepspeed,
         "the weights-only load": lambda: safe_torch_load(tmp_path / "missing.pt"),
         "the checkpoint engine's reads": lambda: patches.checkpoint_reads(engine, torch.load),
-        "the checkpoint engine's writes": lambda: patches.checkpoint_writes(engine, None, None).__enter__(),
+        "the checkpoint engine's writes": lambda: patches.checkpoint_writes(engine, None, None, None).__enter__(),
         "ZeRO-3's gather": lambda: gathered([zero3]),
     }
     for use, call in uses.items():
