@@ -18,6 +18,7 @@ a file is expected, something missing or unreadable) is bad input.
 from __future__ import annotations
 
 import enum
+import errno
 import os
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class ExitStatus(enum.IntEnum):
     FAILURE = 1  # unexpected: the traceback is kept
     BAD_INPUT = 2  # met by every rank alike, before anything is written
     NONFINITE = 3  # stopped after too many consecutive non-finite steps
-    SAVE_FAILED = 4  # a checkpoint could not be written; the last complete one is intact
+    SAVE_FAILED = 4  # a checkpoint (or another output) could not be written mid-way; the last complete one is intact
     HANG = 5  # a rank stalled: the hang watchdog ended the job (parallel_latent.training.watchdog)
     INTERRUPTED = 130  # Ctrl-C of a command that does not checkpoint (the shell's 128 + SIGINT)
 
@@ -47,6 +48,10 @@ class CheckpointError(BadInput):
 
 # OSErrors that say something about the path a user gave, not about the machine.
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
+# A destination on a read-only mount (PermissionError is one of PATH_ERRORS): the path a user gave is wrong.
+UNWRITABLE_ERRNOS = frozenset({errno.EROFS})
+# A write that started and could not finish (the disk filled, the quota, the device): status 4.
+WRITE_FAILED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
 
 
 class PeerFailure(RuntimeError):
@@ -103,7 +108,25 @@ def exit_status(error: BaseException) -> ExitStatus:
         return named
     if isinstance(error, (ValueError, *PATH_ERRORS)):
         return ExitStatus.BAD_INPUT
+    if isinstance(error, OSError) and error.errno in UNWRITABLE_ERRNOS:
+        return ExitStatus.BAD_INPUT
+    if isinstance(error, OSError) and error.errno in WRITE_FAILED_ERRNOS:
+        return ExitStatus.SAVE_FAILED
     return ExitStatus.FAILURE
+
+
+def require_writable(path: str | Path, what: str = "output") -> Path:
+    """``path`` (missing, or a directory) can be written: its nearest existing ancestor is a
+    directory this process may create files in, on a file system mounted read-write. Reads only."""
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return path  # a file in the way is the callers' own one line
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise UsageError(f"{path}: {what} cannot be written: {existing} is on a read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: {what} cannot be written: no permission to write in {existing}")
+    return path
 
 
 def require_file(path: str | Path, what: str = "file") -> Path:
@@ -141,7 +164,7 @@ def require_new_file(path: str | Path, what: str = "output file") -> Path:
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise UsageError(f"{path}: {parent} is a file, not a directory")
-    return path
+    return require_writable(path, what)
 
 
 def require_output_dir(path: str | Path, what: str = "output directory") -> Path:
@@ -153,4 +176,4 @@ def require_output_dir(path: str | Path, what: str = "output directory") -> Path
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise UsageError(f"{path}: {parent} is a file, not a directory")
-    return path
+    return require_writable(path, what)

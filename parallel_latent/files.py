@@ -89,6 +89,14 @@ def publish(staging: Path, final: Path) -> None:
     fsync(final.parent)
 
 
+def tree_bytes(path: Path) -> int:
+    """The bytes of the files under ``path`` (a file: its own)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
 def discard(path: Path) -> None:
     """Remove whatever is left of a staging file or directory."""
     if path.is_dir() and not path.is_symlink():
@@ -164,6 +172,7 @@ class ExclusiveLock:
         self.path, self.use_flock, self.on_takeover = Path(path), use_flock, on_takeover
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "state": "held"}
         self.created_file = False
+        self.found: bytes = b""  # the file's bytes when this lock took it: what undo puts back
         self._fd: int | None = None
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
@@ -209,12 +218,13 @@ class ExclusiveLock:
             os.close(fd)
             return self.read_holder() or {"host": "?"}
         previous = self.read_holder()
+        found = self.path.read_bytes()
         if not self.use_flock and previous.get("state") == "held":
             renewed = previous.get("renewed", previous.get("started", 0))
             if time.time() - float(renewed) < LEASE_EXPIRES_S:
                 os.close(fd)
                 return previous
-        self._fd = fd
+        self._fd, self.found = fd, found
         if previous.get("state") == "held" and self.on_takeover is not None:
             self.on_takeover(previous)
         self.holder["renewed"] = time.time()
@@ -240,8 +250,9 @@ class ExclusiveLock:
                 self.holder["renewed"] = time.time()
                 self._write_holder()
 
-    def release(self, remove: bool = False) -> None:
-        """Give the lock up (its record says so); ``remove``: delete the file too if this lock made it."""
+    def release(self, undo: bool = False) -> None:
+        """Give the lock up (its record says so); ``undo`` (a job refused before it began): leave the
+        file as this lock found it, deleted if this lock made it, else its bytes put back."""
         if self._fd is None:
             return
         self._lease_stop.set()
@@ -250,7 +261,11 @@ class ExclusiveLock:
         with contextlib.suppress(OSError):
             self.holder["state"] = "released"
             self._write_holder()
-        if remove and self.created_file:
+            if undo and not self.created_file:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self.found, 0)
+                os.fsync(self._fd)
+        if undo and self.created_file:
             self.path.unlink(missing_ok=True)
         os.close(self._fd)  # (releases the flock)
         self._fd = None

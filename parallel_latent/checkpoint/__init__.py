@@ -17,6 +17,7 @@ from .layout import (
     checkpoints_dir,
     discard,
     find_latest_checkpoint,
+    list_checkpoints,
     publish,
     read_newest,
     remove_unfinished_saves,
@@ -27,7 +28,7 @@ from .layout import (
 from .portable import consolidate, load_portable, save_portable
 from .saving import finish_background_save, save_training_checkpoint, start_background_save
 from .shards import PortableCheckpoint
-from .training import load_training_checkpoint, saved_client_state
+from .training import load_training_checkpoint, saved_client_state, saved_run_config
 from .universal import convert_to_universal
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "find_latest_checkpoint",
     "finish_background_save",
     "inspect",
+    "list_checkpoints",
     "load_portable",
     "load_training_checkpoint",
     "move_aside",
@@ -57,5 +59,6 @@ __all__ = [
     "save_portable",
     "save_training_checkpoint",
     "saved_client_state",
+    "saved_run_config",
     "start_background_save",
 ]

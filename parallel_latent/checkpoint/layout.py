@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from parallel_latent.coordination import broadcast_value, first_failure, is_main
-from parallel_latent.errors import CheckpointError, ExitStatus, first_line
+from parallel_latent.errors import CheckpointError, ExitStatus, first_line, require_writable
 from parallel_latent.files import Staged, discard, publish, replace_file
 
 logger = logging.getLogger(__name__)
@@ -206,6 +206,7 @@ def require_empty_output(output: Path) -> None:
         raise CheckpointError(f"{output}: exists and is a file; give a new or empty directory")
     if output.is_dir() and any(output.iterdir()):
         raise CheckpointError(f"{output}: exists and is not empty; not overwriting")
+    require_writable(output, "output directory")
 
 
 def partial(final: Path) -> Path:

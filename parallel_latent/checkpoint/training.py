@@ -97,6 +97,12 @@ def saved_client_state(path: str | Path) -> dict:
     return state.get("client", {})
 
 
+def saved_run_config(path: str | Path) -> dict:
+    """The config the run that saved ``path`` trained with (its sections as dicts; empty if not recorded)."""
+    state = layout.read_json(layout.resolve_checkpoint(path) / layout.CLIENT_STATE_FILE, "client state")
+    return state.get("config") or {}
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parallel_latent.coordination import broadcast_value, is_main
+from parallel_latent.errors import require_writable
 from parallel_latent.zero import params as zero_params
 from parallel_latent.zero.files import MASTER, read_tp_rank
 
@@ -63,6 +64,7 @@ def convert_to_universal(step_dir: str | Path, output: str | Path | None = None)
     output = Path(output) if output is not None else step_dir / layout.UNIVERSAL_DIR
     if output.exists():
         raise CheckpointError(f"{output}: already exists")
+    require_writable(output, "universal state")
     stage, precision = saved["zero_stage"], saved["precision"]
     if stage == 0 and precision != "fp32":
         raise CheckpointError(f"{step_dir}: converting ZeRO-0 with {precision} is not supported (its master weights)")
@@ -171,6 +173,7 @@ def export_portable(source: str | Path, output: str | Path) -> Path:
     source, output = Path(source), Path(output)
     if output.exists():
         raise CheckpointError(f"{output}: already exists; not overwriting")
+    require_writable(output, "output directory")
     step_dir = None if (source / layout.MANIFEST_NAME).is_file() else layout.resolve_checkpoint(source)
     if step_dir is None or (step_dir / layout.PORTABLE_DIR / layout.MANIFEST_NAME).is_file():
         portable = shards.PortableCheckpoint(layout.resolve_portable_dir(source))  # validated before copying

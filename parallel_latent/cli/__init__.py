@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except KeyboardInterrupt:
+        if train.reports_per_rank(args):  # a rank of a job: the agent (or rank 0) says it once
+            return train.report_rank_failure(KeyboardInterrupt("interrupted"), ExitStatus.INTERRUPTED)
         print(error_line("interrupted"), file=sys.stderr, flush=True)
         return ExitStatus.INTERRUPTED
     except Exception as error:

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 from pathlib import Path
 
 from parallel_latent.cli.train import PER_RANK, _prefer_cpu_accelerator
 from parallel_latent.errors import ExitStatus, UsageError
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:
@@ -53,6 +58,9 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
                 f"add --nproc {plan.tensor_parallel} (or a multiple of it)"
             )
     _prefer_cpu_accelerator()
+    # A forwarded Ctrl-C (`--nproc`'s launcher sends the ranks SIGTERM) or a launcher's stop: the
+    # export has nothing to save (a rerun continues it), so every rank ends as Ctrl-C ends it, "interrupted".
+    signal.signal(signal.SIGTERM, _interrupt)
     from parallel_latent.api import encode_corpus
     from parallel_latent.coordination import is_main
 

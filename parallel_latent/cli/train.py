@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -57,8 +58,13 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
     lock = None
-    with contextlib.suppress(NotADirectoryError, FileExistsError):  # a file in the way: preflight says so
+    try:
         lock = acquire_run_lock(run_dir, args.wait_for_lock)
+    except (NotADirectoryError, FileExistsError):
+        pass  # a file in the way: preflight says so
+    except OSError as error:
+        if error.errno != errno.EROFS:
+            raise  # (a read-only file system: preflight says so)
     try:
         from parallel_latent.training.preflight import preflight
 
@@ -67,7 +73,7 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
         lock = lock or acquire_run_lock(run_dir, args.wait_for_lock)
     except BaseException:
         if lock is not None:
-            lock.release(remove=True)
+            lock.release(undo=True)
         if not existed:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # only if empty

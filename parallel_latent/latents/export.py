@@ -158,6 +158,11 @@ def _encode_shards(autoencoder, data, shards, plan: ExportPlan, out: Path, state
                     progress.update(max(0, min(len(rows) * state.dp_size, progress.total - progress.n)))
                 if writer is not None:
                     writer.end()
+    except BaseException:
+        # Interrupted (Ctrl-C, a forwarded SIGTERM): not waiting for the writer thread (a daemon)
+        # leaves its shard unpublished in the work directory, as a kill would, for the rerun to remove.
+        writer = None
+        raise
     finally:
         if writer is not None:
             writer.close()

@@ -24,6 +24,7 @@ from parallel_latent.config import (
     config_from_dict,
     export_config_from_dict,
 )
+from parallel_latent.errors import require_writable
 
 from .format import FORMAT, IDENTITY_WORDS, INDEX_FILE, RUN_FILE, WORK_DIR, ExportError, read_json
 
@@ -104,10 +105,11 @@ def plan_export(
 def output_state(out: Path) -> tuple[str, dict | None]:
     """``("new", None)``, ``("partial", identity)`` or ``("complete", identity)`` for an export
     directory; ExportError when ``out`` is a file or a directory holding anything else."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: --out is a file, expected a directory")
+    require_writable(out, "--out")
     if not out.exists():
         return "new", None
-    if not out.is_dir():
-        raise ExportError(f"{out}: --out is a file, expected a directory")
     if (out / INDEX_FILE).is_file():
         index = read_json(out / INDEX_FILE)
         if index.get("format") != FORMAT:

@@ -128,6 +128,6 @@ def launch_local(
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if lock is not None:
-            lock.release(remove=process.returncode == ExitStatus.BAD_INPUT)
+            lock.release(undo=process.returncode == ExitStatus.BAD_INPUT)
     close_worker_logs(log_dir, existed if run_dir_existed is None else run_dir_existed, status, ExitStatus.BAD_INPUT)
     return 128 - status if status < 0 else status  # killed by a signal: the shell's convention

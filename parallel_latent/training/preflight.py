@@ -7,24 +7,42 @@ every rank runs them again at start-up (:mod:`.startup`).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from parallel_latent.checkpoint import (
+    CheckpointError,
     checkpoints_dir,
+    list_checkpoints,
     require_intact,
     resolve_checkpoint,
     resumable,
     saved_client_state,
+    saved_run_config,
 )
+from parallel_latent.checkpoint.layout import STAGING_PREFIX
 from parallel_latent.config import Config, ConfigError
 from parallel_latent.data import check_source
-from parallel_latent.errors import BadInput
+from parallel_latent.errors import BadInput, require_writable
+from parallel_latent.files import tree_bytes
 from parallel_latent.parallel import device_kind
 from parallel_latent.zero import require_supported_deepspeed
 
 from .world import keep_global_batch, validate_world
 
-__all__ = ["checkpoint_to_resume", "planned_resume", "preflight", "resolve_device"]
+__all__ = [
+    "TOKENIZER_KEYS",
+    "checkpoint_to_resume",
+    "planned_resume",
+    "preflight",
+    "require_room_for_a_checkpoint",
+    "require_same_model",
+    "resolve_device",
+]
+
+# Model keys the tokenizer sets (:func:`parallel_latent.model.tokenizer.apply_tokenizer_facts`): before it is
+# loaded they hold the YAML's defaults, so a check without it leaves them to the ranks.
+TOKENIZER_KEYS = ("vocab_size", "mask_token_id", "pad_token_id")
 
 
 def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
@@ -39,6 +57,10 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
     if blocking is not None and not blocking.is_dir():
         raise ConfigError(f"{source}: logging.run_dir={run_dir}: {blocking} is a file, not a directory")
+    try:
+        require_writable(run_dir, "logging.run_dir")
+    except BadInput as error:
+        raise ConfigError(f"{source}: {error}") from None
     resume = cfg.checkpoint.resume
     if resume == "never":
         existing = checkpoints_dir(cfg.logging.run_dir)
@@ -51,9 +73,12 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
         raise ConfigError(f"{source}: checkpoint.resume={resume}: no such checkpoint")
     elif resume != "auto" and not Path(resume).is_dir():
         raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
-    # A checkpoint whose global batch cannot be kept on this many processes: one line now, before
-    # any rank starts (the trainer makes the same plan from rank 0's choice of checkpoint).
-    planned_resume(cfg, world_size, checkpoint_to_resume(cfg))
+    # A checkpoint of another model, or whose global batch cannot be kept on this many processes:
+    # one line now, before any rank starts (the ranks check again with the tokenizer's vocabulary).
+    resume_path = checkpoint_to_resume(cfg)
+    require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
+    planned_resume(cfg, world_size, resume_path)
+    require_room_for_a_checkpoint(cfg, resume_path, source)
 
 
 def checkpoint_to_resume(cfg: Config) -> Path | None:
@@ -66,6 +91,41 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
     if resume == "auto":
         return resumable(checkpoints_dir(cfg.logging.run_dir))[0]
     return require_intact(resolve_checkpoint(resume))
+
+
+def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = ()) -> None:
+    """CheckpointError (one line naming the first key that differs) when the checkpoint at ``path``
+    was trained as another model than ``cfg.model``; the keys in ``ignore`` are not compared."""
+    if path is None:
+        return
+    record = saved_run_config(path).get("model")
+    if not record:
+        return  # (a checkpoint without its config: the engine's load compares the tensors)
+    record = {**record, **{key: getattr(cfg.model, key) for key in ignore}}
+    if problem := cfg.model.difference(record):
+        raise CheckpointError(f"{path}: config mismatch: {problem}")
+
+
+def require_room_for_a_checkpoint(cfg: Config, resume_path: Path | None, source: str) -> None:
+    """ConfigError when the run directory's file system has less room than one more checkpoint of
+    this run takes, where that can be known: the size of the checkpoint resumed, else of the run's
+    newest one (a fresh run's first save is not estimated). What dead saves left counts as room:
+    start-up removes it."""
+    checkpoints = checkpoints_dir(cfg.logging.run_dir)
+    existing = list_checkpoints(checkpoints) if checkpoints.is_dir() else []
+    sample = resume_path or (existing[-1] if existing else None)
+    if sample is None:
+        return
+    needed = tree_bytes(sample)
+    run_dir = Path(cfg.logging.run_dir)
+    disk = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    dead = [p for p in checkpoints.glob(f"{STAGING_PREFIX}*") if p.is_dir()] if checkpoints.is_dir() else []
+    room = shutil.disk_usage(disk).free + sum(tree_bytes(p) for p in dead)
+    if room < needed:
+        raise ConfigError(
+            f"{source}: logging.run_dir={run_dir}: {room / 2**20:.1f} MiB free, but a checkpoint of this run takes "
+            f"{needed / 2**20:.1f} MiB ({sample.name}): free some space or choose another logging.run_dir"
+        )
 
 
 def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:

@@ -1,15 +1,15 @@
 """Start-up of a training job, on every rank: the checks that need no process group, the process
-groups, the tokenizer and the model once per node, the choice of checkpoint to resume (rank 0's,
-for every rank) with its global batch kept, the data, the DeepSpeed engine, and the run's first
-files. :func:`start_run` returns a :class:`Run`, which the trainer takes; nothing is written before
-every check has passed.
+groups, the run directory's lock, then the job's acceptance (the tokenizer and the model once per
+node, the choice of checkpoint to resume, rank 0's for every rank, checked against the model and
+with its global batch kept, the data, the DeepSpeed engine), and only then the run's first files.
+:func:`start_run` returns a :class:`Run`, which the trainer takes; a job refused at any point
+leaves the run directory byte for byte as it found it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,9 +37,9 @@ from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenize
 from parallel_latent.parallel import ParallelState
 
 from .engine import EngineBundle, dump_deepspeed_config, initialize_engine
-from .preflight import checkpoint_to_resume, planned_resume, preflight, resolve_device
+from .preflight import checkpoint_to_resume, planned_resume, preflight, require_same_model, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
-from .watchdog import PROGRESS_DIR, Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
+from .watchdog import Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
 
 __all__ = [
     "Run",
@@ -55,18 +55,23 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 
 
-def choose_checkpoint_to_resume(cfg: Config) -> Path | None:
-    """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, with each damaged checkpoint
-    passed over moved aside (renamed, never deleted) and said in one line."""
+def choose_checkpoint_to_resume(cfg: Config) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, and (``checkpoint.resume=auto``)
+    the damaged checkpoints passed over, each with its damage, which :func:`_commit` moves aside
+    once the job is accepted. Reads only."""
     if cfg.checkpoint.resume != "auto":
-        return checkpoint_to_resume(cfg)  # an explicit checkpoint that is damaged stops the run
-    intact, damaged = resumable(checkpoints_dir(cfg.logging.run_dir))
+        return checkpoint_to_resume(cfg), []  # an explicit checkpoint that is damaged stops the run
+    return resumable(checkpoints_dir(cfg.logging.run_dir))
+
+
+def move_damaged_aside(damaged: list[tuple[Path, str]], intact: Path | None) -> None:
+    """Rank 0, once the job is accepted: each damaged checkpoint passed over is renamed (never
+    deleted), said in one line."""
     for step_dir, damage in damaged:
         moved = move_aside(step_dir)
         instead = f"resuming from {intact.name}" if intact is not None else "no intact checkpoint left: starting afresh"
         line = f"{damage}: checkpoint {step_dir.name} is truncated or damaged; moved to {moved.name}; {instead}"
         print(line, flush=True)
-    return intact
 
 
 def require_shared_run_dir(run_dir: Path, source: str) -> None:
@@ -161,40 +166,45 @@ def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Wat
     return watchdog.start()
 
 
-def _abandon_watch(watchdog: Watchdog | None, run_dir: Path) -> None:
-    """Start-up failed (bad input leaves nothing behind): stop the watchdog and remove its records."""
-    if watchdog is not None:
-        watchdog.stop()
-        shutil.rmtree(run_dir / PROGRESS_DIR, ignore_errors=True)
-
-
-def take_run_directory(run_dir: Path, wait_for_lock_s: float) -> tuple[RunLock | None, str | None]:
+def take_run_directory(run_dir: Path, wait_for_lock_s: float) -> RunLock | None:
     """Rank 0: the run directory's lock (:mod:`parallel_latent.training.run_lock`), unless the ``train
-    --nproc`` that started this job holds it, then how the job that ran there before ended (its
-    progress records, which go: :func:`.watchdog.previous_job_failure`). Every rank raises the same
-    one line if another job holds the directory (collective). Returns (the lock, how the last job
-    ended) on rank 0, (None, None) elsewhere."""
-    lock, refusal, before = None, None, None
-    if is_main():
+    --nproc`` that started this job holds it. Every rank raises the same one line if another job
+    holds the directory (collective). Returns the lock on rank 0, None elsewhere."""
+    lock, refusal = None, None
+    if is_main() and os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
         try:
-            if os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
-                lock = acquire_run_lock(run_dir, wait_for_lock_s)
-            before = previous_job_failure(run_dir)
-            clear_progress(run_dir)  # before any rank's watchdog starts: they start once all hear back
+            lock = acquire_run_lock(run_dir, wait_for_lock_s)
         except RunDirLocked as error:
             refusal = str(error)
     refusal = broadcast_value(refusal)
     if refusal is not None:
         raise RunDirLocked(refusal)
-    return lock, before
+    return lock
+
+
+@dataclass
+class Accepted:
+    """A job that every check has accepted, with what it is built of; nothing written yet."""
+
+    cfg: Config
+    tokenizer: Any
+    facts: dict
+    resume_path: Path | None
+    damaged: list[tuple[Path, str]]  # rank 0: checkpoints passed over, to move aside
+    batch_note: str | None
+    train_set: Any
+    eval_set: Any
+    bundle: EngineBundle
 
 
 def start_run(
     cfg: Config, deepspeed_overrides: dict | None = None, source: str = "<config>", wait_for_lock_s: float = 0.0
 ) -> Run:
-    """Everything a rank needs before its first step (collective: every rank calls it). No wait in
-    it is longer than ``training.hang_long_phase_s``: the ranks meet within it (or the job ends with
-    one line naming the missing ones), and the hang watchdog watches everything after."""
+    """Everything a rank needs before its first step (collective: every rank calls it). Nothing in
+    the run directory changes until the job is accepted (:func:`_accept`: every check, the data,
+    the model and the engine): a refused job leaves it byte for byte as it was, its lock's record
+    included. Until then every wait is a collective bounded by the process groups' timeout; from
+    then on the hang watchdog watches."""
     started = time.perf_counter()
     launcher = launcher_environment()
     preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
@@ -206,66 +216,65 @@ def start_run(
         )
     except StartupTimeout as error:
         raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None
-    # Before anything is created in the run directory (the lock, the watchdog's records): a refused
-    # directory is left as it was, on every node.
-    require_shared_run_dir(run_dir, source)
+    require_shared_run_dir(run_dir, source)  # (its probe leaves nothing)
     run_dir_existed = run_dir.exists()
-    run_lock, before = take_run_directory(run_dir, wait_for_lock_s)  # before anything in it changes
+    run_lock = take_run_directory(run_dir, wait_for_lock_s)
     try:
-        return _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock, before)
+        accepted = _accept(cfg, deepspeed_overrides, source, state)
+        return _commit(accepted, source, state, started, run_lock)
     except BaseException:
         if run_lock is not None:
-            run_lock.release(remove=True)
-        if not run_dir_existed:  # bad input leaves nothing behind
+            run_lock.release(undo=True)
+        if not run_dir_existed:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # only if empty
         raise
 
 
-def _start_watched(cfg, deepspeed_overrides, source, state, started, run_lock, before) -> Run:
-    """The rest of :func:`start_run`, with the run directory locked and under the watchdog's eye
-    (in its start-up phase)."""
-    run_dir = Path(cfg.logging.run_dir)
-    progress = Progress()
-    watchdog = start_watchdog(cfg, state, progress)
-    try:
-        if state.rank == 0:
-            # Before anything is written: a save killed half-way may have left the disk full.
-            for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
-                print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
-        run = _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog, before)
-        run.run_lock = run_lock
-        return run
-    except BaseException:
-        _abandon_watch(watchdog, run_dir)
-        raise
-
-
-def _start(cfg, deepspeed_overrides, source, state, started, progress, watchdog, before) -> Run:
-    """The rest of :func:`start_run`: the tokenizer, the checkpoint to resume, the data, the model and
-    the engine; ``before``: how the job that ran in the run directory before ended (rank 0)."""
+def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
+    """Every check of the job and what it is built of: the tokenizer, the checkpoint to resume and
+    whether it is this model, the data, the model and the engine. Writes nothing in the run
+    directory (the data's prepared copy goes to its cache)."""
     tokenizer = load_tokenizer_once_per_node(cfg)
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
     # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a rank that
     # resumed and one that started fresh would wait for each other forever). Its global batch is
     # kept, whatever the new layout: the run goes on as the same run.
-    path = choose_checkpoint_to_resume(cfg) if is_main() else None
+    path, damaged = choose_checkpoint_to_resume(cfg) if is_main() else (None, [])
     path = broadcast_value(None if path is None else str(path))
     resume_path = None if path is None else Path(path)
-    if is_main() and (line := restart_line(before, None if resume_path is None else read_info(resume_path)["step"])):
-        print(line, flush=True)
+    require_same_model(cfg, resume_path)  # with the tokenizer's vocabulary now
     cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)
     bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
+    return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle)
+
+
+def _commit(accepted: Accepted, source: str, state, started: float, run_lock: RunLock | None) -> Run:
+    """The accepted job takes the run directory: rank 0 reads how the job before ended and clears
+    its progress records, moves damaged checkpoints aside, removes what dead saves left (a save
+    killed half-way may have left the disk full) and writes the run's config; then every rank's
+    watchdog starts (after the records are cleared: they start once all hear back)."""
+    cfg, resume_path = accepted.cfg, accepted.resume_path
+    run_dir = Path(cfg.logging.run_dir)
+    if state.rank == 0:
+        before = previous_job_failure(run_dir)
+        clear_progress(run_dir)
+        move_damaged_aside(accepted.damaged, resume_path)
+        for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
+            print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
+        if line := restart_line(before, None if resume_path is None else read_info(resume_path)["step"]):
+            print(line, flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        (run_dir / "deepspeed_config.json").write_text(dump_deepspeed_config(accepted.bundle.config) + "\n")
+    broadcast_value(None)  # every rank's watchdog starts after rank 0 cleared the records
+    progress = Progress()
     run = Run(
-        cfg, source, state, tokenizer, facts, resume_path, batch_note, train_set, eval_set, bundle,
-        resolve_device(cfg), started, progress, watchdog,
+        cfg, source, state, accepted.tokenizer, accepted.facts, resume_path, accepted.batch_note,
+        accepted.train_set, accepted.eval_set, accepted.bundle, resolve_device(cfg), started, progress,
+        start_watchdog(cfg, state, progress), run_lock,
     )  # fmt: skip
-    # Everything above may still fail on bad input; only now is anything written.
-    if run.is_main:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run.run_dir / "config.yaml")
-        (run.run_dir / "deepspeed_config.json").write_text(dump_deepspeed_config(bundle.config) + "\n")
     return run

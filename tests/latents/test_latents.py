@@ -46,6 +46,7 @@ from parallel_latent.latents import (
 from parallel_latent.latents.export import _rows_of_files
 from parallel_latent.model import build_model
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from tests.helpers.filesystems import directory_bytes, tmpfs
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.tp_compare import order_bound, terms_scale
 from tests.helpers.trainer_runs import REPO, describe, rank_env, rank_pids
@@ -102,15 +103,6 @@ def cli(args: list[str], env: dict | None = None):
 
 def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
-
-
-def directory_bytes(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` (hidden ones too) and the SHA-256 of its bytes."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 def reference_latents(setup, precision: str = "fp32") -> torch.Tensor:
@@ -415,17 +407,10 @@ def test_a_full_disk_ends_with_one_line_and_exit_4_and_the_rerun_completes(setup
 @pytest.fixture
 def small_disk(tmp_path):
     """A real file system of 64 KiB (tmpfs: about two of the module's 26 KB shards): writes past it
-    fail with ENOSPC. Mounting needs root with CAP_SYS_ADMIN (a container may refuse it: the test is
-    then skipped, saying so; the RLIMIT_FSIZE test above covers the same path without privileges)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True, text=True, check=False
-    ) if shutil.which("mount") else None  # fmt: skip
-    if mounted is None or mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({(mounted.stderr.strip() if mounted else 'no mount command')})")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
+    fail with ENOSPC. Skipped, saying so, where mounting is refused; the RLIMIT_FSIZE test above
+    covers the same path without privileges."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        yield disk
 
 
 @pytest.mark.slow
@@ -526,19 +511,29 @@ def _wait_for(path: Path, job: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
-def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup, one_process, tmp_path):
-    out = tmp_path / "killed"
+def _paused_export(setup, out: Path, shard: int, *extra: str, **popen) -> subprocess.Popen:
+    """``encode-corpus`` into ``out`` as its own process, paused half-way through shard ``shard``."""
     job = subprocess.Popen(
-        [sys.executable, "-m", "parallel_latent", *command(setup, out), "--nproc", "2"],
+        [sys.executable, "-m", "parallel_latent", *command(setup, out), *extra],
         cwd=REPO,
-        env=rank_env({PAUSE_IN_SHARD_ENV: "3"}),
+        env=rank_env({PAUSE_IN_SHARD_ENV: str(shard)}),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        **popen,
     )
     try:
         _wait_for(out / WORK_DIR / PAUSE_MARKER, job)
+    except BaseException:
+        job.kill()
+        job.wait()
+        raise
+    return job
+
+
+@pytest.mark.slow
+def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup, one_process, tmp_path):
+    out = tmp_path / "killed"
+    job = _paused_export(setup, out, 3, "--nproc", "2", stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
         # Shard 3 is half-written under .export/: a second export, and one of another precision,
         # are refused while the first holds the directory.
         second = cli(command(setup, out))
@@ -572,19 +567,31 @@ def test_killed_mid_shard_then_rerun_at_another_nproc_gives_the_same_bytes(setup
     assert directory_bytes(out) == directory_bytes(one_process)
 
 
+@pytest.mark.slow
+def test_ctrl_c_under_nproc_2_says_interrupted_and_exits_130(setup, one_process, tmp_path):
+    """A terminal's Ctrl-C reaches the launcher, which forwards SIGTERM to the ranks: an export has
+    nothing to save, so the job ends as Ctrl-C ends a command, one line and 130; a rerun continues it."""
+    out = tmp_path / "interrupted"
+    job = _paused_export(setup, out, 2, "--nproc", "2", stderr=subprocess.PIPE, text=True)
+    try:
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["parallel-latent: error: interrupted"], stderr
+    assert main(command(setup, out)) == 0
+    assert directory_bytes(out) == directory_bytes(one_process)
+
+
 def test_sigterm_mid_shard_then_rerun_gives_the_same_bytes(setup, one_process, tmp_path):
     out = tmp_path / "terminated"
-    job = subprocess.Popen(
-        [sys.executable, "-m", "parallel_latent", *command(setup, out)],
-        cwd=REPO,
-        env=rank_env({PAUSE_IN_SHARD_ENV: "2"}),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    job = _paused_export(setup, out, 2, stderr=subprocess.DEVNULL)
     try:
-        _wait_for(out / WORK_DIR / PAUSE_MARKER, job)
         job.send_signal(signal.SIGTERM)
-        assert job.wait(timeout=60) != 0
+        assert job.wait(timeout=60) == 130  # a stop from outside ends an export as Ctrl-C does
     finally:
         if job.poll() is None:
             job.kill()

@@ -51,6 +51,22 @@ def test_a_held_lock_refuses_a_second_holder_with_one_line_naming_it(tmp_path, u
     assert said == []  # a released lock is simply taken
 
 
+@pytest.mark.parametrize("use_flock", [True, False], ids=["flock", "lease"])
+def test_a_refused_job_leaves_the_lock_file_as_it_found_it(tmp_path, use_flock):
+    """Undone (a job refused before it began): a lock file this lock made is gone, and one it found
+    holds the bytes it held, the record of the job before."""
+    acquire_run_lock(tmp_path, use_flock=use_flock).release(undo=True)
+    assert not (tmp_path / LOCK_FILE).exists()
+    acquire_run_lock(tmp_path, use_flock=use_flock).release()
+    found = (tmp_path / LOCK_FILE).read_bytes()
+    acquire_run_lock(tmp_path, use_flock=use_flock).release(undo=True)
+    assert (tmp_path / LOCK_FILE).read_bytes() == found
+    lock = acquire_run_lock(tmp_path, use_flock=use_flock)
+    assert (tmp_path / LOCK_FILE).read_bytes() != found  # (held: its own record)
+    lock.release(undo=True)
+    assert (tmp_path / LOCK_FILE).read_bytes() == found
+
+
 def test_waiting_for_the_lock_takes_it_when_the_holder_ends(tmp_path):
     first = acquire_run_lock(tmp_path)
     threading.Timer(1.0, first.release).start()

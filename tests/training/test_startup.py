@@ -1,0 +1,79 @@
+"""A refused training job leaves its run directory byte for byte as it found it: the launcher's
+checks (another model than the checkpoint's, a read-only or too small file system) and the ranks'
+(a corpus found empty when it is prepared) refuse before the run's config, its progress records or
+its lock's record change, with one line and status 2. Real ``train --nproc 2`` jobs (gloo), the
+launcher in this process, on one trained run."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_latent.files import tree_bytes
+from tests.helpers.filesystems import directory_bytes, tmpfs
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.trainer_runs import describe, train_args
+
+pytestmark = pytest.mark.slow  # real jobs: a trained run, and a refusal inside the ranks
+
+STEP = "checkpoints/step_00000002"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps at TP=2 with a checkpoint at each: a run directory with everything a run leaves
+    (config, progress records, the lock's record, metrics, checkpoints)."""
+    run_dir = tmp_path_factory.mktemp("startup") / "run"
+    result = run_main([*train_args(run_dir, "training.max_steps=2", "checkpoint.save_every=1"), "--nproc=2"])
+    assert result.returncode == 0, describe(result)
+    assert (run_dir / "progress").is_dir() and (run_dir / "train.lock").is_file()
+    return run_dir
+
+
+def refused(run_dir, *overrides, expected: str):
+    """``train --nproc 2`` on ``run_dir`` with ``overrides``: refused in one line holding ``expected``."""
+    result = run_main([*train_args(run_dir, "training.max_steps=4", *overrides), "--nproc=2"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, describe(result)
+    assert lines[0].startswith("parallel-latent: error: ") and expected in lines[0], lines[0]
+
+
+def test_another_model_than_the_checkpoints_is_refused_before_any_rank_starts(trained):
+    before = directory_bytes(trained)
+    refused(trained, "model.head=normal", expected="config mismatch: model.head is 'tied' in the checkpoint")
+    assert directory_bytes(trained) == before  # config.yaml too: it used to be rewritten first
+
+
+def test_resuming_another_model_into_a_new_run_directory_creates_nothing(trained, tmp_path):
+    before = directory_bytes(trained)
+    new = tmp_path / "new"
+    refused(new, "model.head=normal", f"checkpoint.resume={trained / STEP}", expected="config mismatch")
+    assert not new.exists()
+    assert directory_bytes(trained) == before
+
+
+def test_a_corpus_the_ranks_find_empty_leaves_the_run_directory_as_it_was(trained, tmp_path):
+    """Found inside the ranks, once the data is prepared: after the launcher took the lock and the
+    ranks joined, before the progress records of the run before, or anything else, changed."""
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n   \n\n", encoding="utf-8")
+    before = directory_bytes(trained)
+    refused(trained, f"data.path={blank}", expected="corpus is empty")
+    assert directory_bytes(trained) == before
+
+
+def test_a_read_only_run_directory_is_one_line(trained, tmp_path):
+    size = tree_bytes(trained) // 1024 + 256
+    with tmpfs(tmp_path / "ro", f"{size}k", fill=trained.parent, read_only=True) as disk:
+        before = directory_bytes(disk)
+        refused(disk / "run", expected="read-only file system")
+        assert directory_bytes(disk) == before
+
+
+def test_no_room_for_one_more_checkpoint_is_one_line(trained, tmp_path):
+    """A file system that holds the run but not one more of its checkpoints: refused before the
+    first step, not at the first save."""
+    size = tree_bytes(trained) + tree_bytes(trained / STEP) // 2
+    with tmpfs(tmp_path / "small", f"{size // 1024 + 64}k", fill=trained.parent) as disk:
+        before = directory_bytes(disk)
+        refused(disk / "run", expected="MiB free, but a checkpoint of this run takes")
+        assert directory_bytes(disk) == before
