@@ -6,11 +6,15 @@ The training loop only waits for the copy (:func:`snapshot`, into the host buffe
 :class:`HostCopies`, kept from save to save). The thread of each rank then writes its files and
 leaves a marker in the staging directory (``.written/rank_N.ok``, or ``.failed``: no collective runs
 on the thread, so it never interleaves with the training's); rank 0's thread waits for every marker
-and publishes (``latest`` moves only then) or, if a rank failed, removes the staging directory. At
-most one save is in flight: the next save, and the end of training, wait for it, and there every
-rank learns its outcome together (a collective of the training thread), so a save that failed ends
-the run on every rank with the same line, as a synchronous one does. A process that dies mid-write
-leaves an unpublished staging directory, which the next start removes.
+and publishes (``latest`` moves only then), or stops at a rank's failure. A thread never removes the
+staging directory: another rank's thread may still be writing into it. What a thread has come to
+(:meth:`BackgroundSave.outcome`: writing, written, failed) is read by the training loop without
+waiting; the trainer's stop vote carries it every step while a save is in flight, so every rank
+learns of a failed write at the step after it, all at the same step, and then waits for its thread
+(a thread that is still writing or waiting skips the rest: :meth:`BackgroundSave.give_up`), the
+ranks agree on the outcome (a collective of the training thread), and rank 0 removes the staging
+directory of a failed save once every thread has stopped. A process that dies mid-write leaves an
+unpublished staging directory, which the next start removes.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class BackgroundSave:
         self.jobs, self.finish, self.timeout_s = jobs, finish, timeout_s
         self.failures: list[str] = list(failures or [])  # this rank's own writes, then rank 0's publishing
         self.peers: str | None = None  # rank 0: why another rank's files are not there
+        self._given_up = threading.Event()
+        self._done = threading.Event()  # set last: what the thread recorded is final once it is
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{step}", daemon=True)
         self._thread.start()
 
@@ -60,22 +66,29 @@ class BackgroundSave:
         return self.staging / WRITTEN_DIR / f"rank_{rank:05d}.{outcome}"
 
     def _run(self) -> None:
-        for job in self.jobs:
-            layout.attempt(self.failures, job)
-        outcome = "failed" if self.failures else "ok"
         try:
-            self._marker(self.rank, outcome).parent.mkdir(exist_ok=True)
-            self._marker(self.rank, outcome).touch()
-        except OSError as error:
-            self.failures.append(layout.error_reason(error))
-        if self.rank == 0:
-            self._publish_when_written()
+            for job in self.jobs:
+                if self._given_up.is_set():
+                    return  # the ranks know the save failed: nothing more of it is needed
+                layout.attempt(self.failures, job)
+            outcome = "failed" if self.failures else "ok"
+            try:
+                self._marker(self.rank, outcome).parent.mkdir(exist_ok=True)
+                self._marker(self.rank, outcome).touch()
+            except OSError as error:
+                self.failures.append(layout.error_reason(error))
+            if self.rank == 0:
+                self._publish_when_written()
+        finally:
+            self._done.set()
 
     def _publish_when_written(self) -> None:
-        """Rank 0: every rank's marker, then ``finish``; the staging goes if any rank failed."""
+        """Rank 0: every rank's marker, then ``finish``. The staging directory stays whatever
+        happens: another rank may still be writing into it (:func:`.saving.finish_background_save`
+        removes it once every rank's thread has stopped)."""
         deadline = time.monotonic() + self.timeout_s
         pending = set(range(self.world_size))
-        while pending and self.peers is None and not self.failures:
+        while pending and self.peers is None and not self.failures and not self._given_up.is_set():
             failed = sorted(rank for rank in pending if self._marker(rank, "failed").exists())
             pending -= {rank for rank in pending if self._marker(rank, "ok").exists()}
             if failed:
@@ -83,15 +96,28 @@ class BackgroundSave:
             elif pending and time.monotonic() > deadline:
                 self.peers = f"ranks {sorted(pending)} did not finish writing within {self.timeout_s:g} s"
             elif pending:
-                time.sleep(POLL_S)
-        if self.peers is None and not self.failures:
+                self._given_up.wait(POLL_S)
+        if not pending and self.peers is None and not self.failures and not self._given_up.is_set():
             layout.attempt(self.failures, self._finish)
-        if self.peers is not None or self.failures:
-            layout.discard(self.staging)
 
     def _finish(self) -> None:
         layout.discard(self.staging / WRITTEN_DIR)
         self.finish()
+
+    def outcome(self) -> str:
+        """What this rank's thread has come to, known without waiting: ``"writing"`` (it runs),
+        ``"failed"`` (this rank's files, or on rank 0 another rank's or the publishing) or
+        ``"written"`` (on rank 0: published)."""
+        if not self._done.is_set():
+            return "writing"
+        given_up = self._given_up.is_set()  # what it skipped is not written
+        return "failed" if self.failures or self.peers is not None or given_up else "written"
+
+    def give_up(self) -> None:
+        """The ranks agreed that this save failed: the thread skips the writes it has not begun and
+        stops waiting for markers (one that never comes, when a rank could not even write its
+        marker, would hold it for ``timeout_s``); it publishes nothing."""
+        self._given_up.set()
 
     def wait(self) -> tuple[str | None, str | None]:
         """Once the thread is done: this rank's failure, and (rank 0) why another rank's files are

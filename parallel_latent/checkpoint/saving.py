@@ -13,8 +13,9 @@ portable shards), as jobs that write it; a synchronous save runs them at once, a
 runs them on a thread (:mod:`.background`) from copies of the state. A write that fails on any rank
 is not raised where it happens: the ranks agree that it failed, rank 0 removes the staging
 directory, and every rank raises one :class:`CheckpointSaveError` naming the step, the reason and
-the last complete checkpoint (for a background save: where the next save, or the end of training,
-waits for it).
+the last complete checkpoint (for a background save: in :func:`finish_background_save`, which the
+trainer calls at the step after any rank's writer failed, or where the next save or the end of
+training waits for it; only then, with every rank's writer stopped, is the staging directory removed).
 """
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ class PendingSave:
     def path(self) -> Path:
         return self.request.checkpoint_dir / self.request.tag
 
+    def outcome(self) -> str:
+        """This rank's part, known without waiting: ``"writing"``, ``"written"`` or ``"failed"``
+        (:meth:`.background.BackgroundSave.outcome`)."""
+        return self.save.outcome() if self.save is not None else "failed"
+
 
 def start_background_save(
     engine, checkpoint_dir: str | Path, step: int, client_state: dict | None = None, *, timeout_s: float = 3600.0,
@@ -231,17 +237,23 @@ def start_background_save(
     )
 
 
-def finish_background_save(pending: PendingSave) -> Path:
+def finish_background_save(pending: PendingSave, given_up: bool = False) -> Path:
     """Wait for ``pending`` and agree on its outcome (collective): its published directory, or
-    :class:`CheckpointSaveError` on every rank, the last complete checkpoint left as it was."""
+    :class:`CheckpointSaveError` on every rank, the last complete checkpoint left as it was.
+    ``given_up`` (the same on every rank): the ranks know already that some rank's part failed, so
+    every writer skips what it has left (:meth:`.background.BackgroundSave.give_up`)."""
+    if given_up and pending.save is not None:
+        pending.save.give_up()
     own, peers = pending.save.wait() if pending.save is not None else (pending.failure, None)
     reports = all_gather_value((own, peers))
     failure = next((o for o, _ in reports if o), None) or next((p for _, p in reports if p), None)
+    if failure is None and given_up:
+        failure = "given up after another rank's failure"  # never published: not a success either way
     if failure is not None:
         if is_main():
-            # Rank 0's writer removes the staging directory as soon as it fails, possibly while a slower
-            # rank still writes into it. Every rank has joined its writer now (before the gather): what
-            # such a rank left goes, and no rank reports the failure (and ends) before it has gone.
+            # Only here, with every rank's writer stopped (each joined its own before the gather),
+            # can nothing write into the staging directory any more: no thread removes it, so no
+            # marker of a slower rank is left behind, and no rank ends before it has gone.
             layout.discard(pending.request.staging)
         barrier()
         raise _not_written(pending.request, failure)

@@ -352,7 +352,7 @@ class TrainingConfig:
         10,
         "steps between the ranks' votes on stopping (a SIGTERM reaches a checkpoint within this many steps): the "
         "one world-wide collective outside the model, so not every step; votes are also taken before every "
-        "evaluation and checkpoint",
+        "evaluation and checkpoint, and every step while a background checkpoint is being written",
         at_least(1),
     )
     max_nonfinite_steps: int = setting(10, "stop after this many consecutive inf/nan losses", at_least(0))
@@ -414,8 +414,8 @@ class CheckpointConfig:
         True,
         "write checkpoints on a thread while training goes on: the step after a save starts once the state is "
         "copied to host memory (one copy of each rank's checkpoint state), the files are published once complete, "
-        "at most one save is in flight, and the next save, the final one and a stop by a signal wait for it; "
-        "false: every rank waits for the files",
+        "at most one save is in flight, and the next save, the final one and a stop by a signal wait for it; a "
+        "write that fails on any rank stops the run at the next step; false: every rank waits for the files",
     )
 
 

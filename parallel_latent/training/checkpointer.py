@@ -3,9 +3,12 @@ goes on: ``checkpoint.background``), and which checkpoint is the last complete o
 
 A background save takes the state off the training tensors (a copy in host memory) and the next
 step starts; the files are written on a thread and published once complete
-(:mod:`parallel_latent.checkpoint.background`). At most one save is in flight: the next save, the
-final one and a stop by a signal wait for it, and there every rank learns whether it was written
-(a save that was not ends the run on every rank with its one line, as a synchronous one does).
+(:mod:`parallel_latent.checkpoint.background`). While it is in flight the trainer's stop vote runs
+every step and carries what each rank's writer has come to (:meth:`Checkpointer.writer_outcome`);
+from the all-reduced vote every rank decides alike (:meth:`Checkpointer.settle`): a failure on any
+rank ends the run at that step on every rank with its one line, as a synchronous save does, and a
+save every rank has written is finished there (the per-step vote ends with it). At most one save is
+in flight: the next save, the final one and a stop by a signal wait for it.
 """
 
 from __future__ import annotations
@@ -83,9 +86,23 @@ class Checkpointer:
         self.saved_step = step
         return path
 
-    def finish(self) -> None:
-        """Wait for the save in flight and agree on it (collective; nothing to do without one)."""
+    def writer_outcome(self) -> str | None:
+        """What this rank's writer of the save in flight has come to, known without waiting
+        (``"writing"``, ``"written"``, ``"failed"``); None when no save is in flight."""
+        return self.pending.outcome() if self.pending is not None else None
+
+    def settle(self, any_failed: bool, all_stopped: bool) -> None:
+        """After a vote on the save in flight (every rank gets the same answers, so every rank does
+        the same here): if any rank's writer failed, the save ends now with its one line on every
+        rank; once every rank's writer has stopped, it is finished (and the vote goes back to its
+        schedule)."""
+        if self.pending is not None and (any_failed or all_stopped):
+            self.finish(given_up=any_failed)
+
+    def finish(self, given_up: bool = False) -> None:
+        """Wait for the save in flight and agree on it (collective; nothing to do without one).
+        ``given_up``: the ranks know already that it failed (the writers skip what they have left)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self.run.progress.enter("save")
-            self.last_path, self.last_step = finish_background_save(pending), pending.request.step
+            self.last_path, self.last_step = finish_background_save(pending, given_up), pending.request.step

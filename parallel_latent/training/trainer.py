@@ -20,8 +20,10 @@ Per optimizer step, every rank:
    step whose gradient norm is not finite is skipped by DeepSpeed's optimizer wrapper, or by our
    guard at ZeRO stage 0 in fp32; under bf16 it is caught at the next log line or checkpoint);
 4. every ``training.vote_every`` steps, and before every evaluation and checkpoint, all-reduces
-   "a stop signal arrived here" over the gloo control group, so all ranks stop at the same step.
-   Statistics stay on the device and are reduced once per log line.
+   "a stop signal arrived here" over the gloo control group, so all ranks stop at the same step;
+   while a background save is in flight, every step, with what this rank's writer has come to, so
+   a write that failed on any rank ends the run on every rank at the step after it (exit status 4,
+   the save's one line). Statistics stay on the device and are reduced once per log line.
 
 A SIGTERM or SIGINT (SLURM preemption, Ctrl-C) finishes the current step, writes a checkpoint
 and returns normally (exit 0); during start-up, with no step to finish and nothing new to save, it
@@ -90,13 +92,26 @@ class TrainResult:
     reconstructions: list[tuple[str, str]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Vote:
+    """What the ranks decided together before a step: the same on every rank."""
+
+    stop: bool = False  # some rank received SIGTERM / SIGINT
+    save_failed: bool = False  # some rank's writer of the background save in flight failed
+    save_stopped: bool = False  # every rank's writer of that save has stopped
+
+
 @dataclass
 class StepOutcome:
     stats: torch.Tensor  # this rank's statistics of the step (parallel_latent.evaluation.totals), on the device
     applied: bool  # False: DeepSpeed skipped a non-finite update
-    stop: bool  # some rank received SIGTERM / SIGINT
+    vote: Vote  # the stop vote before the step (all False where none was due)
     tokens: float  # non-pad tokens of the step's global batch
     samples: int  # samples of the step's global batch
+
+    @property
+    def stop(self) -> bool:
+        return self.vote.stop
 
 
 class StopRequest:
@@ -269,20 +284,28 @@ class Trainer:
     # -- the stop vote ----------------------------------------------------------- #
 
     def _vote_due(self, step: int) -> bool:
-        """Whether the ranks vote on stopping before ``step`` (1-based): the same answer on every rank."""
+        """Whether the ranks vote before ``step`` (1-based): the same answer on every rank (a
+        background save is in flight on all or none: saves start and finish collectively)."""
         training, checkpoint = self.cfg.training, self.cfg.checkpoint
         return (
-            step % training.vote_every == 0
+            self.checkpointer.pending is not None
+            or step % training.vote_every == 0
             or step >= training.max_steps
             or self.evaluator.due(step)
             or bool(checkpoint.save_every and step % checkpoint.save_every == 0)
         )
 
-    def _vote(self, stop_requested: bool) -> bool:
-        """Whether any rank was asked to stop (collective over the gloo control group)."""
-        vote = torch.full((1,), 1.0 if stop_requested else 0.0, dtype=torch.float64)
+    def _vote(self, stop_requested: bool) -> Vote:
+        """Whether any rank was asked to stop and, for the background save in flight, whether any
+        rank's writer failed and whether every rank's has stopped (one collective over the gloo
+        control group). Each rank's ballot is a flag it holds, nothing it waits for, and every rank
+        decides from the same sums, so all act at the same step whatever the writers' timing."""
+        writer = self.checkpointer.writer_outcome()
+        ballot = (stop_requested, writer == "failed", writer in ("written", "failed"))
+        vote = torch.tensor(ballot, dtype=torch.float64)  # a host tensor, by construction
         dist.all_reduce(vote, group=self.state.control_group)
-        return bool(vote.numpy()[0] > 0)  # numpy(): a host tensor, by construction
+        stop, failed, stopped = vote.numpy().tolist()
+        return Vote(stop > 0, failed > 0, stopped == self.state.world_size)
 
     # -- one step ------------------------------------------------------------ #
 
@@ -290,14 +313,15 @@ class Trainer:
         """One optimizer step. Nothing here reads a device value or copies host data to the device
         blocking: the batches come pinned from the prefetcher with the step's token count, the
         statistics stay on the device (read once per log line), and a collective outside the engine
-        (the stop vote, over gloo) runs only every ``training.vote_every`` steps. Under bf16 the same
-        holds for DeepSpeed's ZeRO-1/2 step (tests/training/test_train_syncs.py)."""
+        (the stop vote, over gloo: host tensors) runs only every ``training.vote_every`` steps, or
+        every step while a background save is in flight. Under bf16 the same holds for DeepSpeed's
+        ZeRO-1/2 step (tests/training/test_train_syncs.py)."""
         state, engine, rng, progress = self.state, self.engine, self.model.dropout_rng, self.progress
         self.step_lr = self.job.bundle.lr_scheduler.get_last_lr()[0]  # what this step's update uses
         progress.enter("data", self.step + 1)
         batches = self._step_batches()
         progress.enter("stop vote")
-        stop = self._vote(stop_requested) if self._vote_due(self.step + 1) else False
+        vote = self._vote(stop_requested) if self._vote_due(self.step + 1) else Vote()
         step_tokens = float(batches.global_tokens)
         # DeepSpeed divides each micro-batch loss by grad_accum and averages gradients over the dp_size
         # data-parallel ranks; this weight undoes both and normalises by the step's global count of
@@ -326,7 +350,7 @@ class Trainer:
         # (engine.sync_free_zero_step), so there it is always True.
         applied = bool(engine.was_step_applied())
         progress.finished_step()
-        return StepOutcome(step_stats, applied, stop, step_tokens, self.global_batch)
+        return StepOutcome(step_stats, applied, vote, step_tokens, self.global_batch)
 
     # -- what the loop does between steps ------------------------------------- #
 
@@ -396,6 +420,9 @@ class Trainer:
             if log_due:
                 postfix, window = self._log(window), self._new_window()
             self.logger.advance(1, **postfix)
+            # The save in flight, as the vote says: a failure on any rank ends the run here on every
+            # rank (its one line); one every rank has written is finished, and the votes thin out again.
+            self.checkpointer.settle(outcome.vote.save_failed, outcome.vote.save_stopped)
             if self.evaluator.due(self.step):
                 final_eval, eval_step = self._evaluate_and_log(), self.step
             self.nonfinite.check_streak(self.step, self.checkpointer.last_words)

@@ -3,6 +3,12 @@
 * one rank's writes fail (a real OS limit: RLIMIT_FSIZE, so every write past it fails with EFBIG):
   every rank raises the same one-line error, the staging directory is gone, ``latest`` and the
   last checkpoint are as they were, and the engine saves again once the limit is lifted;
+* a background save whose first write fails on one rank (ENOSPC, tests/helpers/save_faults.py)
+  while the other rank's writer is held until that writer has stopped: no thread removes the
+  staging directory, and once the ranks agree it is gone with every marker in it;
+* the trainer on two ranks with that full disk at a background save of step 4 (on rank 0, or on
+  rank 1 while rank 0 writes its files): the run stops at step 5 on every rank with the save's one
+  line and exit status 4, and leaves no staging directory;
 * a full disk (a real tmpfs of a few MB, mounted when the test may; skipped with the reason
   otherwise) under ``parallel-latent train --nproc 2``: one line from rank 0, a non-zero exit, no
   raw OSError, nothing else touched;
@@ -18,6 +24,7 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +42,17 @@ from parallel_latent.cli import main
 from tests.helpers.checkpoint_engines import make_engine, train_step
 from tests.helpers.make_fixture import FIXTURE
 from tests.helpers.pool_training import shared_pool
-from tests.helpers.trainer_runs import REPO, cli_command, rank_env, rank_pids, train_args
+from tests.helpers.save_faults import failure_known_at_next_vote, full_disk_at, staging_name
+from tests.helpers.trainer_runs import (
+    REPO,
+    TINY,
+    TINY_CONFIG,
+    cli_command,
+    rank_env,
+    rank_pids,
+    train_args,
+    train_records,
+)
 
 RUN_RECIPE = ["parallel.tensor_parallel=2", "training.max_steps=4", "checkpoint.save_every=2"]
 
@@ -117,6 +134,100 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(request, tmp_path
         assert after_failure == ["CONVERTING.txt", "latest", "step_00000001"]
         assert loaded_step == 1 and saved_again == "step_00000002"
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
+
+
+# --------------------------------------------------------------------------- #
+# A background save that fails on one rank.
+# --------------------------------------------------------------------------- #
+
+
+def failure_first_task(directory: str, failing: int):
+    """Rank ``failing``'s writer fails at its first write and stops; only then (a barrier of the
+    training threads) does the other rank's writer write anything: the order in which a thread that
+    removed the staging directory at its own failure would leave a slower rank's marker behind."""
+    from parallel_latent.checkpoint.saving import finish_background_save, start_background_save
+    from parallel_latent.coordination import barrier
+
+    engine, model = make_engine(1, 2)  # DP=2: each rank writes its own ZeRO shard
+    train_step(engine, model, 0)
+    save_training_checkpoint(engine, directory, 1, {"next_step": 1})
+    train_step(engine, model, 1)
+    release = threading.Event()
+    with full_disk_at(2, failing, before_write=release.wait):
+        pending = start_background_save(engine, directory, 2, {"next_step": 2})
+        if engine.global_rank == failing:
+            pending.save.wait()  # failed, marked, stopped: all its thread will ever do
+        barrier()
+        release.set()
+        pending.save.wait()
+        barrier()  # every writer has stopped, none has been told anything yet
+        markers = Path(directory) / staging_name(2) / ".written"
+        left_by_the_writers = sorted(p.name for p in markers.iterdir()) if markers.is_dir() else "removed"
+        try:
+            finish_background_save(pending)
+            message = None
+        except CheckpointSaveError as error:
+            message = str(error)
+    return message, left_by_the_writers, contents(Path(directory))
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_the_staging_directory_goes_only_once_every_rank_has_stopped_writing(request, tmp_path, failing):
+    results = shared_pool(request, 2).run(failure_first_task, str(tmp_path), failing)
+    last = "the last complete checkpoint is step 1"
+    want = f"checkpoint at step 2 not written: No space left on device ({tmp_path}); {last}"
+    markers = ["rank_00000.failed", "rank_00001.ok"] if failing == 0 else ["rank_00000.ok", "rank_00001.failed"]
+    for message, left_by_the_writers, after in results:
+        assert message == want
+        assert left_by_the_writers == markers  # no writer removed anything
+        assert after == ["CONVERTING.txt", "latest", "step_00000001"]  # the staging directory went whole
+
+
+def test_a_writer_given_up_stops_waiting_for_a_marker_that_never_comes(tmp_path):
+    """Rank 0's writer waits for every rank's marker; a rank that could not even write its marker
+    (a full disk) leaves none. Once the ranks know the save failed, the wait ends without publishing."""
+    from parallel_latent.checkpoint.background import BackgroundSave
+
+    published = []
+    save = BackgroundSave(tmp_path, 1, 0, 2, [], lambda: published.append(1), timeout_s=3600.0)
+    assert save.outcome() == "writing"  # rank 1's marker is not there, nor will it be
+    save.give_up()
+    assert save.wait() == (None, None)
+    assert save.outcome() == "failed" and published == []
+    assert (tmp_path / ".written" / "rank_00000.ok").exists()  # nothing removed: not the thread's to do
+
+
+def full_disk_run_task(run_dir: str, failing: int):
+    """The trainer on this rank with a full disk at rank ``failing``'s writes of the step-4 save:
+    what the command would say and its exit status."""
+    from parallel_latent.errors import error_line, exit_status, one_line
+    from tests.helpers.pool_training import train_task
+
+    overrides = [*TINY, f"logging.run_dir={run_dir}", "parallel.tensor_parallel=1", "parallel.zero_stage=1",
+                 "training.max_steps=8", "checkpoint.save_every=2"]  # fmt: skip
+    with full_disk_at(4, failing), failure_known_at_next_vote(4, failing):
+        try:
+            train_task(str(TINY_CONFIG), overrides)
+        except CheckpointSaveError as error:
+            return int(exit_status(error)), error_line(one_line(error))
+    return 0, "trained to the end"
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["rank0-fails", "rank1-fails-rank0-writes"])
+def test_a_failed_background_write_stops_the_run_at_the_next_step(request, tmp_path, failing):
+    """A full disk at the step-4 save: every rank stops after step 5 (not at the step-6 save) with
+    the save's line and exit status 4; the last complete checkpoint is step 2 and nothing else is left."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    results = shared_pool(request, 2).run(full_disk_run_task, str(run_dir), failing)
+    want = (
+        f"parallel-latent: error: checkpoint at step 4 not written: No space left on device ({checkpoints}); "
+        "the last complete checkpoint is step 2"
+    )
+    assert results == [(4, want), (4, want)]
+    assert [r["step"] for r in train_records(run_dir)] == [1, 2, 3, 4, 5]
+    assert contents(checkpoints) == ["CONVERTING.txt", "latest", "step_00000002"]
+    assert (checkpoints / "latest").read_text().strip() == "step_00000002"
 
 
 # --------------------------------------------------------------------------- #
