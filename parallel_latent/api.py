@@ -19,7 +19,6 @@ the group, and every rank gets the same latents and the same texts back.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from parallel_latent.checkpoint import (
     resolve_portable_dir,
 )
 from parallel_latent.checkpoint.layout import MANIFEST_NAME
-from parallel_latent.config import FeatureModelConfig, ModelConfig, TokenizerConfig, build_dataclass
+from parallel_latent.config import FeatureModelConfig, ModelConfig, build_dataclass
 from parallel_latent.data import tokenize_samples
 from parallel_latent.evaluation.latent_space import LatentStats
 from parallel_latent.evaluation.records import detokenize
@@ -45,11 +44,32 @@ from parallel_latent.launching.reports import report_hang
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.tokenizer import load_tokenizer, tokenizer_facts
+from parallel_latent.model.from_record import feature_config_from_record, tokenizer_from_record
 from parallel_latent.parallel import device_kind
 from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
+
+
+def autoencoder_configs(directory: Path, manifest: dict) -> tuple[ModelConfig, FeatureModelConfig, int]:
+    """(model config, feature model config, seed) of the portable ``directory`` whose manifest is
+    ``manifest``, from the manifest alone: one line naming the manifest and the key when it is not
+    an autoencoder's, or when its feature model could only come from outside the directory."""
+    if not manifest.get("model_config") or not manifest.get("feature_model_config"):
+        raise CheckpointError(f"{directory}: the manifest has no model config; not a LatentAutoencoder checkpoint")
+    source = str(directory / MANIFEST_NAME)
+    model_cfg = build_dataclass(ModelConfig, ModelConfig.saved(manifest["model_config"]), source, "model_config")
+    feature_cfg = feature_config_from_record(manifest, source)
+    seed = ((manifest.get("config") or {}).get("training") or {}).get("seed", 1234)
+    return model_cfg, feature_cfg, seed
+
+
+def _build_and_load(directory: Path, configs: tuple, tp_group, verify_checksums: bool) -> LatentAutoencoder:
+    model_cfg, feature_cfg, seed = configs
+    with random_features_unannounced():  # every weight is loaded next: the warning does not apply
+        model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
+    load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
+    return model.eval()
 
 
 def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool = True) -> LatentAutoencoder:
@@ -57,24 +77,12 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
 
     ``path``: a portable directory, a consolidated directory or a training checkpoint (its
     ``model/``). With ``tp_group=None`` it runs in a single process without any process group. The
-    GPT-2 is rebuilt from the recorded architecture (no hub access) and filled from the checkpoint.
+    GPT-2 is rebuilt from the recorded architecture and filled from the checkpoint: no path or hub
+    id that the manifest names is read (:mod:`parallel_latent.model.from_record`).
     """
     directory = resolve_portable_dir(path)
     manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
-    if not manifest.get("model_config") or not manifest.get("feature_model_config"):
-        raise CheckpointError(f"{directory}: the manifest has no model config; not a LatentAutoencoder checkpoint")
-    source = str(directory / MANIFEST_NAME)
-    model_cfg = build_dataclass(ModelConfig, ModelConfig.saved(manifest["model_config"]), source, "model_config")
-    feature_cfg = build_dataclass(FeatureModelConfig, manifest["feature_model_config"], source, "feature_model_config")
-    architecture = manifest.get("feature_model_architecture")
-    if architecture:
-        # Random GPT-2 of the recorded shape: every weight is overwritten by the checkpoint's.
-        feature_cfg = dataclasses.replace(feature_cfg, pretrained=False, **architecture)
-    seed = ((manifest.get("config") or {}).get("training") or {}).get("seed", 1234)
-    with random_features_unannounced():  # every weight is loaded next: the warning does not apply
-        model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
-    load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
-    return model.eval()
+    return _build_and_load(directory, autoencoder_configs(directory, manifest), tp_group, verify_checksums)
 
 
 @dataclass
@@ -91,20 +99,10 @@ class Latents:
         return self.latents.shape[0]
 
 
-def load_checkpoint_tokenizer(directory: Path, manifest: dict):
-    """The tokenizer a portable checkpoint was trained with, checked against its recorded facts."""
-    section = ((manifest.get("config") or {}).get("tokenizer")) or {}
-    if (directory / "tokenizer_config.json").is_file():  # saved with the weights (save_pretrained)
-        section = {"name_or_path": str(directory)}
-    tokenizer = load_tokenizer(build_dataclass(TokenizerConfig, section, str(directory), "tokenizer"))
-    saved, facts = manifest.get("tokenizer") or {}, tokenizer_facts(tokenizer)
-    for key in ("vocab_size", "mask_token_id", "pad_token_id"):
-        if key in saved and saved[key] != facts[key]:
-            raise CheckpointError(
-                f"{directory}: trained with a tokenizer whose {key}={saved[key]}, "
-                f"but {section.get('name_or_path', 'offline')} gives {facts[key]}"
-            )
-    return tokenizer
+def load_checkpoint_tokenizer(directory: Path, manifest: dict, tokenizer: str | None = None):
+    """The tokenizer a portable checkpoint was trained with, from the checkpoint alone (or
+    ``tokenizer``, a name or path the caller gives), checked against its recorded facts."""
+    return tokenizer_from_record(directory, manifest, str(Path(directory) / MANIFEST_NAME), tokenizer)
 
 
 class TextAutoencoder:
@@ -124,17 +122,23 @@ class TextAutoencoder:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, tp_group=None, device: str | torch.device | None = None
+        cls, path: str | Path, tp_group=None, device: str | torch.device | None = None, *, tokenizer: str | None = None
     ) -> TextAutoencoder:
         """Load from a run directory, a checkpoints directory, a training checkpoint, or a portable
         or consolidated directory, saved at any TP degree (``tp_group=None``: one process), onto
-        ``device`` (default: the CPU)."""
+        ``device`` (default: the CPU). Everything comes from that directory, never from a path or
+        hub id its manifest names; ``tokenizer`` (a name, path or hub id), if given, is used
+        instead of the checkpoint's: for a checkpoint that does not hold its own."""
 
         def load(directory: Path) -> TextAutoencoder:
             manifest = PortableCheckpoint(directory, verify_checksums=False).manifest
-            model = load_autoencoder(directory, tp_group)
+            # What the manifest alone decides comes first: a feature model or a tokenizer that the
+            # checkpoint cannot supply is refused before anything else is read or built.
+            configs = autoencoder_configs(directory, manifest)
+            loaded_tokenizer = load_checkpoint_tokenizer(directory, manifest, tokenizer)
+            model = _build_and_load(directory, configs, tp_group, verify_checksums=True)
             stats = LatentStats.from_dict(manifest.get("latent_stats"))
-            return cls(model.eval(), load_checkpoint_tokenizer(directory, manifest), directory, stats)
+            return cls(model.eval(), loaded_tokenizer, directory, stats)
 
         # A run that trains meanwhile may prune the checkpoint found first: the newest is read.
         autoencoder = read_newest(path, load)
@@ -144,12 +148,19 @@ class TextAutoencoder:
 
     @classmethod
     def from_pretrained(
-        cls, path_or_repo_id: str | Path, tp_group=None, device: str | torch.device | None = None, **hub_options
+        cls,
+        path_or_repo_id: str | Path,
+        tp_group=None,
+        device: str | torch.device | None = None,
+        *,
+        tokenizer: str | None = None,
+        **hub_options,
     ) -> TextAutoencoder:
         """Load a :meth:`save_pretrained` directory, or a Hugging Face hub repository by id (downloaded
         once per node; ``hub_options``: ``revision``, ``cache_dir``, ``token``), at any TP degree as
-        :meth:`from_checkpoint`. Under a process group every rank calls it."""
-        return cls.from_checkpoint(pretrained.pretrained_directory(path_or_repo_id, **hub_options), tp_group, device)
+        :meth:`from_checkpoint` (``tokenizer`` too). Under a process group every rank calls it."""
+        directory = pretrained.pretrained_directory(path_or_repo_id, **hub_options)
+        return cls.from_checkpoint(directory, tp_group, device, tokenizer=tokenizer)
 
     def save_pretrained(self, directory: str | Path, **options) -> Path:
         """Write a hub-layout directory (config.json, model.safetensors at TP=1, the tokenizer's

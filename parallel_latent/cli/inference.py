@@ -36,10 +36,11 @@ def read_texts(args: argparse.Namespace) -> list[str]:
 
 def _load(args: argparse.Namespace):
     """What ``--checkpoint`` names: any checkpoint directory, a save-pretrained directory, or a
-    Hugging Face hub repository id."""
+    Hugging Face hub repository id; with ``--tokenizer``, that tokenizer. Nothing else outside the
+    checkpoint is read: a manifest naming a path or a hub id is refused in one line."""
     from parallel_latent.api import TextAutoencoder
 
-    return TextAutoencoder.from_pretrained(args.checkpoint)
+    return TextAutoencoder.from_pretrained(args.checkpoint, tokenizer=getattr(args, "tokenizer", None))
 
 
 def cmd_reconstruct(args: argparse.Namespace) -> int:
@@ -117,40 +118,52 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECKPOINT_HELP = (
+    "a run directory, a checkpoints directory, a training checkpoint, a portable or save-pretrained "
+    "directory, or a Hugging Face hub repository id"
+)
+TOKENIZER_HELP = (
+    "the tokenizer (offline, a local directory or a hub id) of a checkpoint that does not hold its own "
+    "(by default it loads from the checkpoint alone)"
+)
+
+
+def add_checkpoint_options(parser) -> None:
+    """``--checkpoint`` and ``--tokenizer``: what every command that loads an autoencoder takes."""
+    parser.add_argument("--checkpoint", required=True, help=CHECKPOINT_HELP)
+    parser.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+
+
 def add_subcommands(sub) -> None:
-    checkpoint_help = (
-        "a run directory, a checkpoints directory, a training checkpoint, a portable or save-pretrained "
-        "directory, or a Hugging Face hub repository id"
-    )
     reconstruct = sub.add_parser("reconstruct", help="encode texts to latents and decode them back")
-    reconstruct.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    add_checkpoint_options(reconstruct)
     reconstruct.add_argument("texts", nargs="*", help="texts to reconstruct")
     reconstruct.add_argument("--file", help="a text file, one sample per line")
     reconstruct.set_defaults(handler=cmd_reconstruct)
 
     encode = sub.add_parser("encode", help="encode texts to latents (a safetensors file)")
-    encode.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    add_checkpoint_options(encode)
     encode.add_argument("--out", required=True, help="output .safetensors file")
     encode.add_argument("texts", nargs="*", help="texts to encode")
     encode.add_argument("--file", help="a text file, one sample per line")
     encode.set_defaults(handler=cmd_encode)
 
     decode = sub.add_parser("decode", help="decode a latents file (from encode) to text")
-    decode.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    add_checkpoint_options(decode)
     decode.add_argument("latents", help="the .safetensors file written by encode")
     decode.set_defaults(handler=cmd_decode)
 
     interpolate = sub.add_parser(
         "interpolate", help="decode the latents on the straight line between two texts' latents"
     )
-    interpolate.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    add_checkpoint_options(interpolate)
     interpolate.add_argument("first", help="the text at 0")
     interpolate.add_argument("second", help="the text at 1")
     interpolate.add_argument("--steps", type=int, default=5, help="points on the line, endpoints included")
     interpolate.set_defaults(handler=cmd_interpolate)
 
     evaluate = sub.add_parser("evaluate", help="loss, token accuracy, exact match and BLEU of a checkpoint")
-    evaluate.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    add_checkpoint_options(evaluate)
     evaluate.add_argument(
         "--data",
         default=None,

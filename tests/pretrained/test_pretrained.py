@@ -1,6 +1,7 @@
 """Sharing a model the Hugging Face way: save_pretrained from TP=2 (real gloo ranks), from_pretrained
 in one process and at TP=2, from a local directory and from a hub id in the cache, the model card's
-metadata read back by huggingface_hub, and the offline hub as one line from the CLI."""
+metadata read back by huggingface_hub, the offline hub as one line from the CLI, and a directory
+whose manifest names a GPT-2 or tokenizer outside it refused in one line."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.pretrained import BUNDLED_CORPUS, TrainingRecord
 from tests.helpers.distributed import DistributedPool
+from tests.helpers.in_process_cli import run_main
+from tests.helpers.self_contained import (
+    OUTSIDE,
+    assert_refused_by_api,
+    assert_refused_by_cli,
+    edited_copy,
+    guard_outside_reads,
+    reconstructs,
+    tiny_autoencoder,
+)
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]
 SEED = 5
@@ -284,3 +295,45 @@ def test_push_to_hub_offline_is_one_error_and_leaves_no_scratch(monkeypatch):
     ):
         build().push_to_hub("test-org/new")
     assert sorted(Path(tempfile.gettempdir()).glob("parallel-latent-push-*")) == scratch
+
+
+# A save-pretrained directory loads from itself alone (tests/helpers/self_contained.py).
+@pytest.fixture(scope="module")
+def own_pretrained(tmp_path_factory):
+    """A save-pretrained directory with its training config, as `parallel-latent save-pretrained RUN` writes it."""
+    autoencoder, cfg = tiny_autoencoder()
+    record = TrainingRecord(config_to_dict(cfg), steps=7, evaluation=EVALUATION)
+    return autoencoder.save_pretrained(tmp_path_factory.mktemp("own") / "pretrained", record=record), autoencoder
+
+
+@pytest.mark.parametrize("edit", list(OUTSIDE))
+def test_a_manifest_naming_something_outside_is_refused_in_one_line(own_pretrained, edit, tmp_path, monkeypatch):
+    """A GPT-2 whose shape only a path or hub id knows, or a tokenizer named outside once its own
+    files are gone: one line naming manifest.json and the key, exit status 2, nothing tried."""
+    checkpoint = edited_copy(own_pretrained[0], tmp_path / "copy", "", edit)
+    guard_outside_reads(monkeypatch, checkpoint)
+    assert_refused_by_cli(checkpoint, checkpoint / "manifest.json", OUTSIDE[edit][1])
+    assert_refused_by_api(checkpoint, checkpoint / "manifest.json", OUTSIDE[edit][1])
+
+
+def test_its_own_files_load_whatever_its_record_names(own_pretrained, tmp_path, monkeypatch):
+    """The recorded GPT-2 and the saved tokenizer, read from the directory alone, though the record
+    says they first came from a hub id."""
+    directory, autoencoder = own_pretrained
+    edits = ("feature-model-hub-id", "tokenizer-hub-id")
+    checkpoint = edited_copy(directory, tmp_path / "copy", "", *edits, keep_shape=True, keep_tokenizer=True)
+    reconstructs(directory, autoencoder)
+    allowed = guard_outside_reads(monkeypatch, checkpoint)
+    reconstructs(checkpoint, autoencoder)
+    assert allowed == [str(checkpoint)]
+
+
+def test_save_pretrained_stores_a_tokenizer_given_on_the_command_line(own_pretrained, tmp_path, monkeypatch):
+    """The way out for a checkpoint without its tokenizer: save-pretrained --tokenizer writes its
+    files, and the new directory then loads from itself."""
+    directory, autoencoder = own_pretrained
+    checkpoint = edited_copy(directory, tmp_path / "copy", "", "tokenizer-path")
+    argv = ["save-pretrained", "--no-evaluate", "--tokenizer", "offline", str(checkpoint), str(tmp_path / "out")]
+    assert run_main(argv).returncode == 0
+    guard_outside_reads(monkeypatch, tmp_path / "out")
+    reconstructs(tmp_path / "out", autoencoder)
