@@ -32,7 +32,7 @@ from pathlib import Path
 from parallel_latent.errors import PROG, ExitStatus, PeerFailure, error_line, failure_reason, one_line
 
 from .cluster import environment_rank
-from .worker_logs import WORKER_LOGS_ENV, rank_log
+from .worker_logs import INTERRUPTED_MARKER, WORKER_LOGS_ENV, rank_log
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 RECORD_KEY = "parallel_latent"  # our entry in torchrun's error file, beside its "message"
@@ -160,6 +160,8 @@ def failure_lines(rank: int, failure, record: dict | None, log_dir: Path) -> tup
         return lines, exit_code
     if failure.exitcode == -signal.SIGTERM:  # every rank's: the job was stopped from outside (a Ctrl-C
         # forwarded by `train --nproc`, the cluster) during start-up, when a signal has its usual effect
+        if (log_dir / INTERRUPTED_MARKER).exists():  # the terminal's Ctrl-C: as Ctrl-C ends any command
+            return [error_line("interrupted")], ExitStatus.INTERRUPTED
         line = error_line("stopped by SIGTERM during start-up, before the first step (nothing to save)")
         return [line], 128 + signal.SIGTERM
     if failure.exitcode == -signal.SIGKILL:

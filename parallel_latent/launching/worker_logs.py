@@ -26,6 +26,9 @@ from pathlib import Path
 from .cluster import environment_rank
 
 WORKER_LOGS_ENV = "PARALLEL_LATENT_WORKER_LOGS"
+# Left in the launch's log directory by the launcher before it forwards a terminal's Ctrl-C to the
+# ranks: ranks that its SIGTERM ends (during start-up) were interrupted by the user, not stopped by a cluster.
+INTERRUPTED_MARKER = "interrupted"
 
 # (message regex, category): raised by DeepSpeed's ZeRO collectives on torch >= 2.13, once per call
 # site per rank; nothing a user of this package can change.
@@ -35,6 +38,7 @@ UNACTIONABLE_WARNINGS = [
 ]
 
 __all__ = [
+    "INTERRUPTED_MARKER",
     "UNACTIONABLE_WARNINGS",
     "WORKER_LOGS_ENV",
     "close_worker_logs",

@@ -6,12 +6,24 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from parallel_latent.errors import PROG
 from tests.helpers.in_process_cli import run_main
-from tests.helpers.trainer_runs import REPO, describe, run, torchrun_command, train_args
+from tests.helpers.trainer_runs import (
+    REPO,
+    cli_command,
+    describe,
+    rank_env,
+    rank_pids,
+    run,
+    torchrun_command,
+    train_args,
+)
 
 DP2 = ["parallel.tensor_parallel=1", "parallel.zero_stage=2"]  # DeepSpeed's ZeRO collectives at DP > 1
 FAULTS = str(REPO / "tests" / "helpers" / "worker_faults")
@@ -113,6 +125,41 @@ def test_a_failed_preparation_ends_every_rank_with_the_preparing_rank_s_line(tmp
         ), records
 
 
+@pytest.mark.slow
+def test_ctrl_c_during_start_up_says_interrupted_and_exits_130(tmp_path):
+    """Rank 1 never joins, so the job stays in its start-up, where a signal has its usual effect: the
+    terminal's Ctrl-C, which the launcher forwards to the ranks as SIGTERM, ends the job as Ctrl-C ends
+    any command (one line, 130), not as a stop by the cluster (143)."""
+    job = subprocess.Popen(
+        cli_command(tmp_path / "run", "training.hang_long_phase_s=300", nproc=2),
+        cwd=REPO,
+        env=rank_env(fault_env("hang", rank=1, step=0)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300  # only a hang: the ranks start within seconds
+        while len([pid for pid in rank_pids(job.pid) if b"launching.agent" not in _cmdline(pid)]) < 2:
+            assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [f"{PROG}: error: interrupted"], stderr
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_a_rank_that_stops_for_another_rank_s_failure_reports_that_rank_and_reason(tmp_path, monkeypatch):
     """Rank 0 stops because rank 1 failed (a failure every rank learns of from a collective): its
     record carries rank 1 and rank 1's reason, so the job's line is the same whichever of the two
@@ -143,14 +190,19 @@ def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_st
     and only during start-up, when the signal has its usual effect: one line, and the shell's 143."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from parallel_latent.errors import PROG
+    from parallel_latent.errors import PROG, ExitStatus
     from parallel_latent.launching.agent import _root_cause
     from parallel_latent.launching.reports import failure_lines
+    from parallel_latent.launching.worker_logs import INTERRUPTED_MARKER
 
     stopped = {rank: ProcessFailure(rank, 1000 + rank, -signal.SIGTERM, str(tmp_path / "none")) for rank in (0, 1)}
     lines, status = failure_lines(*_root_cause(ChildFailedError("train", stopped)), tmp_path)
     assert lines == [f"{PROG}: error: stopped by SIGTERM during start-up, before the first step (nothing to save)"]
     assert status == 128 + signal.SIGTERM
+    (tmp_path / INTERRUPTED_MARKER).touch()  # the SIGTERM was a terminal's Ctrl-C, forwarded by the launcher
+    lines, status = failure_lines(*_root_cause(ChildFailedError("train", stopped)), tmp_path)
+    assert lines == [f"{PROG}: error: interrupted"] and status == ExitStatus.INTERRUPTED
+    (tmp_path / INTERRUPTED_MARKER).unlink()
     killed = {**stopped, 1: ProcessFailure(1, 1001, -signal.SIGKILL, str(tmp_path / "none"))}
     lines, status = failure_lines(*_root_cause(ChildFailedError("train", killed)), tmp_path)
     assert lines == [f"{PROG}: error: rank 1 was killed by SIGKILL (out of memory?)"] and status == 128 + signal.SIGKILL
