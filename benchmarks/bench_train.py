@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
+from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run, started_trainer
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = [
@@ -75,12 +75,9 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
     from parallel_latent.data import ShardedBatchSampler, get_batch
     from parallel_latent.model import build_model
     from parallel_latent.training.engine import build_lr_scheduler, build_optimizer
-    from parallel_latent.training.startup import start_run
-    from parallel_latent.training.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as run_dir:
-        cfg = load([*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"], run_dir)
-        trainer = Trainer(start_run(cfg, source="bench"))
+    overrides = [*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"]
+    with tempfile.TemporaryDirectory() as run_dir, started_trainer(load(overrides, run_dir)) as trainer:
         cfg = trainer.cfg  # with the tokenizer's facts
         device = trainer.device
 
@@ -132,7 +129,6 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
         # --quick: this trainer is the fp32 TP1xDP1 memory run's (ZeRO-2, TP=1, one rank, the same
         # overrides), so it measures that run's tensors here instead of a torchrun of its own.
         memory = measure_engine_memory(trainer) if measure_memory and cfg.training.precision == "fp32" else None
-        trainer.logger.close()
     return {
         "samples": samples,
         "plain_optimizer_share": statistics.median(optimizer_times) / samples.median("plain"),
@@ -202,19 +198,14 @@ def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
     import torch.distributed as dist
 
-    from parallel_latent.training.startup import start_run
-    from parallel_latent.training.trainer import Trainer
-
-    cfg = load(overrides, run_dir)
-    trainer = Trainer(start_run(cfg, source="bench"))
-    numbers = measure_engine_memory(trainer)
-    trainer.logger.close()
-    numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
-    gathered = [None] * trainer.state.world_size
-    dist.all_gather_object(gathered, numbers)
-    if trainer.state.rank == 0:
-        Path(output).write_text(json.dumps(gathered))
-    dist.barrier()
+    with started_trainer(load(overrides, run_dir)) as trainer:
+        numbers = measure_engine_memory(trainer)
+        numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
+        gathered = [None] * trainer.state.world_size
+        dist.all_gather_object(gathered, numbers)
+        if trainer.state.rank == 0:
+            Path(output).write_text(json.dumps(gathered))
+        dist.barrier()
 
 
 def _has_cuda() -> bool:

@@ -17,6 +17,7 @@ that can repeat more does, up to its limit, then says "unstable").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -235,6 +236,24 @@ class Report:
         path = Path(self.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def started_trainer(cfg, source: str = "bench"):
+    """A trainer of a run of ``cfg`` started in this process (every rank of a job calls it), ended
+    as the command line's ranks end: closed, its watchdog stopped and the process groups torn down
+    before the interpreter exits (gloo's threads left to the interpreter's exit can abort it)."""
+    from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.training.startup import start_run
+    from parallel_latent.training.trainer import Trainer
+
+    trainer = Trainer(start_run(cfg, source=source))
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+        trainer.job.release()
+        destroy_distributed()
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

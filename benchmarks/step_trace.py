@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from common import REPO
+from common import REPO, started_trainer
 
 # Operators that launch nothing: allocation, metadata, aliasing.
 NO_KERNEL = {
@@ -450,17 +450,9 @@ def real_step(overrides: list[str], config: Path = REPO / "configs" / "gpt2.yaml
     """:func:`traced_train_step` of a trainer of ``config`` with ``overrides``, in this process."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
-    from parallel_latent.parallel import destroy_distributed
-    from parallel_latent.training.startup import start_run
-    from parallel_latent.training.trainer import Trainer
 
-    trainer = Trainer(start_run(load_config(config, overrides)))
-    try:
+    with started_trainer(load_config(config, overrides), source=str(config)) as trainer:
         return traced_train_step(trainer)
-    finally:
-        trainer.close()
-        trainer.job.release()
-        destroy_distributed()
 
 
 def _rank_task(rank: int, world: int, port: int, scratch: str, quick: bool, results) -> None:
