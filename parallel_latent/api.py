@@ -44,15 +44,16 @@ from parallel_latent.launching.reports import report_hang
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.from_record import feature_config_from_record, tokenizer_from_record
+from parallel_latent.model.from_record import feature_config_from_record, recorded_feature_model, tokenizer_from_record
 from parallel_latent.parallel import device_kind
 from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
 __all__ = ["Latents", "TextAutoencoder", "encode_corpus", "load_autoencoder", "load_checkpoint_tokenizer"]
 
 
-def autoencoder_configs(directory: Path, manifest: dict) -> tuple[ModelConfig, FeatureModelConfig, int]:
-    """(model config, feature model config, seed) of the portable ``directory`` whose manifest is
+def autoencoder_configs(directory: Path, manifest: dict) -> tuple[ModelConfig, FeatureModelConfig, int, dict | None]:
+    """(model config, feature model config, seed, the feature model's recorded transformers config)
+    of the portable ``directory`` whose manifest is
     ``manifest``, from the manifest alone: one line naming the manifest and the key when it is not
     an autoencoder's, or when its feature model could only come from outside the directory."""
     if not manifest.get("model_config") or not manifest.get("feature_model_config"):
@@ -61,13 +62,13 @@ def autoencoder_configs(directory: Path, manifest: dict) -> tuple[ModelConfig, F
     model_cfg = build_dataclass(ModelConfig, ModelConfig.saved(manifest["model_config"]), source, "model_config")
     feature_cfg = feature_config_from_record(manifest, source)
     seed = ((manifest.get("config") or {}).get("training") or {}).get("seed", 1234)
-    return model_cfg, feature_cfg, seed
+    return model_cfg, feature_cfg, seed, recorded_feature_model(manifest, source)
 
 
 def _build_and_load(directory: Path, configs: tuple, tp_group, verify_checksums: bool) -> LatentAutoencoder:
-    model_cfg, feature_cfg, seed = configs
+    model_cfg, feature_cfg, seed, recorded = configs
     with random_features_unannounced():  # every weight is loaded next: the warning does not apply
-        model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed)
+        model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=tp_group, seed=seed, recorded_feature_model=recorded)
     load_portable(directory, model, tp_group, verify_checksums=verify_checksums)
     return model.eval()
 

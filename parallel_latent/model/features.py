@@ -1,45 +1,50 @@
-"""The feature model: GPT-2, truncated to the blocks that hidden state -3 needs.
+"""The feature model: a decoder of one of :mod:`.families`, cut to the layers one hidden state needs.
 
-``output_hidden_states`` of an ``n_layer`` GPT-2 has ``n_layer + 1`` entries (the embeddings, then
-each block's output, the last one with the final LayerNorm applied). Entry -3 is therefore the output
-of block ``n_layer - 3`` (0-based): the raw residual stream after the first ``n_layer - 2`` blocks.
-We keep exactly those blocks, delete the rest (their weights are never held) and replace ``ln_f``
-by the identity, so ``last_hidden_state`` *is* hidden state -3.
+The features are ``hidden_states[feature_model.hidden_state]`` of the full decoder (-3 by default,
+the seeds' choice: the raw residual stream after all but the last two layers). Only the layers that
+entry needs are held (the rest are never loaded, or deleted after a random build), and the final
+norm is replaced by the identity unless the last entry is asked for, so that the cut decoder's
+output *is* that hidden state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator
 
 import torch
+import transformers
 from torch import nn
-from transformers import GPT2Config, GPT2Model
+from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.activations import ACT2FN
 
-from parallel_latent.config import FeatureModelConfig
+from parallel_latent.config import ConfigError, FeatureModelConfig
+
+from .families import FAMILIES, Family, family_of, held_layers, load_config
+from .tokenizer import OFFLINE
 
 logger = logging.getLogger(__name__)
 
-HIDDEN_STATE_INDEX = -3
-GPT2_EOS_ID = 50256
-# GPT-2's own dropout draws from torch's stateful RNG, which differs across TP ranks and would make
-# a trainable feature model drift apart across them; our model's dropout lives in the Perceiver.
-NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+GPT2 = "gpt2"
+# What a GPT-2 record has always held; other families add their family name and transformers config.
+GPT2_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "n_positions")
+HIDDEN_STATE_KEY = "feature_model.hidden_state"
 
 
 def random_features_notice(feature_cfg: FeatureModelConfig) -> str:
+    kv = f", {feature_cfg.n_kv_head} kv heads" if feature_cfg.n_kv_head else ""
     return (
-        f"feature_model.pretrained is false: the GPT-2 features are RANDOM (a {feature_cfg.n_layer}-layer, "
-        f"{feature_cfg.n_embd}-wide GPT-2 built from its config; the weights of {feature_cfg.name_or_path} "
-        "are not loaded)"
+        f"feature_model.pretrained is false: the features are RANDOM (a {feature_cfg.n_layer}-layer, "
+        f"{feature_cfg.n_embd}-wide {feature_cfg.architecture} decoder{kv} built from its config; the weights of "
+        f"{feature_cfg.name_or_path} are not loaded)"
     )
 
 
 @contextlib.contextmanager
 def random_features_unannounced() -> Iterator[None]:
-    """Inside the block a random GPT-2 is built without the warning: for callers that say it once
+    """Inside the block a random decoder is built without the warning: for callers that say it once
     themselves (the trainer's banner), or to whom it does not apply (weights loaded afterwards)."""
     previous = logger.level
     logger.setLevel(logging.ERROR)
@@ -49,31 +54,83 @@ def random_features_unannounced() -> Iterator[None]:
         logger.setLevel(previous)
 
 
-def load_gpt2(feature_cfg: FeatureModelConfig, vocab_size: int) -> GPT2Model:
-    """GPT-2 by name or local path (``pretrained``), else built from the config with random weights
-    (and a warning); either way its token table resized to ``vocab_size``. Uses (and advances) the
-    global torch RNG."""
-    if feature_cfg.pretrained:
-        gpt2 = GPT2Model.from_pretrained(feature_cfg.name_or_path, dtype=torch.float32, **NO_DROPOUT)
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """A cut decoder loads without the layers after it and without an LM head: transformers' notes
+    on those unused weights, and its progress bar over a few tensors, say nothing the user needs."""
+    previous, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+        if bars:
+            transformers.logging.enable_progress_bar()
+
+
+def _runnable(config: PretrainedConfig, family: Family, layers: int) -> PretrainedConfig:
+    """``config`` for the cut decoder: ``layers`` layers, no dropout, SDPA attention."""
+    config = copy.deepcopy(config)
+    setattr(config, family.layers_key, layers)
+    for key, value in family.no_dropout.items():
+        setattr(config, key, value)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _decoder_from_config(config: PretrainedConfig) -> nn.Module:
+    return AutoModel.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+class BuiltDecoder:
+    """A decoder as loaded or built, before it is cut: the module, its family, its uncut config."""
+
+    def __init__(self, decoder: nn.Module, family: Family, config: PretrainedConfig):
+        self.decoder, self.family, self.config = decoder, family, config
+
+
+def load_decoder(feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None) -> BuiltDecoder:
+    """The decoder of ``feature_cfg``, its token table resized to ``vocab_size``, holding at most the
+    layers its hidden state needs (more only for a random build, cut by :func:`cut_to_hidden_state`):
+
+    - ``recorded`` (a checkpoint's transformers config): built from it, random weights the checkpoint
+      overwrites; no path or hub is read;
+    - ``pretrained``: by hub name or local directory, only the needed layers read;
+    - else random weights from the ``architecture`` and ``n_*`` keys (the whole decoder is built, so
+      that its weights are those of the full random model's first layers), with a warning.
+
+    Uses (and advances) the global torch RNG."""
+    if recorded is not None:
+        config = AutoConfig.for_model(**recorded)
+        family = family_of(config, "the recorded feature model")
+        keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
+        decoder = _decoder_from_config(_runnable(config, family, keep))
+    elif feature_cfg.pretrained:
+        config = load_config(feature_cfg.name_or_path)
+        family = family_of(config, f"feature_model.name_or_path={feature_cfg.name_or_path}")
+        keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
+        with _transformers_quiet():
+            decoder = AutoModel.from_pretrained(
+                feature_cfg.name_or_path, config=_runnable(config, family, keep), dtype=torch.float32,
+                attn_implementation="sdpa",
+            )  # fmt: skip
     else:
         logger.warning("%s", random_features_notice(feature_cfg))
-        eos = GPT2_EOS_ID if vocab_size > GPT2_EOS_ID else None  # keeps transformers' checks quiet
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_layer=feature_cfg.n_layer,
-            n_head=feature_cfg.n_head,
-            n_embd=feature_cfg.n_embd,
-            n_positions=feature_cfg.n_positions,
-            bos_token_id=eos,
-            eos_token_id=eos,
-            **NO_DROPOUT,
-        )
-        gpt2 = GPT2Model(config)
-    gpt2.resize_token_embeddings(vocab_size)
-    return gpt2
+        family = FAMILIES[feature_cfg.architecture]
+        config = family.random_config(
+            vocab_size, feature_cfg.n_layer, feature_cfg.n_head, feature_cfg.n_embd, feature_cfg.n_positions,
+            feature_cfg.n_kv_head,
+        )  # fmt: skip
+        decoder = _decoder_from_config(_runnable(config, family, family.depth(config)))
+    with _transformers_quiet():  # its note on how the new rows are drawn
+        decoder.resize_token_embeddings(vocab_size)
+    config = copy.deepcopy(config)
+    config.vocab_size = vocab_size
+    return BuiltDecoder(decoder, family, config)
 
 
-def use_fused_tanh_gelu(gpt2: GPT2Model) -> GPT2Model:
+def use_fused_tanh_gelu(gpt2: nn.Module) -> nn.Module:
     """GPT-2's ``gelu_new`` is the tanh approximation written as 8 elementwise kernels over [B, T,
     4f]; ``gelu_pytorch_tanh`` is the same function in one kernel (the results differ by rounding)."""
     if gpt2.config.activation_function == "gelu_new":
@@ -83,73 +140,111 @@ def use_fused_tanh_gelu(gpt2: GPT2Model) -> GPT2Model:
     return gpt2
 
 
-def truncate_to_hidden_state(gpt2: GPT2Model, index: int = HIDDEN_STATE_INDEX) -> GPT2Model:
-    """Cut ``gpt2`` in place so that its ``last_hidden_state`` equals ``hidden_states[index]`` of the
-    full model (index < -1: the final LayerNorm is applied only to the last entry)."""
-    n_layer = len(gpt2.h)
-    keep = n_layer + 1 + index  # hidden_states[i] is the output of the first i blocks
-    if not 0 <= keep < n_layer:
-        raise ValueError(f"hidden state {index} does not exist in a {n_layer}-layer GPT-2")
-    del gpt2.h[keep:]
-    gpt2.ln_f = nn.Identity()
-    gpt2.config.n_layer = keep  # keeps caches and repr consistent with the blocks that exist
-    return gpt2
+def truncate_to_hidden_state(decoder: nn.Module, index: int, depth: int | None = None) -> nn.Module:
+    """Cut ``decoder`` (a base model of one of the families) in place so that its layers' output
+    equals ``hidden_states[index]`` of the full ``depth``-layer model (by default: as many layers as
+    it holds): the layers after it deleted, the final norm the identity unless ``index`` is the last."""
+    family = family_of(decoder.config, "the feature model")
+    layers = getattr(decoder, family.layers)
+    depth = len(layers) if depth is None else depth
+    keep = held_layers(depth, index, family, HIDDEN_STATE_KEY)
+    del layers[keep:]
+    if keep < depth:
+        setattr(decoder, family.final_norm, nn.Identity())
+    setattr(decoder.config, family.layers_key, len(layers))  # keeps caches and repr consistent
+    return decoder
+
+
+def refuse_foreign_tokenizer(feature_cfg: FeatureModelConfig, tokenizer_name: str) -> None:
+    """One line, before any weight is read, when a pretrained decoder of another family than GPT-2
+    would read the offline GPT-2 BPE's ids: they index another vocabulary than it was trained on."""
+    if not feature_cfg.pretrained or tokenizer_name != OFFLINE:
+        return
+    where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
+    family = family_of(load_config(feature_cfg.name_or_path), where)
+    if family.name != GPT2:
+        raise ConfigError(
+            f"{where} is a {family.title} decoder but tokenizer.name_or_path={OFFLINE} is GPT-2's BPE: set "
+            "tokenizer.name_or_path=feature_model (its own tokenizer)"
+        )
 
 
 class FeatureModel(nn.Module):
-    """GPT-2 features [B, T, n_embd] of ``input_ids`` (hidden state -3).
+    """Features [B, T, width] of ``input_ids``: hidden state ``feature_model.hidden_state`` of the
+    decoder. The decoder is registered under its family's name (``gpt2``, ``gpt_neox``, ``llama``),
+    so checkpoint keys say which it is.
 
     Frozen (the default): no parameter trains, the module stays in eval mode whatever the parent
     does, and the forward builds no autograd graph. Otherwise it trains like any replicated module.
+    ``recorded``: a checkpoint's transformers config to rebuild the decoder from (no hub, no path).
     """
 
-    def __init__(self, feature_cfg: FeatureModelConfig, vocab_size: int):
+    def __init__(self, feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None):
         super().__init__()
         self.frozen = feature_cfg.frozen
-        gpt2 = load_gpt2(feature_cfg, vocab_size)
-        self.gpt2 = use_fused_tanh_gelu(truncate_to_hidden_state(gpt2))
+        self.hidden_state = feature_cfg.hidden_state
+        built = load_decoder(feature_cfg, vocab_size, recorded)
+        self.family, self.decoder_config = built.family, built.config
+        decoder = truncate_to_hidden_state(built.decoder, self.hidden_state, built.family.depth(built.config))
+        self.add_module(self.family.name, use_fused_tanh_gelu(decoder) if self.family.name == GPT2 else decoder)
         if self.frozen:
-            self.gpt2.requires_grad_(False)
+            self.requires_grad_(False)
             self.eval()
 
     @property
+    def decoder(self) -> nn.Module:
+        return getattr(self, self.family.name)
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return getattr(self.decoder, self.family.embedding)
+
+    @property
     def token_table(self) -> torch.Tensor:
-        return self.gpt2.wte.weight
+        return self.token_embedding.weight
 
     @property
     def width(self) -> int:
-        return self.gpt2.config.n_embd
+        return getattr(self.decoder_config, self.family.width_key)
+
+    @property
+    def positions(self) -> int:
+        """The longest sequence its positions cover."""
+        return getattr(self.decoder_config, self.family.positions_key)
 
     @property
     def blocks(self) -> int:
-        """GPT-2 blocks that run (n_layer - 2 of the loaded model)."""
-        return len(self.gpt2.h)
+        """Layers that run (for hidden state -3: n_layer - 2 of the loaded model)."""
+        return len(getattr(self.decoder, self.family.layers))
 
-    def architecture(self) -> dict[str, int]:
-        """The shape of the GPT-2 these features come from (also when it came from a hub name or
-        a path), so that it can be rebuilt from its config without them. The held GPT-2 was cut to
-        its first n_layer - 2 blocks; the uncut depth is recorded."""
-        config = self.gpt2.config
-        return {
-            "n_layer": len(self.gpt2.h) - 1 - HIDDEN_STATE_INDEX,
-            "n_head": config.n_head,
-            "n_embd": config.n_embd,
-            "n_positions": config.n_positions,
+    @property
+    def matmul_weights(self) -> int:
+        """Weights of the matrix products in the layers that run (a token's forward is 2 FLOPs each)."""
+        return sum(p.numel() for p in getattr(self.decoder, self.family.layers).parameters() if p.dim() == 2)
+
+    def architecture(self) -> dict:
+        """What rebuilds this decoder without the hub or a path: a GPT-2's shape (``n_*``; its uncut
+        depth), any other family's name and whole transformers config (uncut, vocabulary resized)."""
+        config, family = self.decoder_config, self.family
+        shape = {
+            "n_layer": family.depth(config),
+            "n_head": getattr(config, family.heads_key),
+            "n_embd": self.width,
+            "n_positions": self.positions,
         }
+        if family.name == GPT2:
+            return shape
+        return {"architecture": family.name, **shape, "transformers_config": config.to_dict()}
 
     def train(self, mode: bool = True) -> FeatureModel:
         return super().train(mode and not self.frozen)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Features of right-padded ``input_ids``. GPT-2 is causal, so a real token never attends
-        to the padding after it: the padding mask changes only the features at pad positions,
-        which the encoder masks out. The blocks therefore run without a mask: attention is SDPA
-        with ``is_causal``, free to pick its fastest (flash) kernel, and nothing derives a mask from
-        the inputs (transformers' mask preparation reads the device on the host)."""
-        gpt2 = self.gpt2
+        """Features of right-padded ``input_ids``. ``attention_mask`` is not needed: the decoder is
+        causal (see :meth:`.families.Family.run_layers`)."""
+        decoder, family = self.decoder, self.family
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            hidden = gpt2.drop(gpt2.wte(input_ids) + gpt2.wpe(positions))
-            for block in gpt2.h:
-                hidden = block(hidden)
-            return gpt2.ln_f(hidden)  # the identity after truncation
+            hidden = family.embed(decoder, input_ids, positions)
+            hidden = family.run_layers(decoder, hidden, positions)
+            return getattr(decoder, family.final_norm)(hidden)  # the identity unless the last state

@@ -1,15 +1,16 @@
 """A saved autoencoder's feature model and tokenizer, rebuilt from its checkpoint alone.
 
 A checkpoint (portable, training or save-pretrained directory) holds every weight of the model, the
-frozen GPT-2's included, and its record (``LatentAutoencoder.checkpoint_record``): the GPT-2's shape
-(``feature_model_architecture``), the tokenizer's facts, and the training config. The record also
-says where the GPT-2 and the tokenizer were first loaded from (``feature_model_config.name_or_path``
-with ``pretrained: true``, ``config.tokenizer.name_or_path``): a hub id or a path on the machine
-that trained it. That is history, not an instruction. A checkpoint received from someone else must
-load from itself alone, so nothing here opens what a record names: the GPT-2 is built from its
-recorded shape (its weights come from the checkpoint's files), and the tokenizer comes from files
-saved in the directory or is the built-in offline GPT-2 BPE. What cannot be had that way is refused
-in one line naming the manifest and the key, before anything outside the directory is read; only a
+frozen feature model's included, and its record (``LatentAutoencoder.checkpoint_record``): that
+decoder's family and shape (``feature_model_architecture``), the tokenizer's facts, and the training
+config. The record also says where the decoder and the tokenizer were first loaded from
+(``feature_model_config.name_or_path`` with ``pretrained: true``,
+``config.tokenizer.name_or_path``): a hub id or a path on the machine that trained it. That is
+history, not an instruction. A checkpoint received from someone else must load from itself alone, so
+nothing here opens what a record names: the decoder is built from its recorded shape or transformers
+config (its weights come from the checkpoint's files), and the tokenizer comes from files saved in
+the directory or is the built-in offline GPT-2 BPE. What cannot be had that way is refused in one
+line naming the manifest and the key, before anything outside the directory is read; only a
 tokenizer the caller names itself (``--tokenizer``, ``tokenizer=``) may come from a path or the hub.
 """
 
@@ -23,41 +24,65 @@ from parallel_latent.errors import BadInput, CheckpointError, first_line
 
 from .tokenizer import OFFLINE, TOKENIZER_CONFIG_FILE, load_saved_tokenizer, load_tokenizer, tokenizer_facts
 
-__all__ = ["ARCHITECTURE_KEYS", "feature_config_from_record", "tokenizer_from_record"]
+__all__ = ["ARCHITECTURE_KEYS", "feature_config_from_record", "recorded_feature_model", "tokenizer_from_record"]
 
 ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "n_positions")
+# Other families than GPT-2 record their name and their whole transformers config besides the shape.
+FAMILY_KEY, TRANSFORMERS_CONFIG = "architecture", "transformers_config"
 ARCHITECTURE = "feature_model_architecture"
 
 
-def _recorded_shape(architecture, source: str) -> dict:
-    """The GPT-2 shape a record holds, each key checked (one line naming it)."""
+def _recorded_shape(architecture, source: str, hidden_state: int) -> dict:
+    """The decoder's shape (and family) a record holds, each key checked (one line naming it)."""
     if not isinstance(architecture, dict):
         raise CheckpointError(f"{source}: {ARCHITECTURE}: expected an object of {', '.join(ARCHITECTURE_KEYS)}")
-    if unknown := sorted(set(architecture) - set(ARCHITECTURE_KEYS)):
+    if unknown := sorted(set(architecture) - {*ARCHITECTURE_KEYS, FAMILY_KEY, TRANSFORMERS_CONFIG}):
         raise CheckpointError(f"{source}: {ARCHITECTURE}.{unknown[0]}: unknown key")
     if missing := [key for key in ARCHITECTURE_KEYS if key not in architecture]:
         raise CheckpointError(f"{source}: {ARCHITECTURE}.{missing[0]}: missing")
-    shape = build_dataclass(FeatureModelConfig, architecture, source, ARCHITECTURE)
-    check_section(shape, source, ARCHITECTURE)
-    return {key: getattr(shape, key) for key in ARCHITECTURE_KEYS}
+    family = architecture.get(FAMILY_KEY, "gpt2")
+    if family != "gpt2" and not isinstance(architecture.get(TRANSFORMERS_CONFIG), dict):
+        raise CheckpointError(f"{source}: {ARCHITECTURE}.{TRANSFORMERS_CONFIG}: missing (a {family} decoder)")
+    shape = {key: architecture[key] for key in (*ARCHITECTURE_KEYS, FAMILY_KEY) if key in architecture}
+    checked = build_dataclass(FeatureModelConfig, {**shape, "hidden_state": -1}, source, ARCHITECTURE)
+    check_section(checked, source, ARCHITECTURE)
+    depth = checked.n_layer
+    if not -(depth + 1) <= hidden_state <= depth:
+        raise CheckpointError(
+            f"{source}: {ARCHITECTURE}.n_layer={depth} has no hidden state {hidden_state} "
+            "(feature_model_config.hidden_state)"
+        )
+    return {key: getattr(checked, key) for key in shape}
+
+
+def recorded_feature_model(record: dict, source: str) -> dict | None:
+    """The transformers config ``record`` holds for its feature model (any family but GPT-2, whose
+    shape alone rebuilds it), or None; one line naming ``source`` when it is not one."""
+    architecture = record.get(ARCHITECTURE) or {}
+    config = architecture.get(TRANSFORMERS_CONFIG) if isinstance(architecture, dict) else None
+    if config is not None and not (isinstance(config, dict) and isinstance(config.get("model_type"), str)):
+        raise CheckpointError(f"{source}: {ARCHITECTURE}.{TRANSFORMERS_CONFIG}: expected a transformers config")
+    return config
 
 
 def feature_config_from_record(record: dict, source: str) -> FeatureModelConfig:
     """The feature model's config for rebuilding it from ``record`` (a manifest; ``source``: its
     path, for the errors): never ``pretrained``, so that building it reads no path and no hub.
 
-    With the recorded shape, a GPT-2 of that shape (whatever ``feature_model_config`` says it was
-    first loaded from: every weight is overwritten by the checkpoint's). Without it (a manifest
+    With the recorded shape, a decoder of that shape (whatever ``feature_model_config`` says it was
+    first loaded from: every weight is overwritten by the checkpoint's; a family other than GPT-2 is
+    rebuilt from its recorded transformers config, :func:`recorded_feature_model`). Without it (a manifest
     older than the shape, or edited), the ``n_*`` keys of a ``pretrained: false`` config; a
     ``pretrained: true`` one is refused: its shape (the attention heads) is known only to the model
     it names outside the checkpoint."""
     feature_cfg = build_dataclass(FeatureModelConfig, record["feature_model_config"], source, "feature_model_config")
     architecture = record.get(ARCHITECTURE)
     if architecture:
-        return dataclasses.replace(feature_cfg, pretrained=False, **_recorded_shape(architecture, source))
+        shape = _recorded_shape(architecture, source, feature_cfg.hidden_state)
+        return dataclasses.replace(feature_cfg, pretrained=False, **shape)
     if feature_cfg.pretrained:
         raise CheckpointError(
-            f"{source}: feature_model_config.pretrained is true and {ARCHITECTURE} is missing: the GPT-2's "
+            f"{source}: feature_model_config.pretrained is true and {ARCHITECTURE} is missing: the decoder's "
             f"shape is known only to {feature_cfg.name_or_path!r}, outside this checkpoint, which is not read; "
             f"add {ARCHITECTURE} ({', '.join(ARCHITECTURE_KEYS)}) to the manifest"
         )

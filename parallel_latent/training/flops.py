@@ -25,7 +25,7 @@ PEAK_FLOPS_ENV = "PARALLEL_LATENT_PEAK_FLOPS"
 
 
 def model_flops_per_sample(
-    cfg: Config, feature_blocks: int | None = None, feature_width: int | None = None
+    cfg: Config, feature_blocks: int | None = None, feature_width: int | None = None, feature_weights: int | None = None
 ) -> dict[str, float]:
     """Model FLOPs of one training sample (T positions), from the config.
 
@@ -34,13 +34,13 @@ def model_flops_per_sample(
     * a multiply-add is 2 FLOPs; only matrix products are counted (norms, GELU, softmax,
       dropout, the loss are noise at these widths);
     * training costs **3x the forward** for trainable parts (forward 2N, backward 4N per token:
-      the "6N" rule) and **1x the forward** for the frozen GPT-2, which runs without an autograd
+      the "6N" rule) and **1x the forward** for the frozen feature model, which runs without an autograd
       graph; activation recomputation is *not* counted (it is overhead, not model work);
     * padding positions are counted: the model computes on all T positions.
 
     Per sample, with d = model.d_model, T = model.max_length, r = model.mlp_ratio, V the
-    tokenizer's vocabulary, f = feature_model.n_embd, and n = feature_model.n_layer - 2 GPT-2
-    blocks actually run (hidden state -3):
+    tokenizer's vocabulary, f = feature_model.n_embd, and n = feature_model.n_layer - 2 layers of the
+    feature model actually run (hidden state -3):
 
     * one Perceiver block of Q queries over C context rows (keys/values: the context concatenated
       with the stream, C + Q): q and output projections 2 * 2*Q*d^2, k and v projections
@@ -54,11 +54,13 @@ def model_flops_per_sample(
     * the vocabulary head: 2 * T * d * V; the ``nearest`` head reads r = N * k / T features of the d
       and scores in r dimensions, 2 * T * d * r + 2 * T * r * V, against the codes of the whole table,
       computed once per micro-batch, 2 * V * d * r / micro_batch_size per sample;
-    * one GPT-2 block (width f, MLP ratio 4, causal attention counted in full):
-      24 * T * f^2 + 4 * T^2 * f.
+    * one feature-model layer of W matrix-product weights (width f, causal attention counted in
+      full): 2 * T * W + 4 * T^2 * f; a GPT-2 block (MLP ratio 4) has W = 12 f^2.
 
-    ``feature_blocks`` and ``feature_width`` are the GPT-2 actually loaded (a pretrained one has the
-    hub's widths, whatever the YAML says); by default ``n_layer - 2`` and ``n_embd`` of the config.
+    ``feature_blocks``, ``feature_width`` and ``feature_weights`` (W summed over the layers that run)
+    are those of the decoder actually loaded (a pretrained one has its own widths, a Llama its gated
+    MLP and grouped-query attention, whatever the YAML says); by default ``n_layer - 2``, ``n_embd``
+    and GPT-2's W of the config.
 
     ``train = 3 * trainable_forward + frozen_forward`` (if the feature model is configured
     trainable, it moves to the first term), less one forward of what reads the frozen token table
@@ -69,7 +71,8 @@ def model_flops_per_sample(
     d, t, r = model.d_model, model.max_length, model.mlp_ratio
     n, k = model.latent_count, model.latent_width
     f = feature.n_embd if feature_width is None else feature_width
-    gpt2_blocks = max(0, feature.n_layer - 2) if feature_blocks is None else feature_blocks
+    blocks = max(0, feature.n_layer - 2) if feature_blocks is None else feature_blocks
+    weights = blocks * 12 * f * f if feature_weights is None else feature_weights
     query_rows = t if model.dropout > 0 else 1 / max(1, cfg.training.micro_batch_size)
 
     def block_linear(queries: int, context: int) -> int:
@@ -84,8 +87,8 @@ def model_flops_per_sample(
         "query_mlp": float(4 * r * query_rows * d * d),
         "head": float(2 * t * d * model.vocab_size),
         "head_codes": 0.0,
-        "gpt2_linear": float(gpt2_blocks * 24 * t * f * f),
-        "gpt2_attention": float(gpt2_blocks * 4 * t * t * f),
+        "feature_linear": float(2 * t * weights),
+        "feature_attention": float(blocks * 4 * t * t * f),
     }
     head = getattr(model, "head", "normal")
     if head == "nearest":
@@ -94,12 +97,12 @@ def model_flops_per_sample(
         parts["head_codes"] = float(2 * model.vocab_size * d * rank / max(1, cfg.training.micro_batch_size))
     perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["bottleneck"]
     perceiver += parts["query_mlp"] + parts["head"] + parts["head_codes"]
-    gpt2 = parts["gpt2_linear"] + parts["gpt2_attention"]
+    features = parts["feature_linear"] + parts["feature_attention"]
     table_read = {"tied": parts["head"], "nearest": parts["head_codes"]}.get(head, 0.0) if feature.frozen else 0.0
     if feature.frozen:
-        trainable_forward, frozen_forward = perceiver, gpt2
+        trainable_forward, frozen_forward = perceiver, features
     else:
-        trainable_forward, frozen_forward = perceiver + gpt2, 0.0
+        trainable_forward, frozen_forward = perceiver + features, 0.0
     return {
         **parts,
         "trainable_forward": trainable_forward,

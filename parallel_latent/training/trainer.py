@@ -210,8 +210,9 @@ class Trainer:
         self.evaluator = Evaluator(evaluated_run(run))
         self.checkpointer = Checkpointer(run, self.state_dict, self.evaluator.latent_stats_at)
         self.nonfinite = NonFiniteWatch(self.cfg)
-        features = self.model.feature_model  # the GPT-2 that was loaded, not the YAML's widths
-        self.flops_per_sample = model_flops_per_sample(self.cfg, features.blocks, features.width)["train"]
+        features = self.model.feature_model  # the decoder that was loaded, not the YAML's widths
+        flops = model_flops_per_sample(self.cfg, features.blocks, features.width, features.matmul_weights)
+        self.flops_per_sample = flops["train"]
         self.peak_flops, self.peak_flops_source = peak_flops_per_device(run.device_kind, training.precision)
         self._resume()
         if self.is_main:

@@ -239,7 +239,29 @@ def test_generic_validator_optional_and_tuple_fields():
             {"model": {"vocab_size": 100}},
             "model.mask_token_id=50257 must be in [0, model.vocab_size=100)",
         ),
-        ({"feature_model": {"n_layer": 1}}, "feature_model.n_layer=1 must be >= 2"),
+        (
+            {"feature_model": {"n_layer": 1}},
+            "feature_model.n_layer=1 has no hidden state -3 (feature_model.hidden_state; a 1-layer decoder's are "
+            "0 to 1, or -2 to -1)",
+        ),
+        ({"feature_model": {"n_layer": 0}}, "feature_model.n_layer=0 must be >= 1"),
+        (
+            {"feature_model": {"hidden_state": 5}},
+            "feature_model.n_layer=4 has no hidden state 5 (feature_model.hidden_state; a 4-layer decoder's are "
+            "0 to 4, or -5 to -1)",
+        ),
+        (
+            {"feature_model": {"n_kv_head": 3}},
+            "feature_model.n_kv_head=3 is for architecture llama (grouped-query attention), not gpt2",
+        ),
+        (
+            {"feature_model": {"architecture": "llama", "n_kv_head": 3}},
+            "feature_model.n_kv_head=3 does not divide feature_model.n_head=4",
+        ),
+        (
+            {"feature_model": {"architecture": "bert"}},
+            "feature_model.architecture: 'bert' is not one of gpt2, gpt_neox, llama",
+        ),
         ({"model": {"num_latents": -1}}, "model.num_latents=-1 must be >= 0"),
         (
             {"model": {"max_length": 16, "num_latents": 17}},

@@ -210,13 +210,13 @@ def test_flop_formula_matches_the_real_models_forward_matmuls(head, head_rows, d
     with FlopCounterMode(display=False) as counter:
         model(ids, torch.ones_like(ids))
     parts = model_flops_per_sample(cfg)
-    linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * head_rows / 1000 + parts["gpt2_linear"]
+    linear = parts["perceiver_linear"] + parts["query_mlp"] + parts["head"] * head_rows / 1000 + parts["feature_linear"]
     linear += parts["bottleneck"] + parts["head_codes"]  # the nearest head's codes, once per micro-batch of 3
     assert counter.get_total_flops() / batch == pytest.approx(linear, rel=1e-6)
     # What reads the frozen table computes no gradient for it: its backward is one forward's work.
     table_read = {"tied": parts["head"], "nearest": parts["head_codes"]}.get(head, 0.0)
     assert parts["train"] == 3 * parts["trainable_forward"] + parts["frozen_forward"] - table_read
-    assert parts["frozen_forward"] == parts["gpt2_linear"] + parts["gpt2_attention"]
+    assert parts["frozen_forward"] == parts["feature_linear"] + parts["feature_attention"]
 
 
 def test_flops_count_the_loaded_gpt2_not_the_yaml(tmp_path):
@@ -235,11 +235,11 @@ def test_flops_count_the_loaded_gpt2_not_the_yaml(tmp_path):
     features = model.feature_model
     assert (features.blocks, features.width) == (5, 32)
     loaded = model_flops_per_sample(cfg, features.blocks, features.width)
-    assert loaded["gpt2_linear"] == 5 / 2 * model_flops_per_sample(cfg)["gpt2_linear"]
+    assert loaded["feature_linear"] == 5 / 2 * model_flops_per_sample(cfg)["feature_linear"]
     ids = torch.randint(0, 990, (2, 8))
     with FlopCounterMode(display=False) as counter:
         features(ids, torch.ones_like(ids))
-    assert counter.get_total_flops() / 2 == pytest.approx(loaded["gpt2_linear"], rel=1e-6)
+    assert counter.get_total_flops() / 2 == pytest.approx(loaded["feature_linear"], rel=1e-6)
 
 
 def test_flops_trainable_feature_model_costs_backward_too():

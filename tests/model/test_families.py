@@ -1,0 +1,240 @@
+"""Any decoder family as the feature model: tiny GPT-2, GPT-NeoX and Llama decoders saved as the hub
+ships them (tests/helpers/decoders.py), their features against transformers' own hidden states, only
+the layers a hidden state needs held, their own tokenizer, random builds from a few keys, a bad
+choice in one line, and a checkpoint that rebuilds each family from its record alone, in one process
+and at TP=4."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModel, BertConfig, OPTConfig, T5Config
+
+from parallel_latent.api import load_autoencoder
+from parallel_latent.checkpoint import save_portable
+from parallel_latent.config import (
+    Config,
+    ConfigError,
+    FeatureModelConfig,
+    TokenizerConfig,
+    config_from_dict,
+)
+from parallel_latent.model import FeatureModel, LatentAutoencoder, build_model
+from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.parallel import initialize_model_parallel
+from tests.helpers.checkpoint_stack import gathered_state
+from tests.helpers.decoders import FAMILIES, LAYERS, WIDTH, reduction_length, save_tiny_decoder, small_tokenizer
+from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
+
+T = 12
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{family: directory} of tiny decoders sharing one small tokenizer."""
+    tokenizer = small_tokenizer()
+    root = tmp_path_factory.mktemp("decoders")
+    return {family: save_tiny_decoder(root / family, family, tokenizer) for family in FAMILIES}
+
+
+def loaded(directory, **keys) -> FeatureModelConfig:
+    return FeatureModelConfig(name_or_path=str(directory), pretrained=True, **keys)
+
+
+def padded_batch(vocab: int):
+    ids = torch.randint(0, vocab, (3, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("index", [-1, -2, -3, 1])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_features_are_the_full_models_hidden_state(saved, family, index):
+    tokenizer = load_tokenizer(TokenizerConfig(name_or_path=str(saved[family])))
+    vocab = len(tokenizer)  # the saved vocabulary plus mask and pad
+    features = FeatureModel(loaded(saved[family], hidden_state=index), vocab)
+    full = AutoModel.from_pretrained(saved[family]).eval()
+    full.resize_token_embeddings(vocab)
+    full.get_input_embeddings().weight.data.copy_(features.token_table)  # the resize's random rows
+    ids, mask = padded_batch(vocab)
+    with torch.no_grad():
+        want = full(input_ids=ids, output_hidden_states=True).hidden_states[index]
+        padded = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[index]
+        got = features(ids, mask)
+    keep = index % (LAYERS + 1)
+    n = reduction_length(family, T, keep)
+    bound = order_bound(n, terms_scale(want.abs().max().item(), n))
+    assert (got - want).abs().max().item() <= bound
+    # Causal: the padding changes only the features at pad positions, which the encoder masks out.
+    real = mask.bool()
+    assert (got[real] - padded[real]).abs().max().item() <= bound
+    with torch.no_grad():  # a layer skipped or the final norm misplaced is far outside the bound
+        other = full(input_ids=ids, output_hidden_states=True).hidden_states[index - 1]
+    assert (other - want).abs().max().item() > 10 * bound
+
+    # Only what that hidden state needs is held: its layers, the final norm only for the last one.
+    assert features.blocks == keep and features.width == WIDTH
+    layers = getattr(full, features.family.layers)
+    norm = getattr(full, features.family.final_norm)
+    held = sum(p.numel() for p in features.parameters())
+    needed = full.get_input_embeddings().weight.numel() + sum(p.numel() for p in layers[:keep].parameters())
+    needed += sum(p.numel() for p in norm.parameters()) if index == -1 else 0
+    needed += full.wpe.weight.numel() if family == "gpt2" else 0
+    assert held == needed
+
+
+def test_its_own_tokenizer_from_the_same_directory(saved):
+    cfg = config_from_dict(
+        {
+            "feature_model": {"name_or_path": str(saved["llama"]), "pretrained": True},
+            "tokenizer": {"name_or_path": "feature_model"},
+        }
+    )
+    assert cfg.tokenizer.name_or_path == str(saved["llama"])  # recorded as what it names
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    facts = tokenizer_facts(tokenizer)
+    assert facts["vocab_size"] == 514 and {facts["mask_token_id"], facts["pad_token_id"]} == {512, 513}
+    assert tokenizer.decode(tokenizer("It is a truth universally acknowledged")["input_ids"]).startswith("It is a")
+
+
+def test_random_builds_of_each_family_are_announced_once(caplog):
+    for family, kv in (("gpt2", 0), ("gpt_neox", 0), ("llama", 2)):
+        cfg = FeatureModelConfig(architecture=family, n_layer=4, n_head=4, n_embd=32, n_kv_head=kv)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            features = FeatureModel(cfg, 300)
+        notices = [r.getMessage() for r in caplog.records if "RANDOM" in r.getMessage()]
+        assert len(notices) == 1 and family in notices[0], notices
+        assert features.family.name == family and features.blocks == 2 and features.token_table.shape == (300, 32)
+    attention = features.llama.layers[0].self_attn
+    assert attention.k_proj.out_features == 2 * attention.head_dim  # two kv heads of four
+
+
+def write_config(directory, config) -> str:
+    directory.mkdir()
+    config.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (T5Config(d_model=32, num_layers=2, num_heads=4, d_kv=8, d_ff=64), "is an encoder-decoder model"),
+        (BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "is model_type 'bert'"),
+        (OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64), "is model_type 'opt'"),
+    ],
+    ids=["encoder-decoder", "encoder-only", "another-decoder"],
+)
+def test_a_model_that_is_not_a_supported_decoder_is_one_line(tmp_path, config, expected):
+    where = write_config(tmp_path / "model", config)  # its config alone: refused before any weight is read
+    with pytest.raises(ValueError) as refused:
+        FeatureModel(loaded(where), 300)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"feature_model.name_or_path={where} {expected}")
+    assert message.endswith("gpt2 (gpt2); gpt_neox (gpt_neox); llama (llama, mistral, qwen2, qwen3)")
+
+
+def test_a_hidden_state_that_does_not_exist_is_one_line(saved):
+    with pytest.raises(ValueError, match=r"^feature_model\.hidden_state: hidden state 5 does not exist in a 4-layer "):
+        FeatureModel(loaded(saved["gpt_neox"], hidden_state=5), 514)
+    with pytest.raises(ValueError, match=r"hidden state -6 does not exist in a 4-layer Llama"):
+        FeatureModel(loaded(saved["llama"], hidden_state=-6), 514)
+
+
+def test_the_offline_gpt2_tokenizer_with_another_family_is_refused_before_loading(saved):
+    cfg = config_from_dict({"feature_model": {"name_or_path": str(saved["llama"]), "pretrained": True}})
+    with pytest.raises(ConfigError, match=r"is a Llama decoder but tokenizer\.name_or_path=offline is GPT-2's BPE"):
+        build_model(cfg)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def autoencoder_config(directory, family: str) -> tuple[Config, object]:
+    cfg = config_from_dict(
+        {
+            "model": {"d_model": WIDTH, "n_heads": 4, "n_encoder_layers": 1, "n_decoder_layers": 1, "max_length": T},
+            "feature_model": {"name_or_path": str(directory), "pretrained": True},
+            "tokenizer": {"name_or_path": "feature_model"},
+        }
+    )
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    return apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer)), tokenizer
+
+
+@torch.no_grad()
+def loss_of(model: LatentAutoencoder) -> float:
+    ids, mask = padded_batch(model.model_cfg.vocab_size - 2)
+    return model.eval()(ids.masked_fill(mask == 0, model.model_cfg.pad_token_id), mask).loss.item()
+
+
+@pytest.fixture(scope="module")
+def portable(saved, tmp_path_factory):
+    """{family: (portable directory, its loss, its weights)}: each saved from a model loaded from its
+    directory, which is then removed (as a hub model is absent on a machine without the hub)."""
+    out = {}
+    for family in FAMILIES:
+        source = tmp_path_factory.mktemp(family) / "decoder"
+        shutil.copytree(saved[family], source)
+        cfg, tokenizer = autoencoder_config(source, family)
+        model = build_model(cfg)
+        directory = tmp_path_factory.mktemp(family) / "portable"
+        save_portable(model, directory, cfg, tokenizer_facts(tokenizer))
+        shutil.rmtree(source)
+        out[family] = directory, loss_of(model), gathered_state(model, None)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpoint_rebuilds_its_family_from_the_record_alone(portable, family):
+    directory, loss, state = portable[family]
+    model = load_autoencoder(directory)
+    assert model.feature_model.family.name == family and model.feature_cfg.pretrained is False
+    assert loss_of(model) == loss
+    got = gathered_state(model, None)
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    assert any(key.startswith(f"feature_model.{family}.") for key in state)
+    record = model.checkpoint_record()["feature_model_architecture"]
+    if family != "gpt2":  # GPT-2 keeps the shape-only record older checkpoints have
+        assert record["architecture"] == family and record["transformers_config"]["model_type"] == family
+
+
+def load_at_tp_task(tp: int, directory: str):
+    state = initialize_model_parallel(tp)
+    model = load_autoencoder(directory, state.tp_group)
+    return loss_of(model), gathered_state(model, state.tp_group)
+
+
+def test_each_familys_checkpoint_loads_at_tp4(pool4, portable):
+    for family in FAMILIES:
+        directory, loss, state = portable[family]
+        got_loss, got_state = pool4.run(load_at_tp_task, 4, str(directory))[0]
+        cfg = load_autoencoder(directory).model_cfg
+        k = autoencoder_reduction_length(cfg, 3 * T, 4)
+        assert abs(got_loss - loss) <= order_bound(k, terms_scale(abs(loss), k)), family
+        assert all(torch.equal(got_state[name], state[name]) for name in state), family
+
+
+def test_flops_count_the_loaded_decoders_own_products(saved):
+    """A Llama's gated MLP and grouped-query attention have other products than GPT-2's 12 f^2: the
+    FLOPs follow the weights the loaded layers hold."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from parallel_latent.training.flops import model_flops_per_sample
+
+    cfg, _ = autoencoder_config(saved["llama"], "llama")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.0))
+    features = build_model(cfg).feature_model
+    parts = model_flops_per_sample(cfg, features.blocks, features.width, features.matmul_weights)
+    gpt2_like = model_flops_per_sample(cfg, features.blocks, features.width)
+    assert parts["feature_linear"] != gpt2_like["feature_linear"]
+    ids = torch.randint(0, 500, (2, T))
+    with FlopCounterMode(display=False) as counter:
+        features(ids, torch.ones_like(ids))
+    assert counter.get_total_flops() / 2 == pytest.approx(parts["feature_linear"], rel=1e-6)
