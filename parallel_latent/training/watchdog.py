@@ -279,6 +279,9 @@ class Watchdog:
     def _watch(self) -> dict | None:
         records = self._records()
         now = time.time()
+        # This process runs the watch, so its own record is not silent, however late a loaded machine
+        # scheduled this thread after it wrote it: only its main thread's progress ("at") is judged.
+        records[self.rank] = {**records[self.rank], "written_at": now}
         stall = find_stall(records, now, self.timeout, self.long_phase)
         if stall is None:
             return None

@@ -127,7 +127,8 @@ def test_the_job_before_ended_by_a_stall_or_cleanly(tmp_path):
 
 
 # Short: the tests that see no alarm wait four times this. Never raced: with one rank, the watcher
-# rewrites its own record just before it reads it, and only the main thread's idleness is measured.
+# never finds its own record silent (it is running the watch), and only the main thread's idleness is
+# measured, against an allowance (30 s for the long phases) far beyond the wait.
 UNIT_TIMEOUT_S = 0.5
 
 
@@ -171,6 +172,24 @@ def test_a_long_phase_longer_than_the_timeout_does_not_fire(tmp_path, phase):
     assert (said, ended) == ([], [])
     assert not (tmp_path / PROGRESS_DIR / "hang.json").exists()
     assert json.loads((tmp_path / PROGRESS_DIR / "rank_00000.json").read_text())["state"] == "exited"
+
+
+def test_the_watcher_never_finds_its_own_process_silent(tmp_path):
+    """A watcher thread that a loaded machine schedules long after it wrote its own record (here: a
+    record a minute old) is running, so its rank is not a silent one: no stall, no marker."""
+    ended = []
+    progress = Progress()
+    progress.enter("save", step=3)
+    dog = Watchdog(
+        progress, tmp_path, 0, 1, UNIT_TIMEOUT_S, 30.0, tmp_path / "stacks", report=lambda *_: None, exit=ended.append
+    )  # fmt: skip
+    (tmp_path / PROGRESS_DIR).mkdir()
+    dog._write("running")
+    [record_file] = (tmp_path / PROGRESS_DIR).glob("rank_*.json")
+    record = json.loads(record_file.read_text())
+    record_file.write_text(json.dumps({**record, "written_at": record["written_at"] - 60}))
+    assert dog._watch() is None and ended == []
+    assert not (tmp_path / PROGRESS_DIR / "hang.json").exists()
 
 
 def test_the_first_step_has_the_long_allowance(tmp_path):
