@@ -60,6 +60,9 @@ class SaveRequest:
     model: object = None
     cfg: object = None
     tokenizer_facts: dict | None = None
+    # A tokenizer whose files go beside the portable weights, so that the checkpoint decodes by itself
+    # (None: the built-in offline GPT-2 BPE, which every installation has).
+    tokenizer: object = None
     keep_last: int = 0
     export_portable: bool = False
     tp_group: object = None
@@ -153,6 +156,8 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
     def finish() -> None:
         if portable is not None:
             portable.write_manifest_from_records()
+            if request.tokenizer is not None:
+                request.tokenizer.save_pretrained(str(staging / layout.PORTABLE_DIR))
         info = {
             "tag": request.tag, "step": step, "layout": own_layout, "portable": request.export_portable,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "deepspeed_version": import_deepspeed().__version__,

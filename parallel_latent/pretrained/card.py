@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from parallel_latent.model.families import FAMILIES
+
 from .layout import LIBRARY
 from .record import METRICS, TrainingRecord, dataset_of, latent_figures
 
@@ -14,7 +16,7 @@ __all__ = ["build_model_card"]
 
 # What the model card's metadata calls the evaluation: the hub has no task for reconstruction.
 TASK = {"task_type": "text-reconstruction", "task_name": "Text reconstruction (autoencoding)"}
-TAGS = ["text-autoencoder", "perceiver", "latent", "gpt2", "tensor-parallel"]
+TAGS = ["text-autoencoder", "perceiver", "latent", "tensor-parallel"]
 
 
 def _format(value: Any, digits: int) -> str:
@@ -52,12 +54,12 @@ def _eval_results(record: TrainingRecord) -> list:
 def _card_data(config: dict, record: TrainingRecord, name: str, results: list):
     from huggingface_hub import ModelCardData
 
-    feature = config.get("feature_model_config") or {}
+    feature = _trained_feature_model(config)
     hub_dataset = dataset_of(record)[2]
     return ModelCardData(
         library_name=LIBRARY,
         pipeline_tag="feature-extraction",
-        tags=TAGS,
+        tags=[*TAGS, _family(config)],
         datasets=[hub_dataset] if hub_dataset else None,
         base_model=feature.get("name_or_path") if feature.get("pretrained") else None,
         model_name=name,
@@ -112,15 +114,32 @@ def _training_table(record: TrainingRecord) -> str:
     )
 
 
+def _trained_feature_model(config: dict) -> dict:
+    """The feature model as the training config named it (where its weights came from): a loaded
+    checkpoint's ``feature_model_config`` says how it was rebuilt, from the checkpoint alone."""
+    return ((config.get("config") or {}).get("feature_model")) or config.get("feature_model_config") or {}
+
+
+def _family(config: dict) -> str:
+    return (config.get("feature_model_architecture") or {}).get("architecture", "gpt2")
+
+
 def _feature_words(config: dict) -> str:
-    feature = config.get("feature_model_config") or {}
+    feature = _trained_feature_model(config)
+    family = FAMILIES[_family(config)].title
     if feature.get("pretrained"):
-        return f"pretrained `{feature.get('name_or_path')}`, hidden state -3"
+        return f"pretrained `{feature.get('name_or_path')}` ({family}), hidden state {feature.get('hidden_state', -3)}"
     architecture = config.get("feature_model_architecture") or {}
     return (
         f"RANDOM weights: a {architecture.get('n_layer', feature.get('n_layer'))}-layer, "
-        f"{architecture.get('n_embd', feature.get('n_embd'))}-wide GPT-2 built from its config (a demo)"
+        f"{architecture.get('n_embd', feature.get('n_embd'))}-wide {family} built from its config (a demo)"
     )
+
+
+def _tokenizer_words(config: dict) -> str:
+    name = ((config.get("config") or {}).get("tokenizer") or {}).get("name_or_path", "offline")
+    words = "GPT-2 BPE" if name == "offline" else f"`{name}`"
+    return f"{words} with <|mask|> and <|pad|>, {(config.get('tokenizer') or {}).get('vocab_size')} tokens"
 
 
 def _latent_shape(model: dict) -> tuple[Any, Any]:
@@ -129,7 +148,7 @@ def _latent_shape(model: dict) -> tuple[Any, Any]:
 
 
 def _model_table(config: dict) -> str:
-    model, tokenizer = config.get("model_config") or {}, config.get("tokenizer") or {}
+    model = config.get("model_config") or {}
     num_latents, latent_dim = _latent_shape(model)
     return _table(
         [
@@ -142,7 +161,7 @@ def _model_table(config: dict) -> str:
             ("attention heads", model.get("n_heads")),
             ("vocabulary head", model.get("head")),
             ("feature model", _feature_words(config)),
-            ("tokenizer", f"GPT-2 BPE with <|mask|> and <|pad|>, {tokenizer.get('vocab_size')} tokens"),
+            ("tokenizer", _tokenizer_words(config)),
             ("format", f"{config.get('format')} v{config.get('format_version')}"),
         ]
     )

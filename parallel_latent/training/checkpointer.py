@@ -25,8 +25,15 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.checkpoint.background import HostCopies
 from parallel_latent.checkpoint.saving import PendingSave
+from parallel_latent.model.tokenizer import OFFLINE
 
 __all__ = ["Checkpointer"]
+
+
+def saved_tokenizer(run):
+    """The tokenizer a checkpoint stores the files of: any but the built-in offline GPT-2 BPE (a
+    feature model's own, a path's, a hub id's), so that the checkpoint decodes without them."""
+    return None if run.cfg.tokenizer.name_or_path == OFFLINE else run.tokenizer
 
 
 class Checkpointer:
@@ -69,7 +76,8 @@ class Checkpointer:
         run.progress.enter("save")
         self.finish()
         arguments = dict(
-            model=run.model, cfg=self.cfg, tokenizer_facts=run.tokenizer_facts, keep_last=checkpoint.keep_last,
+            model=run.model, cfg=self.cfg, tokenizer_facts=run.tokenizer_facts, tokenizer=saved_tokenizer(run),
+            keep_last=checkpoint.keep_last,
             export_portable=checkpoint.export_portable, tp_group=run.state.tp_group,
             record_keywords={"latent_stats": self.latent_stats_at(step)},
         )  # fmt: skip
