@@ -31,7 +31,7 @@ from parallel_latent.parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from .features import FeatureModel, refuse_foreign_tokenizer
+from .features import FeatureModel, check_feature_model
 from .perceiver import LatentDecoder, PerceiverEncoder
 
 IGNORE_INDEX = -100
@@ -284,7 +284,7 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
     with the parallel options of ``cfg.parallel``."""
     parallel = cfg.parallel
-    refuse_foreign_tokenizer(cfg.feature_model, cfg.tokenizer.name_or_path)
+    check_feature_model(cfg)
     model = LatentAutoencoder(
         cfg.model,
         cfg.feature_model,

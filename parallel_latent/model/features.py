@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.activations import ACT2FN
 
-from parallel_latent.config import ConfigError, FeatureModelConfig
+from parallel_latent.config import Config, ConfigError, FeatureModelConfig
 
 from .families import FAMILIES, Family, family_of, held_layers, load_config
 from .tokenizer import OFFLINE
@@ -155,14 +155,22 @@ def truncate_to_hidden_state(decoder: nn.Module, index: int, depth: int | None =
     return decoder
 
 
-def refuse_foreign_tokenizer(feature_cfg: FeatureModelConfig, tokenizer_name: str) -> None:
-    """One line, before any weight is read, when a pretrained decoder of another family than GPT-2
-    would read the offline GPT-2 BPE's ids: they index another vocabulary than it was trained on."""
-    if not feature_cfg.pretrained or tokenizer_name != OFFLINE:
+def check_feature_model(cfg: Config) -> None:
+    """What ``cfg`` asks of a pretrained decoder, checked against its ``config.json`` alone, before
+    any weight is read (one line each): a supported decoder family, the hidden state, the positions
+    ``model.max_length`` needs, and a tokenizer of its own family (the offline GPT-2 BPE's ids would
+    index another vocabulary than a Llama's or a Pythia's)."""
+    feature_cfg = cfg.feature_model
+    if not feature_cfg.pretrained:
         return
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-    family = family_of(load_config(feature_cfg.name_or_path), where)
-    if family.name != GPT2:
+    config = load_config(feature_cfg.name_or_path)
+    family = family_of(config, where)
+    held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
+    positions = getattr(config, family.positions_key)
+    if positions < cfg.model.max_length:
+        raise ConfigError(f"model.max_length={cfg.model.max_length} exceeds the {positions} positions of {where}")
+    if family.name != GPT2 and cfg.tokenizer.name_or_path == OFFLINE:
         raise ConfigError(
             f"{where} is a {family.title} decoder but tokenizer.name_or_path={OFFLINE} is GPT-2's BPE: set "
             "tokenizer.name_or_path=feature_model (its own tokenizer)"

@@ -147,9 +147,27 @@ def test_a_hidden_state_that_does_not_exist_is_one_line(saved):
         FeatureModel(loaded(saved["llama"], hidden_state=-6), 514)
 
 
-def test_the_offline_gpt2_tokenizer_with_another_family_is_refused_before_loading(saved):
-    cfg = config_from_dict({"feature_model": {"name_or_path": str(saved["llama"]), "pretrained": True}})
-    with pytest.raises(ConfigError, match=r"is a Llama decoder but tokenizer\.name_or_path=offline is GPT-2's BPE"):
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ({}, r"is a Llama decoder but tokenizer\.name_or_path=offline is GPT-2's BPE: set tokenizer\.name_or_path="),
+        ({"model": {"max_length": 200}}, r"model\.max_length=200 exceeds the 128 positions of feature_model\."),
+        ({"feature_model": {"hidden_state": 9}}, r"hidden state 9 does not exist in a 4-layer Llama"),
+    ],
+    ids=["gpt2-tokenizer", "positions", "hidden-state"],
+)
+def test_a_bad_choice_is_refused_from_the_decoders_config_alone(tmp_path, keys, expected):
+    """Checked against config.json before any weight is read: the directory holds nothing else."""
+    from transformers import LlamaConfig
+
+    where = write_config(
+        tmp_path / "llama",
+        LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=128),
+    )
+    tokenizer = {} if keys == {} else {"tokenizer": {"name_or_path": "feature_model"}}
+    section = {"name_or_path": where, "pretrained": True, **keys.get("feature_model", {})}
+    cfg = config_from_dict({"model": keys.get("model", {}), "feature_model": section, **tokenizer})
+    with pytest.raises((ConfigError, ValueError), match=expected):
         build_model(cfg)
 
 
