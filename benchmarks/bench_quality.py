@@ -7,6 +7,10 @@ all: the goals are checked on the minimum.
     python benchmarks/bench_quality.py --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
     python benchmarks/bench_quality.py --config configs/compressed.yaml --seeds 1 2 1234
     python benchmarks/bench_quality.py --quick                              # a few seconds of training
+    python benchmarks/bench_quality.py --tiny-decoder llama --seeds 1 2 3   # over a tiny saved Llama
+
+``--tiny-decoder gpt2|gpt_neox|llama``: the feature model is a tiny decoder of that family saved as the
+hub ships one, with its own small tokenizer (tests/helpers/decoders.py), loaded by path.
 
 Each run gets a fresh temporary run directory; wall time is the whole command, start-up included.
 """
@@ -97,6 +101,17 @@ def unseen_token_share(config: str, overrides: list[str]) -> float:
     return float(np.mean(~np.isin(real_tokens(held_out), real_tokens(train))))
 
 
+def tiny_decoder_overrides(family: str, directory: Path) -> list[str]:
+    from tests.helpers.decoders import save_tiny_decoder, small_tokenizer
+
+    save_tiny_decoder(directory, family, small_tokenizer())
+    return [
+        f"feature_model.name_or_path={directory}",
+        "feature_model.pretrained=true",
+        "tokenizer.name_or_path=feature_model",
+    ]
+
+
 def body(args, report: Report) -> None:
     config = str(Path(args.config))
     overrides = [*(QUICK if args.quick else []), *args.overrides]
@@ -104,9 +119,12 @@ def body(args, report: Report) -> None:
     nproc = 1 if args.quick else args.nproc
     name = Path(config).name
     # A config's goals are for the config as written: overrides make it another model.
-    goals = {} if args.quick or args.overrides else GOALS.get(name, {})
+    goals = {} if args.quick or args.overrides or args.tiny_decoder else GOALS.get(name, {})
     rows = []
     with tempfile.TemporaryDirectory(prefix="parallel-latent-quality.") as scratch:
+        if args.tiny_decoder:
+            overrides += tiny_decoder_overrides(args.tiny_decoder, Path(scratch) / "decoder")
+            name = f"{name} over a tiny {args.tiny_decoder}"
         for seed in seeds:
             row = train_once(config, seed, nproc, overrides, Path(scratch))
             rows.append(row)
@@ -115,6 +133,7 @@ def body(args, report: Report) -> None:
                 f"{row['exact_match']:.4f}, BLEU {row['bleu']:.2f}, {row['wall_s']:.0f} s",
                 flush=True,
             )
+        unseen = unseen_token_share(config, overrides) * 100  # while a tiny decoder's tokenizer exists
     print(f"\n{name}, --nproc {nproc}, {len(rows)} seed(s):")
     print(f"{'seed':>8} {'token acc':>10} {'exact':>8} {'BLEU':>7} {'wall s':>7}")
     for row in rows:
@@ -159,7 +178,6 @@ def body(args, report: Report) -> None:
             values = [r["latent"][key] for r in rows]
             for label, value in (("worst seed", min(values)), ("median", statistics.median(values))):
                 report.figure(f"{name} {label} {key.replace('_', ' ')}", value)
-    unseen = unseen_token_share(config, overrides) * 100
     report.figure(f"{name} held-out tokens never in the training split", unseen, "%")
 
 
@@ -168,6 +186,7 @@ def main() -> int:
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 21)))
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tiny-decoder", choices=("gpt2", "gpt_neox", "llama"), help="the feature model (see above)")
     add_common_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
     return run("bench_quality", parser, body)
