@@ -75,6 +75,12 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "overlapped MFU at dropout 0.1 and on DeepSpeed's kernels and the hook calls per step",
         ["benchmarks/bench_projection.py"],
     ),
+    "bench_feature_models": (
+        "The frozen feature model at realistic sizes (GPT-2, Pythia, Llama, Mistral, Qwen; built on the meta "
+        "device from their published configs): bytes per rank and the frozen pass's projected time per rank, "
+        "replicated against sharded over the TP group, at TP 1/2/4/8",
+        ["benchmarks/bench_feature_models.py"],
+    ),
     "quality_tiny": (
         "Held-out reconstruction of configs/tiny.yaml (the README's first command) over seeds 1-20",
         ["benchmarks/bench_quality.py", "--config", "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))],

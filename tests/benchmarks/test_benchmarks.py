@@ -47,6 +47,10 @@ QUICK_FIGURES = {
         "features explained linearly by the token and its position",
         "linear code of the features, k=8, the least mixed subspace",
     ],
+    "bench_feature_models.py": [
+        "llama-3.2-1b: frozen bytes per rank, shard / replicate at TP=8",
+        "pythia-1.4b: frozen pass time per rank, shard / replicate at TP=8",
+    ],
     "bench_quality.py": [
         "tiny.yaml seed 1: token accuracy",
         "tiny.yaml worst seed bleu",
