@@ -283,12 +283,27 @@ class PortableCheckpoint:
         self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """This rank's tensor at a (possibly different) TP degree: its range of the partition dim cut
-        from whichever shards overlap it, padding rows zero."""
+        from whichever shards overlap it, padding rows zero. A tensor split in one layout may be whole
+        in the other (a frozen decoder sharded over the TP group or replicated on every rank): one the
+        checkpoint holds whole is cut to this rank's range, one the model holds whole is assembled."""
         info = self.tensors[name]
         dtype = dtype or dtype_from_name(info["dtype"])
-        dim = placement.partition_dim
+        dim, saved_dim = placement.partition_dim, info["partition_dim"]
+        if saved_dim is None:
+            whole = self._read_shard(name, info["shards"][0]).to(dtype)
+            if dim is None:
+                return whole
+            start, stop = placement.rank_range(tp_rank)
+            block = torch.zeros(placement.local_shape, dtype=dtype)
+            block.narrow(dim, 0, stop - start).copy_(whole.narrow(dim, start, stop - start))
+            return block
         if dim is None:
-            return self._read_shard(name, info["shards"][0]).to(dtype)
+            placement, dim, tp_rank = Placement.whole(info), saved_dim, 0
+        elif dim != saved_dim:
+            raise CheckpointError(
+                f"{self.directory}: tensor {name!r} is split along dim {saved_dim} in the checkpoint but {dim} "
+                "in the model"
+            )
         start, stop = placement.rank_range(tp_rank)
         block = torch.zeros(placement.local_shape, dtype=dtype)
         covered = 0

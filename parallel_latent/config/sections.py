@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .compatibility import model_difference, saved_model_config
+from .export import EXPORT_SECTION, ExportConfig
 from .schema import FRACTION, NOT_EMPTY, POSITIVE, SHARE, Bound, Items, at_least, check_section, require, setting
 
 __all__ = [
@@ -199,6 +200,12 @@ class FeatureModelConfig:
     )
 
     def validate(self, source: str) -> None:
+        require(
+            self.parallel == "replicate" or self.frozen,
+            source,
+            "feature_model.parallel=shard needs feature_model.frozen=true: a sharded decoder runs without "
+            "gradients (a trainable feature model stays replicated)",
+        )
         if self.pretrained:  # a pretrained model's shape is only known once its config loads; the loader checks it
             return
         require(
@@ -496,38 +503,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-@dataclass
-class ExportConfig:
-    """``parallel-latent encode-corpus``: how a corpus is encoded into a latent dataset (not part of a
-    training config; given on that command's line as ``export.key=value``)."""
-
-    batch_size: int = setting(
-        64,
-        "samples per export batch: the encoder sees the same batches whatever the number of processes, so the "
-        "output does not depend on --nproc",
-        at_least(1),
-    )
-    shard_size: int = setting(
-        8192,
-        "samples per shard file (a multiple of export.batch_size): the unit of work of a data-parallel rank and "
-        "of resuming (a killed export re-encodes at most the shards that were being written)",
-        at_least(1),
-    )
-    precision: Literal["fp32", "bf16"] = setting(
-        "fp32",
-        "the dtype the model encodes in and the latents are stored in; bf16 is stored as its 16-bit pattern "
-        "(uint16: Arrow has no bfloat16; open_latents gives torch.bfloat16 back)",
-    )
-
-    def validate(self, source: str) -> None:
-        require(
-            self.shard_size % self.batch_size == 0,
-            source,
-            f"export.shard_size={self.shard_size} is not a multiple of export.batch_size={self.batch_size}",
-        )
-
-
-EXPORT_SECTION = "export"
 # tokenizer.name_or_path's name for "the feature model's own", replaced by its name when a config is read.
 FEATURE_MODEL_TOKENIZER = "feature_model"
 
@@ -555,6 +530,13 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         f"model.max_length={model.max_length} exceeds feature_model.n_positions={feature.n_positions}",
     )
     _validate_tensor_parallel(model, parallel, source)
+    require(
+        feature.parallel == "replicate" or parallel.tensor_parallel == 1 or parallel.zero_stage < 3,
+        source,
+        "feature_model.parallel=shard is not supported with parallel.zero_stage=3: ZeRO-3 would partition the "
+        "decoder's TP slices again over the data-parallel ranks and gather them around transformers' layers, "
+        "which is not implemented; use zero_stage 1 or 2 (the frozen decoder has no optimizer state to shard)",
+    )
     if parallel.grad_reduce_dtype == "bf16":
         require(
             training.precision == "bf16",

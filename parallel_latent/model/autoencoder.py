@@ -71,7 +71,9 @@ class LatentAutoencoder(nn.Module):
     """The autoencoder of ``model_cfg`` over the feature model of ``feature_cfg``.
 
     At TP > 1: ``split_feature_model`` runs the frozen feature model on 1/tp of the micro-batch per
-    rank (one all-gather assembles the features; a trainable feature model stays replicated);
+    rank (one all-gather assembles the features; a trainable feature model stays replicated), unless
+    ``feature_model.parallel=shard`` splits each held layer of the frozen decoder over the TP group
+    (every rank then runs the whole batch through its slices: :mod:`.sharded`);
     ``tp_options`` say how the TP regions communicate (sequence parallelism, the backward overlap).
     None of these changes a parameter: a checkpoint loads with any of them.
     ``recorded_feature_model``: the transformers config a checkpoint recorded for its feature model
@@ -94,7 +96,10 @@ class LatentAutoencoder(nn.Module):
         options = (tp_options or TensorParallelOptions()).active(tp_group)
         self.sequence_parallel = options.sequence_parallel
         # Split only frozen work: a trained feature model would need its gradients back from every rank.
-        self.split_feature_model = split_feature_model and feature_cfg.frozen and group_size(tp_group) > 1
+        # A sharded decoder (feature_model.parallel=shard) runs the whole batch on every rank instead.
+        self.split_feature_model = (
+            split_feature_model and feature_cfg.frozen and group_size(tp_group) > 1 and feature_cfg.parallel != "shard"
+        )
         self.dropout_rng = DropoutRNG(seed=seed)
         self.loss_kernels = LossKernels(compiled_on=self.dropout_rng)  # fused where the dropout mask is compiled
         # Built on the CPU in a fixed order under fixed seeds, identical at every TP degree (layers
@@ -103,7 +108,7 @@ class LatentAutoencoder(nn.Module):
         # back afterwards: the caller's RNG streams (CPU and CUDA) are left as they were.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size, recorded_feature_model)
+            self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size, recorded_feature_model, tp_group)
             if self.feature_model.width != model_cfg.d_model:
                 raise ConfigError(
                     f"feature_model.name_or_path={feature_cfg.name_or_path} has width "

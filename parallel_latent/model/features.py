@@ -21,8 +21,10 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.activations import ACT2FN
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig
+from parallel_latent.parallel import group_size
 
 from .families import FAMILIES, Family, family_of, held_layers, load_config
+from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
 from .tokenizer import OFFLINE
 
 logger = logging.getLogger(__name__)
@@ -90,9 +92,11 @@ class BuiltDecoder:
         self.decoder, self.family, self.config = decoder, family, config
 
 
-def load_decoder(feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None) -> BuiltDecoder:
+def load_decoder(
+    feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None, shard_group=None
+) -> BuiltDecoder:
     """The decoder of ``feature_cfg``, its token table resized to ``vocab_size``, holding at most the
-    layers its hidden state needs (more only for a random build, cut by :func:`cut_to_hidden_state`):
+    layers its hidden state needs (more only for a random build, cut by :func:`truncate_to_hidden_state`):
 
     - ``recorded`` (a checkpoint's transformers config): built from it, random weights the checkpoint
       overwrites; no path or hub is read;
@@ -100,21 +104,17 @@ def load_decoder(feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dic
     - else random weights from the ``architecture`` and ``n_*`` keys (the whole decoder is built, so
       that its weights are those of the full random model's first layers), with a warning.
 
+    ``shard_group``: the TP group a ``pretrained`` decoder is read into slice by slice
+    (:mod:`.sharded`); the other two are built whole and sharded by the caller once cut.
     Uses (and advances) the global torch RNG."""
     if recorded is not None:
         config = AutoConfig.for_model(**recorded)
         family = family_of(config, "the recorded feature model")
         keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
-        decoder = _decoder_from_config(_runnable(config, family, keep))
     elif feature_cfg.pretrained:
         config = load_config(feature_cfg.name_or_path)
         family = family_of(config, f"feature_model.name_or_path={feature_cfg.name_or_path}")
         keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
-        with _transformers_quiet():
-            decoder = AutoModel.from_pretrained(
-                feature_cfg.name_or_path, config=_runnable(config, family, keep), dtype=torch.float32,
-                attn_implementation="sdpa",
-            )  # fmt: skip
     else:
         logger.warning("%s", random_features_notice(feature_cfg))
         family = FAMILIES[feature_cfg.architecture]
@@ -122,7 +122,20 @@ def load_decoder(feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dic
             vocab_size, feature_cfg.n_layer, feature_cfg.n_head, feature_cfg.n_embd, feature_cfg.n_positions,
             feature_cfg.n_kv_head,
         )  # fmt: skip
-        decoder = _decoder_from_config(_runnable(config, family, family.depth(config)))
+        keep = family.depth(config)
+    if shard_group is not None:  # refused in one line before any weight is read
+        check_shardable(feature_cfg, family, config, group_size(shard_group))
+    runnable = _runnable(config, family, keep)
+    if recorded is None and feature_cfg.pretrained:
+        with _transformers_quiet():
+            if shard_group is not None:
+                decoder = read_pretrained_shard(feature_cfg.name_or_path, runnable, family, shard_group)
+            else:
+                decoder = AutoModel.from_pretrained(
+                    feature_cfg.name_or_path, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
+                )
+    else:
+        decoder = _decoder_from_config(runnable)
     with _transformers_quiet():  # its note on how the new rows are drawn
         decoder.resize_token_embeddings(vocab_size)
     config = copy.deepcopy(config)
@@ -185,15 +198,20 @@ class FeatureModel(nn.Module):
     Frozen (the default): no parameter trains, the module stays in eval mode whatever the parent
     does, and the forward builds no autograd graph. Otherwise it trains like any replicated module.
     ``recorded``: a checkpoint's transformers config to rebuild the decoder from (no hub, no path).
+    ``tp_group``: with ``feature_model.parallel=shard`` at TP > 1, each held layer's attention and MLP
+    are split over it (:mod:`.sharded`); otherwise every rank holds the whole decoder.
     """
 
-    def __init__(self, feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None):
+    def __init__(self, feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None, tp_group=None):
         super().__init__()
         self.frozen = feature_cfg.frozen
         self.hidden_state = feature_cfg.hidden_state
-        built = load_decoder(feature_cfg, vocab_size, recorded)
+        self.shard_group = tp_group if shards_feature_model(feature_cfg, tp_group) else None
+        built = load_decoder(feature_cfg, vocab_size, recorded, self.shard_group)
         self.family, self.decoder_config = built.family, built.config
         decoder = truncate_to_hidden_state(built.decoder, self.hidden_state, built.family.depth(built.config))
+        if self.shard_group is not None:
+            shard_layers(decoder, self.family, self.shard_group)
         self.add_module(self.family.name, use_fused_tanh_gelu(decoder) if self.family.name == GPT2 else decoder)
         if self.frozen:
             self.requires_grad_(False)
@@ -226,9 +244,20 @@ class FeatureModel(nn.Module):
         return len(getattr(self.decoder, self.family.layers))
 
     @property
+    def sharded(self) -> bool:
+        """Whether each held layer is split over the TP group (``feature_model.parallel=shard``)."""
+        return self.shard_group is not None
+
+    @property
     def matmul_weights(self) -> int:
-        """Weights of the matrix products in the layers that run (a token's forward is 2 FLOPs each)."""
-        return sum(p.numel() for p in getattr(self.decoder, self.family.layers).parameters() if p.dim() == 2)
+        """Weights of the matrix products in the layers that run (a token's forward is 2 FLOPs each):
+        the whole model's, however it is laid out over the TP group."""
+        tp = group_size(self.shard_group)
+        return sum(
+            p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+            for p in getattr(self.decoder, self.family.layers).parameters()
+            if p.dim() == 2
+        )
 
     def architecture(self) -> dict:
         """What rebuilds this decoder without the hub or a path: a GPT-2's shape (``n_*``; its uncut

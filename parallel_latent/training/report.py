@@ -48,7 +48,12 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
 
 
 def tp_options_line(cfg: Config, model: Any) -> str:
-    if model.split_feature_model:
+    if model.feature_model.sharded:
+        features = (
+            "frozen decoder sharded over the TP group (feature_model.parallel=shard: 1/tp of each layer per rank, "
+            "2 all-reduces per layer)"
+        )
+    elif model.split_feature_model:
         features = "frozen feature pass split over the TP group (one all-gather of the features)"
     elif not cfg.feature_model.frozen:
         features = "feature pass replicated on every TP rank (the feature model trains)"
