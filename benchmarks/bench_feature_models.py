@@ -14,8 +14,8 @@ matmul rates, 4.0 TB/s of HBM): per layer, its matrix products (FLOPs over the m
 weights read over the bandwidth, whichever is longer) and causal attention (4 T^2 f FLOPs per
 sample, counted in full); collectives at ``NVLINK`` bytes/s per direction in a ring (all-reduce
 2 (n-1)/n of the bytes, all-gather (n-1)/n) plus ``COLLECTIVE_LATENCY`` each. Kernel launches and
-elementwise work are left out (the same in both layouts). A layout that does not fit (kv heads not
-divided by TP) is shown as refused.
+elementwise work are left out (the same in both layouts). A layout ``shard`` refuses (GPT-2, whose
+q, k and v sit side by side in one matrix; kv heads TP does not divide) is shown as refused.
 
 Usage: python benchmarks/bench_feature_models.py [--quick] [--batch 32] [--length 64] [--json PATH]
 """
@@ -27,6 +27,8 @@ import dataclasses
 import sys
 
 from bench_projection import PINNED, matmul_seconds
+
+from parallel_latent.model.sharded import PROJECTIONS
 
 from common import Report, add_common_arguments, run
 
@@ -74,6 +76,8 @@ class Held:
     width: int
     kv_heads: int
     heads: int
+    mlp: int
+    family: str
 
 
 def held_on_meta(name: str) -> Held:
@@ -83,7 +87,7 @@ def held_on_meta(name: str) -> Held:
     from parallel_latent.model.families import FAMILIES, held_layers
     from parallel_latent.model.features import truncate_to_hidden_state
 
-    family_name, hidden, layers, heads, kv_heads, *_ = MODELS[name]
+    family_name, hidden, layers, heads, kv_heads, mlp, *_ = MODELS[name]
     family = FAMILIES[family_name]
     config = transformers_config(family_name, *MODELS[name][1:])
     keep = held_layers(layers, -3, family, name)
@@ -97,7 +101,7 @@ def held_on_meta(name: str) -> Held:
     matrices = per_layer * len(stack)
     replicated = sum(p.numel() for p in decoder.parameters()) - matrices
     assert in_layers - matrices >= 0  # the layers' norms and biases stay whole, counted in ``replicated``
-    return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads)
+    return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads, mlp, family_name)
 
 
 def frozen_bytes(held: Held, tp: int, layout: str) -> float:
@@ -106,7 +110,12 @@ def frozen_bytes(held: Held, tp: int, layout: str) -> float:
 
 
 def shard_refusal(held: Held, tp: int) -> str | None:
-    if held.heads % tp or held.kv_heads % tp:
+    """Why ``shard`` refuses this decoder at ``tp`` (model/sharded.py's rules), or None."""
+    if tp == 1:
+        return None
+    if held.family not in PROJECTIONS:
+        return "GPT-2 is not sharded"
+    if held.heads % tp or held.kv_heads % tp or held.mlp % tp:
         return f"TP={tp} does not divide {held.kv_heads} kv heads"
     return None
 
@@ -146,6 +155,8 @@ def body(args, report: Report) -> None:
             print(f"{name:>16} {layout:>9} " + " ".join(cells))
         tp = max(t for t in TP_DEGREES if not shard_refusal(held, t))
         report.figure(f"{name}: frozen GiB per rank, replicate", frozen_bytes(held, 1, "replicate") / 2**30, "GiB")
+        if tp == 1:  # not sharded at all
+            continue
         report.figure(f"{name}: frozen GiB per rank, shard at TP={tp}", frozen_bytes(held, tp, "shard") / 2**30, "GiB")
         ratio = frozen_bytes(held, tp, "shard") / frozen_bytes(held, tp, "replicate")
         report.figure(f"{name}: frozen bytes per rank, shard / replicate at TP={tp}", ratio, "x")
