@@ -256,3 +256,17 @@ def test_flops_count_the_loaded_decoders_own_products(saved):
     with FlopCounterMode(display=False) as counter:
         features(ids, torch.ones_like(ids))
     assert counter.get_total_flops() / 2 == pytest.approx(parts["feature_linear"], rel=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_feature_forward_waits_for_nothing_and_builds_nothing_from_python_data(saved, family):
+    """As GPT-2's: no device read, no data-dependent shape, no mask or tensor built on the host (each
+    would stall a GPU's queue at every step); rotary positions are computed on the device."""
+    from tests.helpers.op_counter import HostSyncCounter
+
+    features = FeatureModel(loaded(saved[family]), 514)
+    ids, mask = padded_batch(514)
+    with HostSyncCounter() as counter:
+        features(ids, mask)
+    assert not counter.syncs, counter.syncs
+    assert not counter.from_python_callers, counter.from_python_callers
