@@ -43,7 +43,13 @@ The rest of the step is a real ``Trainer.train_step`` on the CPU at gpt2.yaml's 
 and its Python hook calls are reported. DeepSpeed's kernels per step (its backward work and its
 step) are counted at DP=1 and, over two real gloo ranks, at DP=2.
 
-Usage: python benchmarks/bench_projection.py [--quick] [--json PATH]
+``--feature-model NAME`` (a decoder of benchmarks/bench_feature_models.py whose MLP is 4x its width,
+e.g. llama-3.2-1b or pythia-1.4b): the rows' model with that decoder's shape as its frozen feature
+model (a random build on the meta device; ``model.d_model`` its width, heads of 128 features), the
+model alone (the rest of the step is measured at gpt2.yaml's size only); then that decoder's frozen
+pass per rank at TP 1/2/4/8, replicated and sharded (bench_feature_models.py's roofline).
+
+Usage: python benchmarks/bench_projection.py [--quick] [--feature-model NAME] [--json PATH]
 """
 
 from __future__ import annotations
@@ -308,9 +314,34 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
 
 
 def model_flops(cfg) -> float:
+    """The step's model FLOPs, the feature model's from the layers it holds (built on meta)."""
+    import torch
+
+    from parallel_latent.model import FeatureModel
+    from parallel_latent.model.features import random_features_unannounced
     from parallel_latent.training.flops import model_flops_per_sample
 
-    return model_flops_per_sample(cfg)["train"] * cfg.training.micro_batch_size
+    with torch.device("meta"), random_features_unannounced():
+        features = FeatureModel(cfg.feature_model, cfg.model.vocab_size)
+    counts = (features.blocks, features.width, features.matmul_weights)
+    return model_flops_per_sample(cfg, *counts)["train"] * cfg.training.micro_batch_size
+
+
+def feature_model_setting(name: str) -> dict:
+    """The overrides that make the rows' model read the features of decoder ``name``."""
+    from bench_feature_models import MODELS
+
+    family, hidden, layers, heads, kv_heads, mlp, _, positions = MODELS[name]
+    if mlp != 4 * hidden:  # a random build's MLP is 4x its width: another shape would be mislabelled
+        raise ValueError(f"--feature-model {name}: its MLP ({mlp}) is not 4x its width ({hidden}); choose another")
+    setting = {
+        "feature_model.architecture": family, "feature_model.n_layer": layers, "feature_model.n_head": heads,
+        "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
+        "model.n_heads": hidden // 128,
+    }  # fmt: skip
+    if family == "llama":
+        setting["feature_model.n_kv_head"] = kv_heads
+    return {key: str(value) for key, value in setting.items()}
 
 
 # --------------------------------------------------------------------------- #
@@ -453,7 +484,38 @@ def largest_uncertainty(result: dict) -> str:
     return max(ASSUMPTIONS, key=lambda a: result["mfu_overlapped"] - result["ranges"][a]["mfu_overlapped"])
 
 
+def feature_model_body(args, report: Report) -> None:
+    """``--feature-model``: the model's step with that decoder, then its frozen pass per TP degree."""
+    from bench_feature_models import TP_DEGREES, frozen_bytes, frozen_seconds, held_on_meta, shard_refusal
+
+    name = args.feature_model
+    extra = feature_model_setting(name)
+    for row, setting, _ in matrix(args.quick):
+        if row not in ("default", "micro32"):
+            continue
+        result = project({**setting, **extra}, args.quick, rest=False)
+        print(f"{name}, {label(setting)}: model alone {result['step_ms_overlapped']:.1f} ms, MFU "
+              f"{result['mfu_overlapped'] * 100:.1f}%; traced / model FLOPs "
+              f"{result['traced_flops'] / result['model_flops']:.4f}")  # fmt: skip
+        report.figure(f"{name}: projected MFU overlapped, model alone, {row}", result["mfu_overlapped"])
+        report.figure(f"{name}: traced / model FLOPs, {row}", result["traced_flops"] / result["model_flops"], "x")
+    held, batch = held_on_meta(name), int(matrix(args.quick)[0][1]["training.micro_batch_size"])
+    length = row_config({}, args.quick).model.max_length
+    for layout in ("replicate", "shard"):
+        for tp in TP_DEGREES:
+            if layout == "shard" and shard_refusal(held, tp):
+                print(f"{name}, frozen pass at TP={tp}, shard: refused ({shard_refusal(held, tp)})")
+                continue
+            ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
+            gib = frozen_bytes(held, tp, layout) / 2**30
+            print(f"{name}, frozen pass at TP={tp}, {layout}: {ms:.2f} ms, {gib:.2f} GiB per rank")
+            report.figure(f"{name}: frozen pass per rank, {layout}, TP={tp}", ms, "ms")
+
+
 def body(args, report: Report) -> None:
+    if args.feature_model:
+        feature_model_body(args, report)
+        return
     report_deepspeed(args, report)
     results = {}
     for name, setting, goal in matrix(args.quick):
@@ -488,6 +550,7 @@ def body(args, report: Report) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--feature-model", default=None, help="a decoder of bench_feature_models.py (see above)")
     add_common_arguments(parser)
     return run("bench_projection", parser, body)
 

@@ -57,6 +57,18 @@ def test_traced_flops_are_the_model_flops_of_metrics(setting):
     assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
 
 
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "pythia-1.4b"])
+def test_another_familys_traced_flops_are_its_model_flops(name):
+    """--feature-model: the rows' model over a Llama- or GPT-NeoX-shaped decoder at its real size;
+    the model FLOPs count that decoder's own products (grouped-query attention, parallel residual),
+    and the trace agrees within 1%."""
+    setting = {"model.dropout": "0.0", "training.micro_batch_size": "32", **projection.feature_model_setting(name)}
+    result = projection.project(setting, rest=False)
+    assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
+    with pytest.raises(ValueError, match=r"--feature-model llama-3.1-8b: its MLP \(14336\) is not 4x its width"):
+        projection.feature_model_setting("llama-3.1-8b")
+
+
 def test_a_compiled_region_is_one_kernel_per_run_between_matmuls_with_its_external_bytes():
     """A traced region of elementwise ops, a matmul, elementwise ops: two fused kernels around the
     matmul, each reading its external inputs and writing what is read afterwards; eagerly, one
