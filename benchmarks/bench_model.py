@@ -36,7 +36,7 @@ from torch import nn
 
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
-from parallel_latent.model.features import load_gpt2
+from parallel_latent.model.features import load_decoder
 
 from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
@@ -223,7 +223,7 @@ def features_vs_full(args, report: Report) -> None:
 
     cfg = FeatureModelConfig(n_layer=args.feature_layers_full, n_head=12, n_embd=args.feature_width)
     torch.manual_seed(0)
-    full = load_gpt2(cfg, GPT2_VOCAB).eval()
+    full = load_decoder(cfg, GPT2_VOCAB).decoder.eval()  # a random build is whole: not cut
     torch.manual_seed(0)
     truncated = FeatureModel(cfg, GPT2_VOCAB)
     gen = torch.Generator().manual_seed(1)

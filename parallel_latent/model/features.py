@@ -36,11 +36,12 @@ HIDDEN_STATE_KEY = "feature_model.hidden_state"
 
 
 def random_features_notice(feature_cfg: FeatureModelConfig) -> str:
-    kv = f", {feature_cfg.n_kv_head} kv heads" if feature_cfg.n_kv_head else ""
+    title = FAMILIES[feature_cfg.architecture].title
+    kv = f" with {feature_cfg.n_kv_head} kv heads" if feature_cfg.n_kv_head else ""
     return (
-        f"feature_model.pretrained is false: the features are RANDOM (a {feature_cfg.n_layer}-layer, "
-        f"{feature_cfg.n_embd}-wide {feature_cfg.architecture} decoder{kv} built from its config; the weights of "
-        f"{feature_cfg.name_or_path} are not loaded)"
+        f"feature_model.pretrained is false: the {title} features are RANDOM (a {feature_cfg.n_layer}-layer, "
+        f"{feature_cfg.n_embd}-wide {title}{kv} built from its config; the weights of {feature_cfg.name_or_path} "
+        "are not loaded)"
     )
 
 
