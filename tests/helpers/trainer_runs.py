@@ -123,6 +123,19 @@ def wait_for_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: 
     raise AssertionError(f"no step {step} within {timeout}s")
 
 
+def interrupt(job: subprocess.Popen, timeout_s: float) -> str:
+    """A terminal's Ctrl-C (SIGINT) to the command ``job`` runs, then its stderr once it has ended;
+    a job still running after ``timeout_s`` (a hang) is killed."""
+    try:
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=timeout_s)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    return stderr
+
+
 def rank_pids(parent_pid: int) -> list[int]:
     """Descendant processes of ``parent_pid`` that run a rank (``-m parallel_latent``)."""
     found = []

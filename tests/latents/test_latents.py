@@ -49,7 +49,7 @@ from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenize
 from tests.helpers.filesystems import directory_bytes, tmpfs
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.tp_compare import order_bound, terms_scale
-from tests.helpers.trainer_runs import REPO, describe, rank_env, rank_pids
+from tests.helpers.trainer_runs import REPO, describe, interrupt, rank_env, rank_pids
 
 LINES = 70  # 5 shards of 16 (the last one of 6), batches of 8 (the last one of 6)
 SETTINGS = ["export.batch_size=8", "export.shard_size=16", "logging.progress_bar=false"]
@@ -573,13 +573,7 @@ def test_ctrl_c_under_nproc_2_says_interrupted_and_exits_130(setup, one_process,
     nothing to save, so the job ends as Ctrl-C ends a command, one line and 130; a rerun continues it."""
     out = tmp_path / "interrupted"
     job = _paused_export(setup, out, 2, "--nproc", "2", stderr=subprocess.PIPE, text=True)
-    try:
-        job.send_signal(signal.SIGINT)
-        _, stderr = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    stderr = interrupt(job, timeout_s=120)
     assert job.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["parallel-latent: error: interrupted"], stderr
     assert main(command(setup, out)) == 0

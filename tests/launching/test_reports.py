@@ -18,6 +18,7 @@ from tests.helpers.trainer_runs import (
     REPO,
     cli_command,
     describe,
+    interrupt,
     rank_env,
     rank_pids,
     run,
@@ -143,12 +144,11 @@ def test_ctrl_c_during_start_up_says_interrupted_and_exits_130(tmp_path):
         while len([pid for pid in rank_pids(job.pid) if b"launching.agent" not in _cmdline(pid)]) < 2:
             assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
-        job.send_signal(signal.SIGINT)
-        _, stderr = job.communicate(timeout=300)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    except BaseException:
+        job.kill()
+        job.wait()
+        raise
+    stderr = interrupt(job, timeout_s=300)
     assert job.returncode == 130, stderr
     assert stderr.strip().splitlines() == [f"{PROG}: error: interrupted"], stderr
 
