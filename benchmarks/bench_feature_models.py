@@ -97,10 +97,8 @@ def held_on_meta(name: str) -> Held:
     truncate_to_hidden_state(decoder, -3, depth=layers)
     stack = getattr(decoder, family.layers)
     per_layer = sum(p.numel() for p in stack[0].parameters() if p.dim() == 2)
-    in_layers = sum(p.numel() for p in stack.parameters())
     matrices = per_layer * len(stack)
-    replicated = sum(p.numel() for p in decoder.parameters()) - matrices
-    assert in_layers - matrices >= 0  # the layers' norms and biases stay whole, counted in ``replicated``
+    replicated = sum(p.numel() for p in decoder.parameters()) - matrices  # the layers' norms and biases too
     return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads, mlp, family_name)
 
 

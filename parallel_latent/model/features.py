@@ -30,8 +30,6 @@ from .tokenizer import OFFLINE
 logger = logging.getLogger(__name__)
 
 GPT2 = "gpt2"
-# What a GPT-2 record has always held; other families add their family name and transformers config.
-GPT2_SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "n_positions")
 HIDDEN_STATE_KEY = "feature_model.hidden_state"
 
 
