@@ -71,7 +71,7 @@ class PortableCapture:
 
     directory: Path
     entries: list[shards.Entry]
-    own: dict[str, tuple[torch.Tensor, dict]]
+    own: shards.Shards
     file_name: str
     tp_rank: int
     tp_size: int
@@ -129,7 +129,10 @@ def capture_portable(
     }
     own = shards.rank_shards(entries, tp_rank)
     if copies is not None:
-        own = {name: (copies.copy(tensor, ("portable", name)), cut) for name, (tensor, cut) in own.items()}
+        own = {
+            name: [(copies.copy(tensor, ("portable", cut.get("key", name))), cut) for tensor, cut in pieces]
+            for name, pieces in own.items()
+        }
     file_name = shards.rank_file_name(MODEL_PREFIX, tp_rank, tp_size)
     return PortableCapture(directory, entries, own, file_name, tp_rank, tp_size, fields, aliases)
 

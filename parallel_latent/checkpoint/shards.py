@@ -3,9 +3,13 @@ a manifest, readable at any TP degree.
 
 For every tensor the manifest records its *full* shape (the unpadded vocabulary for the head), its
 dtype, its partition dim (null = replicated, stored once, in rank 0's file) and its shards: which
-file, which range ``[offset, offset + length)`` of the partition dim, and the XXH3-128 checksum of
-the shard's bytes (format version 1, also read, recorded SHA-256: a tenth of its speed). Reading at
-TP=m re-cuts those ranges for each new rank; nothing here unpickles anything.
+file, which range ``[offset, offset + length)`` of the full tensor's partition dim, the key it has
+in that file (``key``; absent: the tensor's name), and the XXH3-128 checksum of the shard's bytes.
+A rank holds one range of a tensor, or, split with a partition stride s (GPT-2's q, k and v side by
+side), s ranges, stored as s shards under keys of their own. Reading at TP=m re-cuts those ranges
+for each new rank, in whichever layout it holds the tensor; nothing here unpickles anything.
+Versions 1 (SHA-256 checksums: a tenth of the speed) and 2 (no ``key``: one range per rank) are
+read too.
 The writer takes abstract entries, not a module: the model weights (:mod:`.portable`) and the
 universal optimizer state (:mod:`.universal`) are both stored this way.
 """
@@ -25,13 +29,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from parallel_latent.files import inside
-from parallel_latent.parallel.utils import group_rank, group_size
+from parallel_latent.parallel.utils import group_rank, group_size, partition_ranges
 from parallel_latent.zero.params import gathered, is_zero3, local_shape
 
 from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
 
 FORMAT = "parallel-latent-portable"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: a shard's ``key`` (a v2 reader would look a strided shard up by the tensor's name)
 # A shard's checksum, by the key its record names it with: XXH3-128 detects damage as well as a
 # cryptographic hash at tens of GB/s (nothing here needs to resist a forger); version 1 used SHA-256.
 CHECKSUM_KEY = "xxh3_128"
@@ -63,10 +67,13 @@ class Placement:
     partition_dim: int | None  # None: replicated on every TP rank
     local_shape: tuple[int, ...]
     full_shape: tuple[int, ...]
+    partition_stride: int = 1
 
     @classmethod
     def from_spec(cls, spec: dict) -> Placement:
-        return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]))
+        # Tables written before strides were stored have none: every split was contiguous.
+        stride = spec.get("partition_stride", 1)
+        return cls(spec["partition_dim"], tuple(spec["local_shape"]), tuple(spec["full_shape"]), stride)
 
     @classmethod
     def whole(cls, info: dict) -> Placement:
@@ -74,14 +81,19 @@ class Placement:
         return cls(info["partition_dim"], tuple(info["shape"]), tuple(info["shape"]))
 
     def spec(self) -> dict:
-        return {"partition_dim": self.partition_dim, "local_shape": self.local_shape, "full_shape": self.full_shape}
+        return {
+            "partition_dim": self.partition_dim,
+            "local_shape": self.local_shape,
+            "full_shape": self.full_shape,
+            "partition_stride": self.partition_stride,
+        }
 
-    def rank_range(self, tp_rank: int) -> tuple[int, int]:
-        """The slice ``[start, stop)`` of the partition dim that ``tp_rank`` holds real data for; rows
-        past the full size are padding (the vocabulary head), neither saved nor read."""
-        per_rank = self.local_shape[self.partition_dim]
-        start = min(tp_rank * per_rank, self.full_shape[self.partition_dim])
-        return start, min(start + per_rank, self.full_shape[self.partition_dim])
+    def rank_ranges(self, tp_rank: int) -> list[tuple[int, int, int]]:
+        """The ranges ``[start, stop)`` of the full partition dim that ``tp_rank`` holds real data
+        for, each with where it starts in the rank's tensor: one, or one per part of a strided
+        split. Rows past the full size are padding (the vocabulary head), neither saved nor read."""
+        dim = self.partition_dim
+        return partition_ranges(self.full_shape[dim], self.local_shape[dim], tp_rank, self.partition_stride)
 
 
 def placement_of(tensor: torch.Tensor, tp_size: int, name: str = "") -> Placement:
@@ -89,15 +101,17 @@ def placement_of(tensor: torch.Tensor, tp_size: int, name: str = "") -> Placemen
     shape = local_shape(tensor)
     if not getattr(tensor, "tensor_model_parallel", False):
         return Placement(None, shape, shape)
-    stride = getattr(tensor, "partition_stride", 1)
-    if stride != 1:
-        raise CheckpointError(f"{name}: partition_stride={stride} (interleaved shards) is not supported")
     dim = tensor.partition_dim % len(shape)
     padded = shape[dim] * tp_size
     valid = getattr(tensor, "partition_valid_size", None) or padded  # the vocabulary head: its unpadded rows
     if valid > padded:
         raise CheckpointError(f"{name}: partition_valid_size={valid} exceeds the padded size {padded}")
-    return Placement(dim, shape, (*shape[:dim], valid, *shape[dim + 1 :]))
+    stride = getattr(tensor, "partition_stride", 1)
+    if stride != 1 and valid != padded:
+        raise CheckpointError(f"{name}: partition_stride={stride} with a padded partition dim is not supported")
+    if shape[dim] % stride:
+        raise CheckpointError(f"{name}: partition_stride={stride} does not divide its {shape[dim]} local rows")
+    return Placement(dim, shape, (*shape[:dim], valid, *shape[dim + 1 :]), stride)
 
 
 def module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -141,9 +155,13 @@ def checksum(tensor: torch.Tensor, kind: str = CHECKSUM_KEY) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def rank_shards(entries: list[Entry], tp_rank: int) -> dict[str, tuple[torch.Tensor, dict]]:
-    """What TP rank ``tp_rank`` stores of ``entries`` (its slices, padding cut; on rank 0 the
-    replicated tensors), each with its shard record. Calls every ``value``, in order."""
+Shards = dict[str, list[tuple[torch.Tensor, dict]]]  # by tensor name: its pieces in a rank file, with their records
+
+
+def rank_shards(entries: list[Entry], tp_rank: int) -> Shards:
+    """What TP rank ``tp_rank`` stores of ``entries`` (its ranges, padding cut; on rank 0 the
+    replicated tensors), each piece with its shard record: a strided tensor's ranges under keys of
+    their own, as one file holds them all. Calls every ``value``, in order."""
     shards = {}
     for entry in entries:
         value, place = entry.value(), entry.placement
@@ -153,12 +171,18 @@ def rank_shards(entries: list[Entry], tp_rank: int) -> dict[str, tuple[torch.Ten
             )
         if place.partition_dim is None:
             if tp_rank == 0:
-                shards[entry.name] = (value.to(entry.dtype), {})
+                shards[entry.name] = [(value.to(entry.dtype), {})]
             continue
-        start, stop = place.rank_range(tp_rank)
-        if stop > start:
-            shard = value.narrow(place.partition_dim, 0, stop - start).to(entry.dtype).contiguous()
-            shards[entry.name] = (shard, {"offset": start, "length": stop - start})
+        pieces = []
+        for start, stop, local in place.rank_ranges(tp_rank):
+            if stop > start:
+                piece = value.narrow(place.partition_dim, local, stop - start).to(entry.dtype).contiguous()
+                cut = {"offset": start, "length": stop - start}
+                if place.partition_stride != 1:
+                    cut["key"] = f"{entry.name}[{start}:{stop}]"
+                pieces.append((piece, cut))
+        if pieces:
+            shards[entry.name] = pieces
     return shards
 
 
@@ -166,18 +190,17 @@ def rank_file_name(prefix: str, tp_rank: int, tp_size: int) -> str:
     return f"{prefix}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
 
 
-def write_rank_file(
-    directory: Path, shards: dict[str, tuple[torch.Tensor, dict]], file_name: str, tp_rank: int, tp_size: int
-):
-    """Write one rank's shards into one safetensors file. Returns (shard records by tensor name,
-    the file's record by file name)."""
+def write_rank_file(directory: Path, shards: Shards, file_name: str, tp_rank: int, tp_size: int):
+    """Write one rank's shards into one safetensors file. Returns (the shard records of each tensor
+    by its name, the file's record by file name)."""
     directory.mkdir(exist_ok=True)
-    tensors = {name: tensor for name, (tensor, _) in shards.items()}
+    tensors = {cut.get("key", name): tensor for name, pieces in shards.items() for tensor, cut in pieces}
     # "format" is the framework in safetensors' convention (transformers checks it); ours is "writer".
     metadata = {"format": "pt", "writer": FORMAT, "tp_rank": str(tp_rank), "tp_size": str(tp_size)}
     save_file(tensors, directory / file_name, metadata)
     records = {
-        name: {"file": file_name, CHECKSUM_KEY: checksum(tensor), **cut} for name, (tensor, cut) in shards.items()
+        name: [{"file": file_name, CHECKSUM_KEY: checksum(tensor), **cut} for tensor, cut in pieces]
+        for name, pieces in shards.items()
     }
     return records, {file_name: {"bytes": (directory / file_name).stat().st_size, "tp_rank": tp_rank}}
 
@@ -186,7 +209,7 @@ def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_s
     """The manifest from every TP rank's (shard records, file record)."""
     tensors = {}
     for e in entries:
-        records = sorted((r[e.name] for r, _ in parts if e.name in r), key=lambda r: r.get("offset", 0))
+        records = sorted((r for rank, _ in parts for r in rank.get(e.name, [])), key=lambda r: r.get("offset", 0))
         shape, dim = list(e.placement.full_shape), e.placement.partition_dim
         tensors[e.name] = {"shape": shape, "dtype": dtype_name(e.dtype), "partition_dim": dim, "shards": records}
     files = dict(sorted(item for _, file_records in parts for item in file_records.items()))
@@ -250,19 +273,30 @@ class PortableCheckpoint:
             self._files[name] = handle, set(handle.keys())
         return self._files[name]
 
-    def _read_shard(self, name: str, shard: dict, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        """A shard, or the part ``index`` of it. With checksums on, the whole shard is read and
-        checked (a checksum covers the whole shard); otherwise only the part is read."""
+    def _read_shard(self, name: str, shard: dict) -> torch.Tensor:
+        return self._read_parts(name, shard)[0]
+
+    def _read_parts(
+        self, name: str, shard: dict, dim: int = 0, spans: list[tuple[int, int]] | None = None
+    ) -> list[torch.Tensor]:
+        """The parts ``[lo, hi)`` along ``dim`` of a shard (``spans``; None: the whole shard). With
+        checksums on, the whole shard is read and checked once (a checksum covers the whole shard);
+        otherwise only the parts are read."""
+        key = shard.get("key", name)
         (handle, names), where = self._file(shard["file"]), self.directory / shard["file"]
-        if name not in names:
-            raise CheckpointError(f"{where}: tensor {name!r} missing from shard")
-        if not self.verify_checksums:
-            return handle.get_slice(name)[index] if index else handle.get_tensor(name)
-        value = handle.get_tensor(name)
-        kind = CHECKSUM_KEY if CHECKSUM_KEY in shard else "sha256"
-        if checksum(value, kind) != shard[kind]:
-            raise CheckpointError(f"{where}: checksum mismatch for tensor {name!r} (the file is corrupted)")
-        return value[index] if index else value
+        if key not in names:
+            raise CheckpointError(f"{where}: tensor {key!r} missing from shard")
+        if not self.verify_checksums and spans is not None:
+            value = handle.get_slice(key)
+        else:
+            value = handle.get_tensor(key)
+            if self.verify_checksums:
+                kind = CHECKSUM_KEY if CHECKSUM_KEY in shard else "sha256"
+                if checksum(value, kind) != shard[kind]:
+                    raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r} (the file is corrupted)")
+        if spans is None:
+            return [value]
+        return [value[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in spans]
 
     def check_shape(self, name: str, placement: Placement) -> None:
         """Refuse a model tensor that the checkpoint holds at another full shape."""
@@ -282,37 +316,43 @@ class PortableCheckpoint:
     def read_block(
         self, name: str, placement: Placement, tp_rank: int, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """This rank's tensor at a (possibly different) TP degree: its range of the partition dim cut
-        from whichever shards overlap it, padding rows zero. A tensor split in one layout may be whole
-        in the other (a frozen decoder sharded over the TP group or replicated on every rank): one the
-        checkpoint holds whole is cut to this rank's range, one the model holds whole is assembled."""
+        """This rank's tensor at a (possibly different) TP degree: each of its ranges of the partition
+        dim (one, or one per part of a strided split) cut from whichever shards overlap it, padding
+        rows zero. A tensor split in one layout may be whole in the other (a frozen decoder sharded
+        over the TP group or replicated on every rank): one the checkpoint holds whole is one shard
+        covering the whole dim, one the model holds whole is assembled from every shard."""
         info = self.tensors[name]
         dtype = dtype or dtype_from_name(info["dtype"])
         dim, saved_dim = placement.partition_dim, info["partition_dim"]
-        if saved_dim is None:
-            whole = self._read_shard(name, info["shards"][0]).to(dtype)
-            if dim is None:
-                return whole
-            start, stop = placement.rank_range(tp_rank)
-            block = torch.zeros(placement.local_shape, dtype=dtype)
-            block.narrow(dim, 0, stop - start).copy_(whole.narrow(dim, start, stop - start))
-            return block
+        if saved_dim is None and dim is None:
+            return self._read_shard(name, info["shards"][0]).to(dtype)
         if dim is None:
             placement, dim, tp_rank = Placement.whole(info), saved_dim, 0
-        elif dim != saved_dim:
+        elif saved_dim is not None and dim != saved_dim:
             raise CheckpointError(
                 f"{self.directory}: tensor {name!r} is split along dim {saved_dim} in the checkpoint but {dim} "
                 "in the model"
             )
-        start, stop = placement.rank_range(tp_rank)
+        saved = info["shards"]
+        if saved_dim is None:
+            saved = [{**saved[0], "offset": 0, "length": info["shape"][dim]}]
+        ranges = placement.rank_ranges(tp_rank)
         block = torch.zeros(placement.local_shape, dtype=dtype)
         covered = 0
-        for shard in info["shards"]:
-            lo, hi = max(start, shard["offset"]), min(stop, shard["offset"] + shard["length"])
-            if hi > lo:
-                rows = (slice(None),) * dim + (slice(lo - shard["offset"], hi - shard["offset"]),)
-                block.narrow(dim, lo - start, hi - lo).copy_(self._read_shard(name, shard, rows))
+        for shard in saved:
+            first, end = shard["offset"], shard["offset"] + shard["length"]
+            cuts = []  # each range's overlap with this shard: [lo, hi) of the full dim, where it goes in the block
+            for start, stop, local in ranges:
+                lo, hi = max(start, first), min(stop, end)
+                if hi > lo:
+                    cuts.append((lo, hi, local + lo - start))
+            if not cuts:
+                continue
+            parts = self._read_parts(name, shard, dim, [(lo - first, hi - first) for lo, hi, _ in cuts])
+            for (lo, hi, at), part in zip(cuts, parts, strict=True):
+                block.narrow(dim, at, hi - lo).copy_(part)
                 covered += hi - lo
-        if covered != stop - start:
-            raise CheckpointError(f"{self.directory}: shards of {name!r} do not cover rows [{start}, {stop})")
+        if covered != sum(stop - start for start, stop, _ in ranges):
+            spans = ", ".join(f"[{start}, {stop})" for start, stop, _ in ranges)
+            raise CheckpointError(f"{self.directory}: shards of {name!r} do not cover rows {spans}")
         return block

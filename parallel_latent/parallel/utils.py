@@ -23,6 +23,20 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
     return numerator // denominator
 
 
+def partition_ranges(full_size: int, local_size: int, tp_rank: int, stride: int = 1) -> list[tuple[int, int, int]]:
+    """The ranges ``[start, stop)`` of a split dim of ``full_size`` that ``tp_rank`` holds, each with
+    where it starts among the rank's ``local_size``. With ``stride`` s (Megatron's
+    ``partition_stride``) the dim is s equal parts split alike (GPT-2's q, k and v side by side): the
+    rank holds its 1/tp of each part, one after the other. A range stops at the full size: rows past
+    it are padding (the vocabulary head), which only an unstrided dim has."""
+    part, per_part = full_size // stride, local_size // stride
+    ranges = []
+    for j in range(stride):
+        start = min(j * part + tp_rank * per_part, (j + 1) * part)
+        ranges.append((start, min(start + per_part, (j + 1) * part), j * per_part))
+    return ranges
+
+
 def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     """Pad so every TP rank holds the same number of rows and the GEMM stays aligned."""
     step = multiple * tp_size
