@@ -44,6 +44,12 @@ class Family:
     def depth(self, config: PretrainedConfig) -> int:
         return getattr(config, self.layers_key)
 
+    def mlp_width(self, config: PretrainedConfig) -> int:
+        """The MLP's inner width (GPT-2: ``n_inner``, unset for 4x the width)."""
+        if self.name == "gpt2":
+            return config.n_inner or 4 * config.n_embd
+        return config.intermediate_size
+
     def embed(self, decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The residual stream entering layer 0."""
         hidden = getattr(decoder, self.embedding)(input_ids)

@@ -7,22 +7,23 @@ stream by input features (:class:`~parallel_latent.parallel.RowParallelLinear`, 
 its bias added once after it). A layer costs two all-reduces of [B, T, width]. The token table,
 positions, norms and rotary buffers stay whole on every rank.
 
-Only the attention and MLP projections of the held layers are split, as contiguous slices of the
-transformers weight, so that a rank holds whole heads:
+Only the attention and MLP projections of the held layers are split, as slices of the transformers
+weight that hold whole heads:
 
 - ``llama``: q/k/v split by (kv) head, so tensor_parallel must divide the kv heads; transformers'
   attention reshapes with ``view(..., -1, head_dim)`` and ``num_key_value_groups`` (heads per kv
   head, the same on every rank), so local head counts need no other change;
 - ``gpt_neox``: ``query_key_value`` holds q, k, v of head 0, then of head 1, ...: a contiguous chunk
-  of its rows is whole heads.
-
-GPT-2 is refused: its ``c_attn`` (a Conv1D, [in, out]) holds q of all heads, then k, then v, so a
-rank's heads are three separate column ranges, which a portable checkpoint (one contiguous slice
-per rank) cannot store as the full tensor; and GPT-2's largest model fits one GPU.
+  of its rows is whole heads;
+- ``gpt2``: the projections are ``Conv1D`` (weight [in, out]) and stay in that orientation
+  (:class:`ParallelConv1D`: a column split cuts dim 1, a row split dim 0). ``c_attn`` holds q of all
+  heads, then k, then v: a rank's heads are its 1/tp of each, a split with partition stride 3, and
+  transformers' attention splits the output into q, k, v by ``split_size``, which is set to the
+  local width.
 
 The parameter names and the full (reassembled) shapes are those of the replicated decoder, with the
-TP flags of the parallel layers, so a portable checkpoint holds the same full tensors whatever the
-layout and loads into either.
+TP flags of the parallel layers (partition dim and stride), so a portable checkpoint holds the same
+full tensors whatever the layout and loads into either.
 """
 
 from __future__ import annotations
@@ -35,16 +36,32 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
+from transformers.pytorch_utils import Conv1D
 
 from parallel_latent.config import ConfigError, FeatureModelConfig
-from parallel_latent.parallel import ColumnParallelLinear, RowParallelLinear, group_rank, group_size
-from parallel_latent.parallel.utils import set_tensor_parallel_attributes
+from parallel_latent.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    group_rank,
+    group_size,
+    reduce_from_tp_region,
+)
+from parallel_latent.parallel.projection import Projection, column_parallel_projections
+from parallel_latent.parallel.utils import partition_ranges, set_tensor_parallel_attributes
 
 from .families import Family
 
-COLUMN, ROW = 0, 1  # the partition dim of a [out, in] weight
+# How a projection is split: by output features (column) or input features (row); also the
+# partition dim of an nn.Linear weight [out, in] (a Conv1D's, [in, out], is the other one).
+COLUMN, ROW = 0, 1
 # Per family: the held layers' projections (paths inside a layer) and how each is split.
 PROJECTIONS = {
+    "gpt2": {
+        "attn.c_attn": COLUMN,
+        "attn.c_proj": ROW,
+        "mlp.c_fc": COLUMN,
+        "mlp.c_proj": ROW,
+    },
     "llama": {
         "self_attn.q_proj": COLUMN,
         "self_attn.k_proj": COLUMN,
@@ -61,6 +78,9 @@ PROJECTIONS = {
         "mlp.dense_4h_to_h": ROW,
     },
 }
+# Projections whose output is several tensors side by side, each split alike (Megatron's partition
+# stride): GPT-2's c_attn is q of all heads, then k, then v.
+STRIDES = {"gpt2": {"attn.c_attn": 3}}
 SHARD = "feature_model.parallel=shard"
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -77,14 +97,8 @@ def check_shardable(feature_cfg: FeatureModelConfig, family: Family, config: Pre
             f"{SHARD} needs feature_model.frozen=true: a sharded decoder runs without gradients "
             "(a trainable feature model stays replicated)"
         )
-    if family.name not in PROJECTIONS:
-        raise ConfigError(
-            f"{SHARD} does not support {family.title} decoders: c_attn holds q, k and v of all heads side by side, "
-            "so a rank's heads are not one contiguous slice a portable checkpoint could store; GPT-2's largest "
-            "model fits one GPU: use feature_model.parallel=replicate"
-        )
     heads = getattr(config, family.heads_key)
-    counts = {"attention heads": heads, "MLP width": config.intermediate_size}
+    counts = {"attention heads": heads, "MLP width": family.mlp_width(config)}
     if family.name == "llama":
         counts = {"key/value heads": getattr(config, "num_key_value_heads", None) or heads, **counts}
     for what, count in counts.items():
@@ -95,36 +109,68 @@ def check_shardable(feature_cfg: FeatureModelConfig, family: Family, config: Pre
             )
 
 
-def _parallel_linear(weight: torch.Tensor, bias: torch.Tensor | None, full_shape, dim: int, group) -> nn.Module:
-    """A column- (``dim`` 0) or row-parallel (1) layer of the full [out, in] ``full_shape`` holding
-    this rank's ``weight`` slice and ``bias`` (sliced for a column layer, whole for a row layer).
-    Built on the meta device: its master-weight init would draw a full weight this rank never uses."""
-    out_features, in_features = full_shape
-    kind = ColumnParallelLinear if dim == COLUMN else RowParallelLinear
-    with torch.device("meta"):
-        layer = kind(in_features, out_features, bias=bias is not None, tp_group=group)
+def _hold(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, dim: int, kind: int, stride: int):
+    """``layer`` holding this rank's ``weight`` slice (split along ``dim``) and ``bias`` (sliced
+    alike for a column split; whole for a row split, added once after the all-reduce), frozen, with
+    their TP flags."""
     layer.weight = nn.Parameter(weight, requires_grad=False)
-    set_tensor_parallel_attributes(layer.weight, True, dim)
+    set_tensor_parallel_attributes(layer.weight, True, dim, stride)
     if bias is not None:
         layer.bias = nn.Parameter(bias, requires_grad=False)
-        set_tensor_parallel_attributes(layer.bias, dim == COLUMN, 0 if dim == COLUMN else None)
+        set_tensor_parallel_attributes(layer.bias, kind == COLUMN, 0 if kind == COLUMN else None, stride)
     return layer
 
 
-def _rank_slice(tensor, dim: int, group):
-    """This rank's contiguous 1/tp of ``tensor`` (a tensor or a safetensors slice) along ``dim``."""
+def _parallel_linear(weight, bias, full_shape, kind: int, stride: int, group) -> nn.Module:
+    """A column- or row-parallel layer of the full [out, in] ``full_shape`` (see :func:`_hold`).
+    Built on the meta device: its master-weight init would draw a full weight this rank never uses."""
+    out_features, in_features = full_shape
+    layer_class = ColumnParallelLinear if kind == COLUMN else RowParallelLinear
+    with torch.device("meta"):
+        layer = layer_class(in_features, out_features, bias=bias is not None, tp_group=group)
+    return _hold(layer, weight, bias, kind, kind, stride)
+
+
+class ParallelConv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight [in, out]) split over the TP group in its own
+    orientation, so that names and full shapes stay Conv1D's: by columns (output features, weight
+    dim 1), entering the region as :class:`~parallel_latent.parallel.ColumnParallelLinear` does, or
+    by rows (input features, dim 0), leaving it with one all-reduce as
+    :class:`~parallel_latent.parallel.RowParallelLinear` does."""
+
+    def __init__(self, weight, bias, kind: int, stride: int, group):
+        super().__init__()
+        self.kind, self.tp_group = kind, group
+        _hold(self, weight, bias, 1 - kind, kind, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == COLUMN:
+            (y,) = column_parallel_projections(x, [Projection(self.weight.t(), self.bias)], self.tp_group)
+            return y
+        y = reduce_from_tp_region(x @ self.weight, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        split = "columns" if self.kind == COLUMN else "rows"
+        return f"weight {list(self.weight.shape)} per rank (by {split}, stride {self.weight.partition_stride})"
+
+
+def _rank_slice(tensor, dim: int, stride: int, group):
+    """This rank's 1/tp of ``tensor`` (a tensor or a safetensors slice, never read whole) along
+    ``dim``: one range, or its part of each of ``stride`` parts, concatenated."""
     full = tensor.shape[dim] if isinstance(tensor, torch.Tensor) else tensor.get_shape()[dim]
-    per_rank = full // group_size(group)
-    start = group_rank(group) * per_rank
-    index = (slice(start, start + per_rank),) if dim == 0 else (slice(None), slice(start, start + per_rank))
-    return tensor[index]
+    ranges = partition_ranges(full, full // group_size(group), group_rank(group), stride)
+    parts = [tensor[(slice(None),) * dim + (slice(start, stop),)] for start, stop, _ in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _projections(decoder: nn.Module, family: Family):
-    """(layer, path in it, the module there, its partition dim) for each projection of the held layers."""
+    """(layer, path in it, the module there, how it is split, its stride) for each projection of the
+    held layers."""
+    strides = STRIDES.get(family.name, {})
     for layer in getattr(decoder, family.layers):
-        for path, dim in PROJECTIONS[family.name].items():
-            yield layer, path, layer.get_submodule(path), dim
+        for path, kind in PROJECTIONS[family.name].items():
+            yield layer, path, layer.get_submodule(path), kind, strides.get(path, 1)
 
 
 def _replace(layer: nn.Module, path: str, module: nn.Module) -> None:
@@ -132,24 +178,39 @@ def _replace(layer: nn.Module, path: str, module: nn.Module) -> None:
     setattr(layer.get_submodule(parent) if parent else layer, name, module)
 
 
-def _split(linear: nn.Linear, dim: int, group) -> nn.Module:
-    """The parallel layer holding this rank's slice of ``linear`` (copied, so the whole can be freed;
+def _split(module: nn.Linear | Conv1D, kind: int, stride: int, group) -> nn.Module:
+    """The parallel layer holding this rank's slice of ``module`` (copied, so the whole can be freed;
     on the meta device, shapes only)."""
-    weight, bias = _rank_slice(linear.weight, dim, group), linear.bias
-    if bias is not None and dim == COLUMN:
-        bias = _rank_slice(bias, 0, group)
+    conv = isinstance(module, Conv1D)
+    weight = _rank_slice(module.weight, 1 - kind if conv else kind, stride, group)
+    bias = module.bias
+    if bias is not None and kind == COLUMN:
+        bias = _rank_slice(bias, 0, stride, group)
     with torch.no_grad():
         weight, bias = weight.clone(), None if bias is None else bias.clone()
-    return _parallel_linear(weight, bias, tuple(linear.weight.shape), dim, group)
+    if conv:
+        return ParallelConv1D(weight, bias, kind, stride, group)
+    return _parallel_linear(weight, bias, tuple(module.weight.shape), kind, stride, group)
+
+
+def _local_attention(layer: nn.Module, family: Family, group) -> None:
+    """transformers' GPT-2 attention cuts c_attn's output into q, k and v by ``split_size`` (its
+    width): on a rank holding 1/tp of the heads, 1/tp of it. (Llama and NeoX reshape by head width.)"""
+    if family.name == "gpt2":
+        attention, config, tp = layer.attn, layer.attn.config, group_size(group)
+        attention.num_heads = config.num_attention_heads // tp
+        attention.embed_dim = attention.split_size = config.hidden_size // tp
 
 
 def shard_layers(decoder: nn.Module, family: Family, group) -> nn.Module:
     """``decoder`` (built whole in memory: a random build, or a checkpoint's rebuild) with each held
     layer's projections replaced by this rank's slices of the same weights: the sharded decoder
     computes what the whole one does (up to summation order). Layers read slice by slice are left."""
-    for layer, path, linear, dim in _projections(decoder, family):
-        if isinstance(linear, nn.Linear):
-            _replace(layer, path, _split(linear, dim, group))
+    for layer, path, module, kind, stride in _projections(decoder, family):
+        if isinstance(module, (nn.Linear, Conv1D)):
+            _replace(layer, path, _split(module, kind, stride, group))
+    for layer in getattr(decoder, family.layers):
+        _local_attention(layer, family, group)
     return decoder
 
 
@@ -204,8 +265,8 @@ class _SafetensorsWeights:
     def whole(self, name: str) -> torch.Tensor:
         return self._open(name)[:].to(torch.float32)
 
-    def rank_slice(self, name: str, dim: int, group) -> torch.Tensor:
-        return _rank_slice(self._open(name), dim, group).to(torch.float32)
+    def rank_slice(self, name: str, dim: int, stride: int, group) -> torch.Tensor:
+        return _rank_slice(self._open(name), dim, stride, group).to(torch.float32)
 
 
 def _materialize(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -230,12 +291,14 @@ def read_pretrained_shard(name_or_path: str, config: PretrainedConfig, family: F
         decoder = AutoModel.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         shard_layers(decoder, family, group)
     for name, param in list(decoder.named_parameters()):
-        split = getattr(param, "tensor_model_parallel", False)
-        _materialize(
-            decoder, name, weights.rank_slice(name, param.partition_dim, group) if split else weights.whole(name)
-        )
-    # Non-persistent buffers (rotary inverse frequencies) are in no file: rebuilt from the config.
-    decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+        if getattr(param, "tensor_model_parallel", False):
+            value = weights.rank_slice(name, param.partition_dim, param.partition_stride, group)
+        else:
+            value = weights.whole(name)
+        _materialize(decoder, name, value)
+    # Non-persistent buffers (rotary inverse frequencies; GPT-2 has none) are in no file: rebuilt from the config.
+    if hasattr(decoder, "rotary_emb"):
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
     left = [name for name, buffer in decoder.named_buffers() if buffer.is_meta]  # every parameter was read
     if left:
         raise ConfigError(f"{where}: {SHARD} found no weights for {left[0]} in {weights.directory}")
@@ -246,7 +309,7 @@ def sharded_projection_weights(decoder: nn.Module, family: Family) -> int:
     """Elements this rank holds of the held layers' split projections (weights and sliced biases)."""
     return sum(
         p.numel()
-        for _, _, linear, _ in _projections(decoder, family)
-        for p in linear.parameters()
+        for _, _, module, _, _ in _projections(decoder, family)
+        for p in module.parameters()
         if p.tensor_model_parallel
     )

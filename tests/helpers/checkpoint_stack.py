@@ -78,7 +78,10 @@ def gathered_state(model: nn.Module, tp_group, tensors: dict | None = None) -> d
         if place.partition_dim is not None and group_size(tp_group) > 1:
             parts = [torch.empty_like(value) for _ in range(group_size(tp_group))]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
-            value = torch.cat(parts, dim=place.partition_dim)
+            # A strided split (GPT-2's q, k, v side by side): each rank holds its 1/tp of each part.
+            stride, dim = place.partition_stride, place.partition_dim
+            pieces = [part.chunk(stride, dim) for part in parts]
+            value = torch.cat([rank[j] for j in range(stride) for rank in pieces], dim=dim)
         if place.partition_dim is not None:
             value = value.narrow(place.partition_dim, 0, place.full_shape[place.partition_dim])
         out[name] = value

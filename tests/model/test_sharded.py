@@ -1,9 +1,10 @@
 """``feature_model.parallel=shard``: the frozen decoder's held layers split over the TP group (Megatron
 layout), every rank running the whole batch. Against the replicated decoder built in the same rank
 (features within a derived bound, a missing all-reduce far outside it), random builds and a decoder
-read slice by slice from its safetensors; 1/tp of the projections per rank; two all-reduces per
-layer; the autoencoder's loss and gradients at TP=2 and 4; portable checkpoints across the layouts;
-and the refusals in one line. Real gloo ranks (tests/conftest.py's pools)."""
+read slice by slice from its safetensors (GPT-2's c_attn as three ranges, never whole); 1/tp of the
+projections per rank; two all-reduces per layer; the autoencoder's loss and gradients at TP=2 and 4;
+portable checkpoints across the layouts and TP degrees; and the refusals in one line. Real gloo
+ranks (tests/conftest.py's pools)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, Qwen2Config, Qwen3Config
+from transformers import GPT2Config, LlamaForCausalLM, Qwen2Config, Qwen3Config
 
 from parallel_latent.api import load_autoencoder
 from parallel_latent.checkpoint import load_portable, save_portable
 from parallel_latent.config import ConfigError, FeatureModelConfig, config_from_dict
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.sharded import PROJECTIONS, sharded_projection_weights
+from parallel_latent.model.sharded import COLUMN, PROJECTIONS, ROW, _SafetensorsWeights, sharded_projection_weights
 from parallel_latent.parallel import initialize_model_parallel
 from parallel_latent.training.report import tp_options_line
 from tests.helpers.checkpoint_stack import gathered_state
-from tests.helpers.decoders import save_tiny_decoder, small_tokenizer
+from tests.helpers.decoders import WIDTH, save_tiny_decoder, small_tokenizer
 from tests.helpers.pool_training import train_in_pool
 from tests.helpers.tiny_model import D, T, reduction_length_of_model, tiny_batch, tiny_configs
 from tests.helpers.tp_compare import (
@@ -35,6 +36,7 @@ from tests.helpers.tp_compare import (
 
 B, LENGTH, VOCAB = 3, 12, 300
 RANDOM = {
+    "gpt2": FeatureModelConfig(architecture="gpt2", n_layer=4, n_head=4, n_embd=32, parallel="shard"),
     "gpt_neox": FeatureModelConfig(architecture="gpt_neox", n_layer=4, n_head=4, n_embd=32, parallel="shard"),
     "llama": FeatureModelConfig(architecture="llama", n_layer=4, n_head=4, n_embd=32, n_kv_head=2, parallel="shard"),
 }
@@ -53,7 +55,7 @@ def decoder_reduction_length(model: FeatureModel, length: int, tp: int) -> int:
     and its all-reduce (tp), the MLP's products (gated: two in, one out) and its all-reduce, and 16
     roundings for elementwise activations and rotary steps."""
     config, f = model.decoder_config, model.width
-    heads, mlp = config.num_attention_heads, config.intermediate_size
+    heads, mlp = config.num_attention_heads, model.family.mlp_width(config)
     mlp_terms = (2 * f + mlp) if model.family.name == "llama" else (f + mlp)
     return model.blocks * (2 * f + f + f // heads + 2 * length + f + tp + mlp_terms + tp + 16)
 
@@ -67,10 +69,10 @@ def projection_elements(model: FeatureModel, split_only: bool) -> int:
     """Elements of the held layers' projections (weights, and biases of the column-split ones)."""
     total = 0
     for layer in getattr(model.decoder, model.family.layers):
-        for path, dim in PROJECTIONS[model.family.name].items():
+        for path, kind in PROJECTIONS[model.family.name].items():
             linear = layer.get_submodule(path)
             total += linear.weight.numel()
-            if linear.bias is not None and (dim == 0 or not split_only):
+            if linear.bias is not None and (kind == COLUMN or not split_only):
                 total += linear.bias.numel()
     return total
 
@@ -101,8 +103,8 @@ def features_task(tp: int, feature_cfg: FeatureModelConfig, vocab: int, recorded
         restore()
     n = decoder_reduction_length(whole, LENGTH, tp)
     for layer in getattr(sharded.decoder, sharded.family.layers):  # a broken variant: no all-reduce at all
-        for path, dim in PROJECTIONS[sharded.family.name].items():
-            if dim == 1:
+        for path, kind in PROJECTIONS[sharded.family.name].items():
+            if kind == ROW:
                 layer.get_submodule(path).tp_group = None
     broken = sharded(ids, mask)
     return {
@@ -162,35 +164,76 @@ def saved(tmp_path_factory):
     20 kB with their index, as large models ship."""
     tokenizer = small_tokenizer()
     root = tmp_path_factory.mktemp("decoders")
-    out = {family: save_tiny_decoder(root / family, family, tokenizer) for family in ("gpt_neox", "llama")}
+    out = {family: save_tiny_decoder(root / family, family, tokenizer) for family in ("gpt2", "gpt_neox", "llama")}
     LlamaForCausalLM.from_pretrained(out["llama"]).save_pretrained(root / "llama-index", max_shard_size="20kB")
     out["llama-index"] = root / "llama-index"
     assert (out["llama-index"] / "model.safetensors.index.json").is_file()
     return out
 
 
-@pytest.mark.parametrize("family", ["gpt_neox", "llama", "llama-index"])
+def pretrained_shard(directory) -> FeatureModelConfig:
+    return FeatureModelConfig(name_or_path=str(directory), pretrained=True, hidden_state=-2, parallel="shard")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama", "llama-index"])
 def test_a_pretrained_decoder_read_slice_by_slice_equals_the_whole_one(pool4, saved, family):
     """The tiny decoders (tests/helpers/decoders.py: NeoX with partial rotary, Llama with grouped
     kv heads and an MLP width that is not 4x), the held layers of hidden state -2 only."""
-    cfg = FeatureModelConfig(name_or_path=str(saved[family]), pretrained=True, hidden_state=-2, parallel="shard")
-    assert_sharded_equals_whole(pool4.run(features_task, 2, cfg, 514), 2, family)
+    assert_sharded_equals_whole(pool4.run(features_task, 2, pretrained_shard(saved[family]), 514), 2, family)
+
+
+class RecordingSlice:
+    """A safetensors slice that records each index read from it."""
+
+    def __init__(self, piece, reads: list):
+        self.piece, self.reads = piece, reads
+
+    def get_shape(self):
+        return self.piece.get_shape()
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.piece[index]
+
+
+def reads_task(tp: int, directory: str) -> dict[str, list]:
+    """The indices read from each tensor of ``directory``'s safetensors as the sharded decoder is built."""
+    group = initialize_model_parallel(tp).tp_group
+    reads, opened = {}, _SafetensorsWeights._open
+    _SafetensorsWeights._open = lambda self, name: RecordingSlice(opened(self, name), reads.setdefault(name, []))
+    try:
+        FeatureModel(pretrained_shard(directory), 514, tp_group=group)
+    finally:
+        _SafetensorsWeights._open = opened
+    return reads
+
+
+def test_gpt2_c_attn_is_read_as_three_ranges_never_whole(pool4, saved):
+    """A rank's heads of c_attn ([in, out]: q of all heads, then k, then v) are its half of each."""
+    half, mlp_half = WIDTH // 2, 4 * WIDTH // 2
+    for rank, reads in enumerate(pool4.run(reads_task, 2, str(saved["gpt2"]))):
+        tp_rank = rank % 2
+        columns = [slice(j * WIDTH + tp_rank * half, j * WIDTH + (tp_rank + 1) * half) for j in range(3)]
+        assert reads["h.0.attn.c_attn.weight"] == [(slice(None), c) for c in columns], rank
+        assert reads["h.0.attn.c_attn.bias"] == [(c,) for c in columns], rank
+        assert reads["h.0.mlp.c_proj.weight"] == [(slice(tp_rank * mlp_half, (tp_rank + 1) * mlp_half),)], rank
+        assert reads["h.0.ln_1.weight"] == [slice(None)], rank
 
 
 # ----------------------------------------------------------------------------- the autoencoder
 
 
-def autoencoder_configs(parallel: str = "shard"):
+def autoencoder_configs(parallel: str = "shard", family: str = "llama"):
     model_cfg, _ = tiny_configs(0.0)
     feature_cfg = dataclasses.replace(
-        random_build("llama", 4), n_embd=D, n_positions=64, hidden_state=-2, parallel=parallel
+        random_build(family, 4), n_embd=D, n_positions=64, hidden_state=-2, parallel=parallel
     )
     return model_cfg, feature_cfg
 
 
-def autoencoder_task(tp: int) -> dict:
+def autoencoder_task(tp: int, family: str) -> dict:
     group = initialize_model_parallel(tp).tp_group
-    model_cfg, feature_cfg = autoencoder_configs()
+    model_cfg, feature_cfg = autoencoder_configs(family=family)
     ref = LatentAutoencoder(model_cfg, feature_cfg, seed=1).train()  # TP=1: nothing to shard
     par = LatentAutoencoder(model_cfg, feature_cfg, tp_group=group, seed=1).train()
     ids, mask = tiny_batch(seed=0)
@@ -214,14 +257,15 @@ def autoencoder_task(tp: int) -> dict:
     }
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_the_autoencoder_over_a_sharded_decoder_equals_tp1(pool4, tp):
-    for rank, res in enumerate(pool4.run(autoencoder_task, tp)):
+def test_the_autoencoder_over_a_sharded_decoder_equals_tp1(pool4, tp, family):
+    for rank, res in enumerate(pool4.run(autoencoder_task, tp, family)):
         assert res["sharded"], rank
         assert res["banner"].startswith("frozen decoder sharded over the TP group (feature_model.parallel=shard: 1/tp")
         for key in ("loss", "grads"):
             diff, bound = res[key]
-            assert diff <= bound, f"rank {rank} tp={tp}: {key} differs by {diff:.3g} > {bound:.3g}"
+            assert diff <= bound, f"{family} rank {rank} tp={tp}: {key} differs by {diff:.3g} > {bound:.3g}"
 
 
 @torch.no_grad()
@@ -229,65 +273,89 @@ def loss_of(model: LatentAutoencoder) -> float:
     return model.eval()(*tiny_batch(seed=3)).loss.item()
 
 
-def save_sharded_task(tp: int, directory: str):
+def save_sharded_task(tp: int, directory: str, family: str):
     group = initialize_model_parallel(tp).tp_group
-    model = LatentAutoencoder(*autoencoder_configs(), tp_group=group, seed=1)
+    model = LatentAutoencoder(*autoencoder_configs(family=family), tp_group=group, seed=1)
     save_portable(model, directory, tp_group=group)
     return loss_of(model), gathered_state(model, group)
 
 
-def load_sharded_task(tp: int, directory: str):
+def load_sharded_task(tp: int, directory: str, family: str):
     group = initialize_model_parallel(tp).tp_group
-    model = LatentAutoencoder(*autoencoder_configs(), tp_group=group, seed=2)  # other weights, all overwritten
+    model = LatentAutoencoder(*autoencoder_configs(family=family), tp_group=group, seed=2)  # all overwritten
     load_portable(directory, model, group)
     return loss_of(model), gathered_state(model, group)
 
 
-def test_portable_checkpoints_hold_the_same_tensors_in_either_layout(pool4, tmp_path):
-    k = reduction_length_of_model(4) + decoder_reduction_length(
-        LatentAutoencoder(*autoencoder_configs(), seed=1).feature_model, T, 4
-    )
-    # Saved sharded at TP=4, loaded whole in one process: by the API, and into a replicate model.
+def assert_same_tensors(got: dict, want: dict, where: str) -> None:
+    assert got.keys() == want.keys(), where
+    assert all(torch.equal(got[n], want[n]) for n in want), where
+
+
+@pytest.mark.parametrize(("family", "saved_tp", "load_tp"), [("gpt2", 2, 4), ("llama", 4, 2)])
+def test_portable_checkpoints_hold_the_same_tensors_in_either_layout(pool4, tmp_path, family, saved_tp, load_tp):
+    """Saved sharded: the full tensors of the replicated decoder of the same seed, loaded whole in
+    one process (by the API, and into a replicate model) and sharded at another TP degree (GPT-2's
+    c_attn re-cut from 2 ranks' strided shards for 4). Saved whole: loaded sharded."""
+
+    def replicated(seed: int) -> LatentAutoencoder:
+        return LatentAutoencoder(*autoencoder_configs("replicate", family), seed=seed)
+
+    k = reduction_length_of_model(4) + decoder_reduction_length(replicated(1).feature_model, T, 4)
+
+    def assert_close(got: float, want: float) -> None:
+        assert abs(got - want) <= order_bound(k, terms_scale(abs(want), k))
+
     sharded_dir = tmp_path / "sharded"
-    loss, state = pool4.run(save_sharded_task, 4, str(sharded_dir))[0]
-    replicate = LatentAutoencoder(*autoencoder_configs("replicate"), seed=2)
+    loss, state = pool4.run(save_sharded_task, saved_tp, str(sharded_dir), family)[0]
+    assert_same_tensors(state, gathered_state(replicated(1), None), "saved")
+    replicate = replicated(2)
     load_portable(sharded_dir, replicate)
     for model in (load_autoencoder(sharded_dir), replicate):
-        assert abs(loss_of(model) - loss) <= order_bound(k, terms_scale(abs(loss), k))
-        got = gathered_state(model, None)
-        assert got.keys() == state.keys() and all(torch.equal(got[n], state[n]) for n in state)
-    # Saved whole, loaded sharded at TP=4.
+        assert_close(loss_of(model), loss)
+        assert_same_tensors(gathered_state(model, None), state, "loaded whole")
+    for got_loss, got_state in pool4.run(load_sharded_task, load_tp, str(sharded_dir), family):
+        assert_close(got_loss, loss)
+        assert_same_tensors(got_state, state, f"loaded at TP={load_tp}")
     whole_dir = tmp_path / "whole"
-    whole = LatentAutoencoder(*autoencoder_configs("replicate"), seed=3)
+    whole = replicated(3)
     save_portable(whole, whole_dir)
     want, want_state = loss_of(whole), gathered_state(whole, None)
-    for got_loss, got_state in pool4.run(load_sharded_task, 4, str(whole_dir)):
-        assert abs(got_loss - want) <= order_bound(k, terms_scale(abs(want), k))
-        assert all(torch.equal(got_state[n], want_state[n]) for n in want_state)
+    for got_loss, got_state in pool4.run(load_sharded_task, load_tp, str(whole_dir), family):
+        assert_close(got_loss, want)
+        assert_same_tensors(got_state, want_state, f"saved whole, loaded at TP={load_tp}")
 
 
 # ----------------------------------------------------------------------------- refusals
 
 
-def build_task(tp: int, feature_cfg: FeatureModelConfig) -> str:
+def build_task(tp: int, cases: list[tuple[FeatureModelConfig, dict | None]]) -> list[str]:
+    """Why each (config, recorded transformers config) cannot be built at ``tp`` ("" if it can)."""
     group = initialize_model_parallel(tp).tp_group
-    try:
-        FeatureModel(feature_cfg, VOCAB, tp_group=group)
-    except ConfigError as refused:
-        return str(refused)
-    return ""
+    messages = []
+    for feature_cfg, recorded in cases:
+        try:
+            FeatureModel(feature_cfg, VOCAB, recorded, tp_group=group)
+            messages.append("")
+        except ConfigError as refused:
+            messages.append(str(refused))
+    return messages
 
 
 def test_what_cannot_be_sharded_is_one_line(pool4):
     kv = dataclasses.replace(RANDOM["llama"], n_head=8, n_kv_head=2)  # 2 kv heads over 4 ranks
-    gpt2 = FeatureModelConfig(architecture="gpt2", n_layer=2, n_head=4, n_embd=32, parallel="shard")
+    gpt2_heads = dataclasses.replace(RANDOM["gpt2"], n_head=2, n_embd=16)
+    gpt2_mlp = GPT2Config(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, n_inner=42).to_dict()
     trainable = dataclasses.replace(RANDOM["llama"], frozen=False)
-    messages = [pool4.run(build_task, 4, cfg)[0] for cfg in (kv, gpt2, trainable)]
+    cases = [(kv, None), (gpt2_heads, None), (RANDOM["gpt2"], gpt2_mlp), (trainable, None)]
+    messages = pool4.run(build_task, 4, cases)[0]
     assert all(message and "\n" not in message for message in messages), messages
     assert messages[0].startswith("parallel.tensor_parallel=4 does not divide the 2 key/value heads of the feature")
     assert "(Llama, 8 heads)" in messages[0]
-    assert messages[1].startswith("feature_model.parallel=shard does not support GPT-2 decoders")
-    assert messages[2].startswith("feature_model.parallel=shard needs feature_model.frozen=true")
+    assert messages[1].startswith("parallel.tensor_parallel=4 does not divide the 2 attention heads of the feature")
+    assert "(GPT-2, 2 heads)" in messages[1]
+    assert messages[2].startswith("parallel.tensor_parallel=4 does not divide the 42 MLP width of the feature")
+    assert messages[3].startswith("feature_model.parallel=shard needs feature_model.frozen=true")
 
 
 def test_the_config_refuses_shard_with_a_trainable_decoder_or_zero3():
