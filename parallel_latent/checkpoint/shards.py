@@ -35,7 +35,9 @@ from parallel_latent.zero.params import gathered, is_zero3, local_shape
 from .layout import MANIFEST_NAME, CheckpointError, read_json, write_json
 
 FORMAT = "parallel-latent-portable"
-FORMAT_VERSION = 3  # 3: a shard's ``key`` (a v2 reader would look a strided shard up by the tensor's name)
+# The newest version this code reads and writes. 3: a shard's ``key`` (a v2 reader would look a strided
+# shard up by the tensor's name); a manifest without one says 2, so older readers still take it.
+FORMAT_VERSION = 3
 # A shard's checksum, by the key its record names it with: XXH3-128 detects damage as well as a
 # cryptographic hash at tens of GB/s (nothing here needs to resist a forger); version 1 used SHA-256.
 CHECKSUM_KEY = "xxh3_128"
@@ -213,7 +215,8 @@ def assemble_manifest(entries: list[Entry], parts: list[tuple[dict, dict]], tp_s
         shape, dim = list(e.placement.full_shape), e.placement.partition_dim
         tensors[e.name] = {"shape": shape, "dtype": dtype_name(e.dtype), "partition_dim": dim, "shards": records}
     files = dict(sorted(item for _, file_records in parts for item in file_records.items()))
-    head = {"format": FORMAT, "format_version": FORMAT_VERSION, "tp_size": tp_size}
+    keyed = any("key" in record for info in tensors.values() for record in info["shards"])
+    head = {"format": FORMAT, "format_version": FORMAT_VERSION if keyed else 2, "tp_size": tp_size}
     return {**head, **fields, "files": files, "tensors": tensors, "aliases": aliases}
 
 
