@@ -14,8 +14,9 @@ matmul rates, 4.0 TB/s of HBM): per layer, its matrix products (FLOPs over the m
 weights read over the bandwidth, whichever is longer) and causal attention (4 T^2 f FLOPs per
 sample, counted in full); collectives at ``NVLINK`` bytes/s per direction in a ring (all-reduce
 2 (n-1)/n of the bytes, all-gather (n-1)/n) plus ``COLLECTIVE_LATENCY`` each. Kernel launches and
-elementwise work are left out (the same in both layouts). A layout ``shard`` refuses (GPT-2, whose
-q, k and v sit side by side in one matrix; kv heads TP does not divide) is shown as refused.
+elementwise work are left out (the same in both layouts). A TP degree that ``shard`` refuses (one that
+does not divide the heads, the kv heads or the MLP width: model/sharded.py's own check) is shown as
+refused.
 
 Usage: python benchmarks/bench_feature_models.py [--quick] [--batch 32] [--length 64] [--json PATH]
 """
@@ -27,8 +28,6 @@ import dataclasses
 import sys
 
 from bench_projection import PINNED, matmul_seconds
-
-from parallel_latent.model.sharded import PROJECTIONS
 
 from common import Report, add_common_arguments, run
 
@@ -78,6 +77,7 @@ class Held:
     heads: int
     mlp: int
     family: str
+    config: object  # the transformers config, for model/sharded.py's check
 
 
 def held_on_meta(name: str) -> Held:
@@ -99,7 +99,7 @@ def held_on_meta(name: str) -> Held:
     per_layer = sum(p.numel() for p in stack[0].parameters() if p.dim() == 2)
     matrices = per_layer * len(stack)
     replicated = sum(p.numel() for p in decoder.parameters()) - matrices  # the layers' norms and biases too
-    return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads, mlp, family_name)
+    return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads, mlp, family_name, config)
 
 
 def frozen_bytes(held: Held, tp: int, layout: str) -> float:
@@ -108,13 +108,15 @@ def frozen_bytes(held: Held, tp: int, layout: str) -> float:
 
 
 def shard_refusal(held: Held, tp: int) -> str | None:
-    """Why ``shard`` refuses this decoder at ``tp`` (model/sharded.py's rules), or None."""
-    if tp == 1:
-        return None
-    if held.family not in PROJECTIONS:
-        return "GPT-2 is not sharded"
-    if held.heads % tp or held.kv_heads % tp or held.mlp % tp:
-        return f"TP={tp} does not divide {held.kv_heads} kv heads"
+    """Why ``shard`` refuses this decoder at ``tp`` (model/sharded.py's check itself), or None."""
+    from parallel_latent.config import ConfigError, FeatureModelConfig
+    from parallel_latent.model.families import FAMILIES
+    from parallel_latent.model.sharded import check_shardable
+
+    try:
+        check_shardable(FeatureModelConfig(parallel="shard"), FAMILIES[held.family], held.config, tp)
+    except ConfigError as refusal:
+        return str(refusal)
     return None
 
 
