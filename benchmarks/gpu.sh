@@ -10,6 +10,7 @@
 #   ROWS=default,compile benchmarks/gpu.sh             # some rows
 #   benchmarks/gpu.sh --json docs/benchmarks/gpu.json  # the figures for docs/benchmarks.md
 #   benchmarks/gpu.sh --wheelhouse DIR                 # a node without network (tools/wheelhouse.sh)
+#   benchmarks/gpu.sh --wheelhouse DIR --check-only    # install it and check the imports, run nothing
 #   ALLOW_CPU=1 benchmarks/gpu.sh --quick              # the CPU test of this script
 #
 # In order: the interpreter (the first of $PYTHON, python3, python in which torch imports); its
@@ -70,11 +71,12 @@ gpu_tests() {
     export GPU_TESTS_XML="$junit"
 }
 
-wheelhouse="" args=()
+wheelhouse="" check_only="" args=()
 while (($#)); do
     case $1 in
     --wheelhouse) [[ $# -ge 2 ]] || { echo "gpu.sh: --wheelhouse needs a directory" >&2; exit 1; }
         wheelhouse=$2; shift 2 ;;
+    --check-only) check_only=1; shift ;;
     *) args+=("$1"); shift ;;
     esac
 done
@@ -87,5 +89,9 @@ prefix=""
 trap '[[ -z "$prefix" ]] || rm -rf "$prefix"' EXIT
 [[ -z "$wheelhouse" ]] || install_wheelhouse "$wheelhouse"
 "$PYTHON" tools/check_imports.py
+if [[ -n "$check_only" ]]; then  # a wheelhouse tried on the node before the minutes of the rows
+    echo "gpu.sh: every import a run needs is there for $PYTHON${wheelhouse:+ with $wheelhouse}; nothing run (--check-only)"
+    exit 0
+fi
 gpu_tests
 "$PYTHON" benchmarks/bench_gpu.py ${args[@]+"${args[@]}"}

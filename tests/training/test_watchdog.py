@@ -341,7 +341,8 @@ def test_a_stopped_rank_0_that_hosts_the_store_ends_the_job(tmp_path):
     _assert_names(last, 0, stopped)
     stacks = Path(last.rsplit("Python stacks: ", 1)[1].split(";")[0])
     assert "parallel_latent" in (stacks / "stack_rank1.txt").read_text()
-    _rerun_resumes(run_dir, *OVERRIDES)
+    # That a run ended by the watchdog resumes is the rank-1 test's rerun: which rank stalled does
+    # not change the checkpoints it left.
 
 
 def test_the_suite_runs_with_a_short_watchdog():
