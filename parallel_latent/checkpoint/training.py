@@ -111,6 +111,19 @@ class LoadedCheckpoint:
     resharded: bool  # loaded through the universal state at another layout
 
 
+def _same_splits(saved_table: dict | None, model, tp_size: int) -> bool:
+    """Whether every tensor of ``model`` is split as the checkpoint's table records (a table the
+    checkpoint predates: assumed so). A frozen decoder sharded over the TP group or replicated
+    (``feature_model.parallel``) changes how the module's tensors are split at the same TP degree,
+    which DeepSpeed's own files cannot load into: the universal state can."""
+    if not saved_table:
+        return True
+    table, _ = tensor_table(model, tp_size)
+    split = ("partition_dim", "partition_stride")
+    return all({k: saved_table.get(name, {}).get(k, 1) for k in split} == {k: spec.get(k, 1) for k in split}
+               for name, spec in table.items())  # fmt: skip
+
+
 def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=None) -> LoadedCheckpoint:
     """Restore ``engine`` (weights, optimizer, LR scheduler, counters) and this rank's RNG states
     from ``path`` (see :func:`.layout.resolve_checkpoint`). Collective. At the saved TP, DP, ZeRO
@@ -124,6 +137,7 @@ def load_training_checkpoint(engine, path: str | Path, *, model=None, tp_group=N
     model = model if model is not None else engine.module
     saved, now = info["layout"], engine_layout(engine)
     same_layout = all(saved.get(k) == now[k] for k in ("tensor_parallel", "data_parallel", "zero_stage", "precision"))
+    same_layout = same_layout and _same_splits(info.get("tensors"), model, now["tensor_parallel"])
     client = layout.read_json(step_dir / layout.CLIENT_STATE_FILE, "client state")
     # Another model (e.g. another vocabulary head) would fail deep in DeepSpeed's state-dict load.
     check_model_record({"model_config": (client.get("config") or {}).get("model")}, model, step_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .compatibility import model_difference, saved_model_config
+from .compatibility import feature_model_difference, model_difference, saved_model_config
 from .export import EXPORT_SECTION, ExportConfig
 from .schema import FRACTION, NOT_EMPTY, POSITIVE, SHARE, Bound, Items, at_least, check_section, require, setting
 
@@ -198,6 +198,10 @@ class FeatureModelConfig:
         "it; shard: attention and MLP of each held layer split over the TP group (Megatron layout), each rank "
         "holding 1/tp of them, for a decoder too big for one GPU",
     )
+
+    def difference(self, record: dict | None) -> str | None:
+        """How the feature_model section a checkpoint records chose another decoder (:mod:`.compatibility`)."""
+        return feature_model_difference(self, record)
 
     def validate(self, source: str) -> None:
         require(

@@ -95,14 +95,15 @@ def checkpoint_to_resume(cfg: Config) -> Path | None:
 
 def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = ()) -> None:
     """CheckpointError (one line naming the first key that differs) when the checkpoint at ``path``
-    was trained as another model than ``cfg.model``; the keys in ``ignore`` are not compared."""
+    was trained as another model than ``cfg.model``, or over another decoder than
+    ``cfg.feature_model`` chooses; the ``model`` keys in ``ignore`` are not compared."""
     if path is None:
         return
-    record = saved_run_config(path).get("model")
-    if not record:
-        return  # (a checkpoint without its config: the engine's load compares the tensors)
-    record = {**record, **{key: getattr(cfg.model, key) for key in ignore}}
-    if problem := cfg.model.difference(record):
+    saved = saved_run_config(path)  # (a checkpoint without its config: the engine's load compares the tensors)
+    record = saved.get("model")
+    if record:
+        record = {**record, **{key: getattr(cfg.model, key) for key in ignore}}
+    if problem := cfg.model.difference(record) or cfg.feature_model.difference(saved.get("feature_model")):
         raise CheckpointError(f"{path}: config mismatch: {problem}")
 
 

@@ -13,6 +13,7 @@ from parallel_latent.config import (
     Config,
     ConfigError,
     ExportConfig,
+    FeatureModelConfig,
     ModelConfig,
     build_dataclass,
     config_from_dict,
@@ -610,3 +611,28 @@ def test_latent_keys_at_their_default_are_the_model_of_zero():
     assert dataclasses.replace(zero, predict_length=True).difference(old) == (
         "model.predict_length is False in the checkpoint but True in the model"
     )
+
+
+def test_a_feature_model_that_chooses_another_decoder_is_a_difference():
+    """The keys that choose the decoder differ (the one a loaded decoder reads, the ones a built one
+    uses); the layout (parallel) and a loaded decoder's unused build keys do not; keys a checkpoint
+    predates (the v1 fixture: no hidden_state, architecture, n_kv_head, parallel) mean their default."""
+    built = FeatureModelConfig(n_layer=3, n_head=2, n_embd=16, n_positions=8)
+    v1 = {"name_or_path": "gpt2", "pretrained": False, "frozen": True, "n_layer": 3, "n_head": 2, "n_embd": 16,
+          "n_positions": 8}  # fmt: skip
+    assert built.difference(v1) is None and built.difference(None) is None
+    assert dataclasses.replace(built, parallel="shard").difference(v1) is None
+    assert dataclasses.replace(built, name_or_path="elsewhere").difference(v1) is None  # a build reads no files
+    assert dataclasses.replace(built, n_kv_head=2).difference(v1) is None  # 0 kv heads: one per head
+    for key, value in (("hidden_state", -2), ("n_layer", 4), ("architecture", "llama"), ("frozen", False)):
+        changed = dataclasses.replace(built, **{key: value})
+        assert changed.difference(v1) == (
+            f"feature_model.{key} is {v1.get(key, getattr(built, key))!r} in the checkpoint but {value!r} in the config"
+        )
+    loaded = dataclasses.replace(built, pretrained=True, name_or_path="/models/pythia")
+    record = dataclasses.asdict(loaded)
+    assert dataclasses.replace(loaded, n_layer=12).difference(record) is None  # read from the decoder's config
+    assert dataclasses.replace(loaded, name_or_path="/models/llama").difference(record) == (
+        "feature_model.name_or_path is '/models/pythia' in the checkpoint but '/models/llama' in the config"
+    )
+    assert loaded.difference(v1) == "feature_model.pretrained is False in the checkpoint but True in the config"

@@ -37,9 +37,18 @@ def refused(run_dir, *overrides, expected: str):
     assert lines[0].startswith("parallel-latent: error: ") and expected in lines[0], lines[0]
 
 
-def test_another_model_than_the_checkpoints_is_refused_before_any_rank_starts(trained):
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.head=normal", "config mismatch: model.head is 'tied' in the checkpoint"),
+        # Another decoder: DeepSpeed's state-dict load would end every rank with its traceback.
+        ("feature_model.n_layer=4", "config mismatch: feature_model.n_layer is 3 in the checkpoint but 4"),
+        ("feature_model.hidden_state=-2", "config mismatch: feature_model.hidden_state is -3 in the checkpoint"),
+    ],
+)
+def test_another_model_than_the_checkpoints_is_refused_before_any_rank_starts(trained, override, expected):
     before = directory_bytes(trained)
-    refused(trained, "model.head=normal", expected="config mismatch: model.head is 'tied' in the checkpoint")
+    refused(trained, override, expected=expected)
     assert directory_bytes(trained) == before  # config.yaml too: it used to be rewritten first
 
 
