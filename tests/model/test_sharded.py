@@ -443,7 +443,7 @@ def assert_same_training(got: Path, want: Path, steps: list[int], tp: int) -> No
         assert diff == 0 if name in frozen else diff <= 2 * updates, f"{name} differs by {diff:.3g}"
 
 
-@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+@pytest.mark.parametrize("stage", [pytest.param(2, id="zero2"), pytest.param(3, id="zero3", marks=pytest.mark.slow)])
 def test_a_trainer_runs_over_a_sharded_decoder(sharded_runs, stage):
     """TP=2 x DP=2 at ZeRO-2, and at ZeRO-3, which partitions the decoder's TP slices over DP too and
     gathers them around each module's forward: ZeRO-3 trains as ZeRO-2 (the frozen decoder exactly,
@@ -461,6 +461,7 @@ def test_a_trainer_runs_over_a_sharded_decoder(sharded_runs, stage):
         assert abs(flops[0] - flops[1]) <= 8 * torch.finfo(torch.float64).eps * flops[1], f"model FLOPs, step {step}"
 
 
+@pytest.mark.slow
 def test_a_zero3_checkpoint_over_a_sharded_decoder_resumes_at_its_tp_and_another(pool4, sharded_runs, tmp_path):
     """The ZeRO-3 run's step-2 checkpoint: at its own layout DeepSpeed's files resume step 3 bit for
     bit; at TP=4 x DP=1 (the universal state: the decoder's frozen fragments reassembled per TP rank,
