@@ -155,7 +155,7 @@ def load_universal_state(engine, directory: str | Path, *, tp_group=None) -> dic
                 zero_params.write_param(tensor, checkpoint.read_block(key, place, tp_rank, tensor.dtype))
                 continue
             zero_params.set_master(engine, tensor, checkpoint.read_block(key, place, tp_rank, torch.float32))
-            for moment in zero_params.moments_of(manifest["optimizer"].get("class", "AdamW")):
+            for moment in zero_params.kept_moments(engine, manifest["optimizer"].get("class", "AdamW")):
                 value = checkpoint.read_block(saved(moment, name, place), place, tp_rank, torch.float32)
                 zero_params.set_moment(engine, tensor, moment, value)
     groups, optimizer = manifest["optimizer"].get("param_groups", []), zero_params.base_optimizer(engine)

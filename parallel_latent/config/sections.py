@@ -534,13 +534,6 @@ def validate_config(cfg: Config, source: str = "<config>") -> Config:
         f"model.max_length={model.max_length} exceeds feature_model.n_positions={feature.n_positions}",
     )
     _validate_tensor_parallel(model, parallel, source)
-    require(
-        feature.parallel == "replicate" or parallel.tensor_parallel == 1 or parallel.zero_stage < 3,
-        source,
-        "feature_model.parallel=shard is not supported with parallel.zero_stage=3: ZeRO-3 would partition the "
-        "decoder's TP slices again over the data-parallel ranks and gather them around transformers' layers, "
-        "which is not implemented; use zero_stage 1 or 2 (the frozen decoder has no optimizer state to shard)",
-    )
     if parallel.grad_reduce_dtype == "bf16":
         require(
             training.precision == "bf16",

@@ -212,6 +212,7 @@ class FeatureModel(nn.Module):
         if self.shard_group is not None:
             shard_layers(decoder, self.family, self.shard_group)
         self.add_module(self.family.name, use_fused_tanh_gelu(decoder) if self.family.name == GPT2 else decoder)
+        self.matmul_weights = self._count_matmul_weights()
         if self.frozen:
             self.requires_grad_(False)
             self.eval()
@@ -247,10 +248,11 @@ class FeatureModel(nn.Module):
         """Whether each held layer is split over the TP group (``feature_model.parallel=shard``)."""
         return self.shard_group is not None
 
-    @property
-    def matmul_weights(self) -> int:
+    def _count_matmul_weights(self) -> int:
         """Weights of the matrix products in the layers that run (a token's forward is 2 FLOPs each):
-        the whole model's, however it is laid out over the TP group."""
+        the whole model's, however it is laid out over the TP group. Counted once, when built: ZeRO-3
+        later partitions the parameters over DP, and a partitioned one holds no elements between its
+        gathers. (``matmul_weights`` holds the count.)"""
         tp = group_size(self.shard_group)
         return sum(
             p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)

@@ -24,6 +24,10 @@ weight that hold whole heads:
 The parameter names and the full (reassembled) shapes are those of the replicated decoder, with the
 TP flags of the parallel layers (partition dim and stride), so a portable checkpoint holds the same
 full tensors whatever the layout and loads into either.
+
+Under ZeRO-3 the slices are partitioned over the data-parallel group like every parameter of the
+model (the replicated decoder's too) and gathered around the forward of the module that owns them:
+every projection here owns its slice, and transformers' layers are modules like any other.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ __all__ = [
     "ensure_optimizer_state",
     "gathered",
     "is_zero3",
+    "kept_moments",
     "local_shape",
     "moments_of",
     "plain_param",
@@ -40,6 +41,15 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 def moments_of(kind: str) -> tuple[str, ...]:
     """The per-parameter state tensors of an optimizer of ``kind`` (a checkpoint records the class name)."""
     return ("momentum_buffer",) if "SGD" in kind else ADAM_MOMENTS
+
+
+def kept_moments(engine, kind: str) -> tuple[str, ...]:
+    """The per-parameter state tensors (:func:`moments_of` ``kind``) that ``engine``'s optimizer keeps:
+    SGD without momentum (in every group, as the trainer builds it) keeps none."""
+    optimizer = base_optimizer(engine)
+    if isinstance(optimizer, torch.optim.SGD) and not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return ()
+    return moments_of(kind)
 
 
 def is_zero3(param: torch.Tensor) -> bool:

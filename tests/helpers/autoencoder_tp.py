@@ -13,6 +13,7 @@ from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import initialize_model_parallel, split_along_sequence
 from tests.helpers.tiny_model import (
     VOCAB,
+    B,
     D,
     T,
     reduction_length_of_model,
@@ -61,6 +62,26 @@ def _logits(model, latents, group):
     with torch.no_grad():
         logits = model.decoder(latents, T)
     return gather_full(logits, SPLIT_ON_LAST_DIM, group)[..., :VOCAB]
+
+
+def sgd_engine(model: LatentAutoencoder, tp: int, zero_stage: int, lr: float):
+    """``model``, of the configs it was built from, under DeepSpeed at TP=``tp`` x DP=the rest through
+    the trainer's engine set-up: SGD at ``lr`` without clipping or schedule, a DP rank's micro-batch
+    half of the tiny batch; at ZeRO-3 every parameter partitioned (DeepSpeed keeps those of up to 1e5
+    elements whole once gathered otherwise)."""
+    from parallel_latent.config import Config, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainingConfig
+    from parallel_latent.training.engine import initialize_engine
+
+    cfg = Config(
+        model=model.model_cfg,
+        feature_model=model.feature_cfg,
+        parallel=ParallelConfig(tensor_parallel=tp, zero_stage=zero_stage),
+        optimizer=OptimizerConfig(name="sgd", lr=lr, weight_decay=0.0, grad_clip=0.0),
+        schedule=ScheduleConfig(warmup_steps=0, decay="constant"),
+        training=TrainingConfig(micro_batch_size=B // 2, device="cpu"),
+    )
+    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    return initialize_engine(model, cfg, dist.get_world_size(), overrides).engine
 
 
 # Fewer and narrower latents than positions and width, and the length learned: T=8 positions in

@@ -38,9 +38,10 @@ def shared_pool(request, world_size: int) -> DistributedPool:
     return pool
 
 
-def train_task(config: str, overrides: list[str]) -> tuple[str, str]:
-    """On every rank: ``train --config CONFIG OVERRIDES`` as a rank of a launched job runs it (the
-    trainer, on this rank's gloo group); returns what this rank printed (stdout, stderr)."""
+def train_task(config: str, overrides: list[str], deepspeed_overrides: dict | None = None) -> tuple[str, str]:
+    """On every rank: ``train --config CONFIG OVERRIDES`` (with ``--deepspeed-overrides``) as a rank
+    of a launched job runs it (the trainer, on this rank's gloo group); returns what this rank
+    printed (stdout, stderr)."""
     import os
 
     from parallel_latent.config import load_config
@@ -52,14 +53,17 @@ def train_task(config: str, overrides: list[str]) -> tuple[str, str]:
     quiet_repeated_notices()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        train(cfg, source=config)
+        train(cfg, deepspeed_overrides, source=config)
     return out.getvalue(), err.getvalue()
 
 
-def train_in_pool(pool: DistributedPool, run_dir, *overrides: str) -> tuple[str, str]:
+def train_in_pool(
+    pool: DistributedPool, run_dir, *overrides: str, deepspeed_overrides: dict | None = None
+) -> tuple[str, str]:
     """One training job of the tiny config (tests/helpers/trainer_runs.py TINY) on every rank of
     ``pool``; what the ranks printed (stdout, stderr), rank by rank."""
     from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 
-    printed = pool.run(train_task, str(TINY_CONFIG), [*TINY, f"logging.run_dir={run_dir}", *overrides])
+    overrides = [*TINY, f"logging.run_dir={run_dir}", *overrides]
+    printed = pool.run(train_task, str(TINY_CONFIG), overrides, deepspeed_overrides)
     return "".join(out for out, _ in printed), "".join(err for _, err in printed)

@@ -46,6 +46,15 @@ def tiny_batch(batch: int = B, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return ids.masked_fill(mask == 0, PAD), mask
 
 
+def dp_half_batch(step: int, dp_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch (:func:`tiny_batch` of seed ``step``), or DP rank ``dp_rank``'s half of it (DP=2)."""
+    ids, mask = tiny_batch(seed=step)
+    if dp_rank is None:
+        return ids, mask
+    half = slice(dp_rank * (B // 2), (dp_rank + 1) * (B // 2))
+    return ids[half], mask[half]
+
+
 def reduction_length_of_model(tp: int = 1) -> int:
     """The test model's reduction length (see tests/helpers/tp_compare.py), for batches of up to 2B."""
     return autoencoder_reduction_length(tiny_configs()[0], 2 * B * T, tp)

@@ -11,7 +11,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
@@ -23,12 +22,14 @@ from tests.helpers.autoencoder_tp import (
     compare_with_tp1,
     head_configs,
     replicated_spread,
+    sgd_engine,
 )
 from tests.helpers.tiny_model import (
     VOCAB,
     B,
     D,
     T,
+    dp_half_batch,
     overfit,
     reduction_length_of_model,
     tiny_batch,
@@ -131,14 +132,6 @@ def test_overfits_a_small_batch_at_tp2(pool4):
 ZERO_STEPS, ZERO_LR = 3, 0.2
 
 
-def _zero_batch(step: int, dp_rank: int | None = None):
-    ids, mask = tiny_batch(seed=step)
-    if dp_rank is None:
-        return ids, mask
-    half = slice(dp_rank * (B // 2), (dp_rank + 1) * (B // 2))
-    return ids[half], mask[half]
-
-
 def _tied_state(model) -> dict[str, torch.Tensor]:
     return {"log_scale": model.decoder.head.log_scale, "table": model.feature_model.token_table}
 
@@ -150,7 +143,7 @@ def reference_sgd(frozen: bool) -> tuple[dict, float]:
     optimizer = torch.optim.SGD(model.trainable_parameters(), lr=ZERO_LR)
     grad_scale = 0.0
     for step in range(ZERO_STEPS):
-        loss = sum(model(*_zero_batch(step, r)).loss for r in (0, 1)) / 2
+        loss = sum(model(*dp_half_batch(step, r)).loss for r in (0, 1)) / 2
         loss.backward()
         grad_scale = max(grad_scale, max_abs([p.grad for p in model.trainable_parameters()]))
         optimizer.step()
@@ -161,26 +154,13 @@ def reference_sgd(frozen: bool) -> tuple[dict, float]:
 def train_under_zero(zero_stage: int, frozen: bool) -> tuple[dict, float]:
     """TP=2 x DP=2 through the trainer's engine set-up: ZeRO-3 partitions the frozen or trainable
     table over DP, and the head, which does not own it, must still see it whole."""
-    from parallel_latent.config import Config, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainingConfig
-    from parallel_latent.training.engine import initialize_engine
     from parallel_latent.zero.params import gathered
 
     state = initialize_model_parallel(2)
-    configs = head_configs(0.0, "tied", frozen)
-    cfg = Config(
-        model=configs[0],
-        feature_model=configs[1],
-        parallel=ParallelConfig(tensor_parallel=2, zero_stage=zero_stage),
-        optimizer=OptimizerConfig(name="sgd", lr=ZERO_LR, weight_decay=0.0, grad_clip=0.0),
-        schedule=ScheduleConfig(warmup_steps=0, decay="constant"),
-        training=TrainingConfig(micro_batch_size=B // 2, device="cpu"),
-    )
-    model = LatentAutoencoder(*configs, tp_group=state.tp_group, seed=1).train()
-    # ZeRO-3 keeps parameters under 1e5 elements whole on every rank; partition them all.
-    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
-    engine = initialize_engine(model, cfg, dist.get_world_size(), overrides).engine
+    model = LatentAutoencoder(*head_configs(0.0, "tied", frozen), tp_group=state.tp_group, seed=1).train()
+    engine = sgd_engine(model, 2, zero_stage, ZERO_LR)
     for step in range(ZERO_STEPS):
-        engine.backward(engine(*_zero_batch(step, state.dp_rank)).loss)
+        engine.backward(engine(*dp_half_batch(step, state.dp_rank)).loss)
         engine.step()
     table = model.feature_model.token_table
     # Under ZeRO-3 the table rests partitioned (this rank's flat piece only), and DeepSpeed knows
