@@ -484,6 +484,21 @@ def test_a_zero3_checkpoint_over_a_sharded_decoder_resumes_at_its_tp_and_another
     assert_same_training(other, straight, [STEPS], tp=4)
 
 
+@pytest.mark.slow
+def test_a_checkpoint_resumes_with_the_decoder_replicated_instead(pool4, sharded_runs, tmp_path):
+    """The ZeRO-2 run's step-2 checkpoint at its own TP x DP, feature_model.parallel=replicate: the
+    decoder's tensors are now whole where DeepSpeed's files hold slices, so the resume goes through
+    the universal state and step 3 is the sharded run's up to the decoder's summation order."""
+    straight, _ = sharded_runs(2)
+    replicated = tmp_path / "replicated"
+    copy_checkpoint(straight, SAVED, replicated)
+    run = [*SHARDED_RUN, "parallel.zero_stage=2", "feature_model.parallel=replicate"]
+    out, _ = train_in_pool(pool4, replicated, *run, deepspeed_overrides=PARTITION_ALL)
+    assert f"at step {SAVED} (resharded from another layout)" in out
+    assert "frozen decoder sharded" not in out
+    assert_same_training(replicated, straight, [STEPS], tp=2)
+
+
 ZERO_STEPS, ZERO_LR = 3, 0.2
 
 
