@@ -120,6 +120,14 @@ def shard_refusal(held: Held, tp: int) -> str | None:
     return None
 
 
+def collective_seconds(kind: str, nbytes: float, tp: int) -> float:
+    """A collective over ``tp`` ranks in a ring at ``NVLINK`` bytes/s per direction, plus
+    ``COLLECTIVE_LATENCY``: an all-reduce moves 2 (n-1)/n of its tensor's ``nbytes``, an all-gather or
+    a reduce-scatter (n-1)/n of the whole tensor's (the gathered output, the scattered input)."""
+    share = 2 * (tp - 1) / tp if kind == "all_reduce" else (tp - 1) / tp
+    return share * nbytes / NVLINK + COLLECTIVE_LATENCY
+
+
 def frozen_seconds(held: Held, tp: int, layout: str, batch: int, length: int) -> float:
     """One rank's frozen pass over a micro-batch of ``batch`` samples of ``length`` tokens."""
     samples = batch / tp if layout == "replicate" else batch
@@ -130,9 +138,9 @@ def frozen_seconds(held: Held, tp: int, layout: str, batch: int, length: int) ->
     seconds = held.layers * per_layer
     features = BYTES * batch * length * held.width
     if tp > 1 and layout == "replicate":  # the features all-gathered once
-        seconds += (tp - 1) / tp * features / NVLINK + COLLECTIVE_LATENCY
+        seconds += collective_seconds("all_gather", features, tp)
     if tp > 1 and layout == "shard":  # two all-reduces of [B, T, f] per layer
-        seconds += held.layers * 2 * (2 * (tp - 1) / tp * features / NVLINK + COLLECTIVE_LATENCY)
+        seconds += held.layers * 2 * collective_seconds("all_reduce", features, tp)
     return seconds
 
 

@@ -43,11 +43,16 @@ The rest of the step is a real ``Trainer.train_step`` on the CPU at gpt2.yaml's 
 and its Python hook calls are reported. DeepSpeed's kernels per step (its backward work and its
 step) are counted at DP=1 and, over two real gloo ranks, at DP=2.
 
-``--feature-model NAME`` (a decoder of benchmarks/bench_feature_models.py whose MLP is 4x its width,
-e.g. llama-3.2-1b or pythia-1.4b): the rows' model with that decoder's shape as its frozen feature
-model (a random build on the meta device; ``model.d_model`` its width, heads of 128 features), the
-model alone (the rest of the step is measured at gpt2.yaml's size only); then that decoder's frozen
-pass per rank at TP 1/2/4/8, replicated and sharded (bench_feature_models.py's roofline).
+``--feature-model NAME`` (a decoder of benchmarks/bench_feature_models.py, e.g. llama-3.2-1b or
+pythia-1.4b): the rows' model with that decoder as its frozen feature model (rebuilt on the meta
+device from its whole transformers config, its own MLP width and kv heads, as a checkpoint's record
+rebuilds it; ``model.d_model`` its width, heads of 128 features), the model alone (the rest of the
+step is measured at gpt2.yaml's size only); that decoder's frozen pass per rank at TP 1/2/4/8,
+replicated and sharded (bench_feature_models.py's roofline); then, per TP degree and layout, one
+rank's whole step (forward and backward): the Perceiver traced at that degree over a fake process
+group of one process (its slices, and what it does not split at whole size; its collectives at
+their real sizes, as the model's code issues them), its TP collectives at NVLink's rate, and the
+frozen pass, one after the other (no overlap), with tokens/s and MFU per rank.
 
 Usage: python benchmarks/bench_projection.py [--quick] [--feature-model NAME] [--json PATH]
 """
@@ -67,6 +72,7 @@ from step_trace import (  # noqa: F401 (the tracer's names, for the tests)
     REPO,
     Op,
     StepTracer,
+    fake_tp_group,
     real_step,
     real_step_on_ranks,
     real_step_overrides,
@@ -181,6 +187,7 @@ class Kernel:
     device_s: float
     flops: float
     part: str = "model"
+    collective: bool = False  # a TP collective of a trace at TP > 1 (the whole step times it over NVLink)
 
 
 def matmul_seconds(flops: float, nbytes: int, roofline: Roofline = PINNED) -> float:
@@ -274,7 +281,9 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
             seconds = op_bytes(op) / roofline.bandwidth
         label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
         # The bytes spread over the kernels, each no shorter than the minimum.
-        kernels += [Kernel(label, max(seconds / count, roofline.min_kernel_s), op.flops / count, op.part)] * count
+        kernel = Kernel(label, max(seconds / count, roofline.min_kernel_s), op.flops / count, op.part)
+        kernel.collective = op.kind == "collective"
+        kernels += [kernel] * count
     close_run(len(ops) - 1)
     return kernels
 
@@ -313,27 +322,28 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
     return [(label, totals[label] * 1e3, counts[label]) for label in ranked]
 
 
-def model_flops(cfg) -> float:
-    """The step's model FLOPs, the feature model's from the layers it holds (built on meta)."""
+def model_flops(cfg, recorded: dict | None = None) -> float:
+    """The step's model FLOPs, the feature model's from the layers it holds (built on meta; from
+    ``recorded``, a whole transformers config, if given)."""
     import torch
 
     from parallel_latent.model import FeatureModel
     from parallel_latent.model.features import random_features_unannounced
     from parallel_latent.training.flops import model_flops_per_sample
 
+    vocab = cfg.model.vocab_size
     with torch.device("meta"), random_features_unannounced():
-        features = FeatureModel(cfg.feature_model, cfg.model.vocab_size)
+        features = FeatureModel(cfg.feature_model, vocab, recorded and {**recorded, "vocab_size": vocab})
     counts = (features.blocks, features.width, features.matmul_weights)
     return model_flops_per_sample(cfg, *counts)["train"] * cfg.training.micro_batch_size
 
 
 def feature_model_setting(name: str) -> dict:
-    """The overrides that make the rows' model read the features of decoder ``name``."""
+    """The overrides that make the rows' model read the features of decoder ``name`` (its shape; the
+    decoder itself is rebuilt from :func:`feature_model_record`)."""
     from bench_feature_models import MODELS
 
-    family, hidden, layers, heads, kv_heads, mlp, _, positions = MODELS[name]
-    if mlp != 4 * hidden:  # a random build's MLP is 4x its width: another shape would be mislabelled
-        raise ValueError(f"--feature-model {name}: its MLP ({mlp}) is not 4x its width ({hidden}); choose another")
+    family, hidden, layers, heads, kv_heads, _, _, positions = MODELS[name]
     setting = {
         "feature_model.architecture": family, "feature_model.n_layer": layers, "feature_model.n_head": heads,
         "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
@@ -342,6 +352,15 @@ def feature_model_setting(name: str) -> dict:
     if family == "llama":
         setting["feature_model.n_kv_head"] = kv_heads
     return {key: str(value) for key, value in setting.items()}
+
+
+def feature_model_record(name: str) -> dict:
+    """Decoder ``name``'s whole transformers config from bench_feature_models.py's published figures
+    (its own MLP width: a random build from the few ``feature_model.n_*`` keys has 4x its width), which
+    the trace rebuilds the feature model from as a checkpoint's record does."""
+    from bench_feature_models import MODELS, transformers_config
+
+    return transformers_config(*MODELS[name]).to_dict()
 
 
 # --------------------------------------------------------------------------- #
@@ -372,14 +391,14 @@ def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline: Roofline
     return kernels
 
 
-def project(setting: dict, quick: bool = False, rest: bool = True) -> dict:
+def project(setting: dict, quick: bool = False, rest: bool = True, recorded: dict | None = None) -> dict:
     """The projection of one gpu.sh setting, with its kernels and traced FLOPs; under ``ranges`` the
     same trace timed by the pessimistic roofline and by PINNED with each assumption made pessimistic
-    alone."""
+    alone. ``recorded``: the feature model's whole transformers config (:func:`feature_model_record`)."""
     cfg = row_config(setting, quick)
-    ops = trace_model(cfg, "cuda")
+    ops = trace_model(cfg, "cuda", recorded=recorded)
     kernels = step_kernels(cfg, ops, quick, rest, PINNED)
-    flops = model_flops(cfg)
+    flops = model_flops(cfg, recorded)
     rooflines = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
     ranges = {name: projection(step_kernels(cfg, ops, quick, rest, roofline), flops, roofline)
               for name, roofline in rooflines.items()}  # fmt: skip
@@ -484,23 +503,144 @@ def largest_uncertainty(result: dict) -> str:
     return max(ASSUMPTIONS, key=lambda a: result["mfu_overlapped"] - result["ranges"][a]["mfu_overlapped"])
 
 
+# --------------------------------------------------------------------------- #
+# --feature-model: the whole step per rank at TP 1/2/4/8.
+# --------------------------------------------------------------------------- #
+
+# The collectives a trace at TP > 1 holds (the model's own, dispatched on a fake group): what each
+# does, and which of the operands it reads is its whole tensor.
+COLLECTIVES = {
+    "c10d.allreduce_": ("all_reduce", sum),  # the tensors it reduces in place
+    "c10d._allgather_base_": ("all_gather", max),  # the gathered output (the input is 1/tp of it)
+    "c10d._reduce_scatter_base_": ("reduce_scatter", max),  # the scattered input
+    "c10d.allgather_": ("all_gather", lambda sizes: sum(sizes[:-1])),  # one output per rank, then the input
+}
+
+
+def collective_of(op: Op) -> tuple[str, int]:
+    """(what a traced collective does, the bytes of its whole tensor)."""
+    base = op.name.rsplit(".", 1)[0]
+    if base not in COLLECTIVES:
+        raise ValueError(f"{op.name}: a collective whose time the projection does not model")
+    kind, whole = COLLECTIVES[base]
+    return kind, whole([nbytes for *_, nbytes in op.reads])
+
+
+def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
+    """One rank's part of the model's forward and backward at TP=``tp`` with decoder ``name`` as its
+    frozen feature model, the frozen pass left out (it is timed apart, per layout): the model built
+    at that degree on meta (step_trace.fake_tp_group: this rank's slices, and every collective the
+    model's code issues at its real size), its kernels timed as the TP=1 rows' are (what is split
+    runs at its local shape, what is not, e.g. the norms without sequence parallelism, whole), its
+    TP collectives at NVLink's rate (bench_feature_models.collective_seconds), none overlapped."""
+    from bench_feature_models import collective_seconds
+
+    recorded = feature_model_record(name)
+    cfg = row_config({**setting, **feature_model_setting(name), "parallel.tensor_parallel": str(tp)}, quick)
+    with fake_tp_group(tp) as group:
+        ops = trace_model(cfg, "cuda", tp_group=group, recorded=recorded)
+    ours = [op for op in ops if op.part != "features"]
+    kernels = [k for k in kernels_of(ops) if k.part != "features" and not k.collective]
+    collectives = [collective_of(op) for op in ours if op.kind == "collective"]
+    return {
+        "compute": projection(kernels, 0.0),
+        "kernels": kernels,
+        "matmul_flops": sum(op.flops for op in ours),
+        "matmul_ms": sum(k.device_s for k in kernels if k.flops) * 1e3,
+        "collectives": collectives,
+        "collective_ms": sum(collective_seconds(kind, nbytes, tp) for kind, nbytes in collectives) * 1e3,
+        "ops": ops,
+    }
+
+
+def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | None = None) -> list[dict]:
+    """Per TP degree (``tps``, by default bench_feature_models.py's) and layout, one rank's whole step (the model's
+    forward and backward; the optimizer and DeepSpeed's work are measured at gpt2.yaml's size only):
+    the Perceiver's compute and its TP collectives (:func:`perceiver_at`, the same in both layouts)
+    and the frozen pass (bench_feature_models.frozen_seconds), one after the other. Per rank: the TP
+    group shares one micro-batch, so a rank's tokens per second and model FLOPs are 1/tp of the
+    group's. A degree that the layout (model/sharded.py's check) or the Perceiver's config refuses
+    says why."""
+    from bench_feature_models import TP_DEGREES, frozen_seconds, held_on_meta, shard_refusal
+
+    from parallel_latent.config import ConfigError
+
+    held, cfg = held_on_meta(name), row_config({**setting, **feature_model_setting(name)}, quick)
+    batch, length = cfg.training.micro_batch_size, cfg.model.max_length
+    flops = model_flops(cfg, feature_model_record(name))
+    rows = []
+    for tp in tps or TP_DEGREES:
+        try:
+            ours = perceiver_at(name, setting, quick, tp)
+        except ConfigError as refusal:
+            rows += [{"tp": tp, "layout": layout, "refused": str(refusal)} for layout in ("replicate", "shard")]
+            continue
+        for layout in ("replicate", "shard"):
+            refusal = shard_refusal(held, tp) if layout == "shard" else None
+            if refusal:
+                rows.append({"tp": tp, "layout": layout, "refused": refusal})
+                continue
+            frozen_ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
+            step_ms = ours["compute"]["step_ms_overlapped"] + ours["collective_ms"] + frozen_ms
+            rows.append({
+                "tp": tp, "layout": layout, "perceiver": ours, "frozen_ms": frozen_ms, "step_ms": step_ms,
+                "tokens_per_s": batch * length / tp / (step_ms / 1e3), "mfu": flops / tp / (step_ms / 1e3) / PEAK_FLOPS,
+            })  # fmt: skip
+    return rows
+
+
+def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], report: Report) -> None:
+    """The table of :func:`whole_steps`, and its figures."""
+    print(f"\n{name}, {label(setting)}: the whole step per rank (forward and backward, the optimizer left out): "
+          "the Perceiver, its TP collectives and the frozen pass, one after the other")  # fmt: skip
+    print(f"{'TP':>3} {'layout':>9} {'Perceiver ms':>12} {'matmul ms':>9} {'collectives':>24} {'frozen ms':>9} "
+          f"{'step ms':>8} {'tokens/s per rank':>17} {'MFU per rank':>12}")  # fmt: skip
+    for step in steps:
+        tp, layout = step["tp"], step["layout"]
+        if "refused" in step:
+            print(f"{tp:>3} {layout:>9} refused: {step['refused']}")
+            continue
+        ours = step["perceiver"]
+        collectives = f"{len(ours['collectives'])} x, {sum(b for _, b in ours['collectives']) / 2**20:.0f} MiB, "
+        collectives += f"{ours['collective_ms']:.2f} ms"
+        print(f"{tp:>3} {layout:>9} {ours['compute']['step_ms_overlapped']:>12.2f} {ours['matmul_ms']:>9.2f} "
+              f"{collectives:>24} {step['frozen_ms']:>9.2f} {step['step_ms']:>8.2f} {step['tokens_per_s']:>17,.0f} "
+              f"{step['mfu'] * 100:>11.1f}%")  # fmt: skip
+    for step in steps:
+        if "refused" in step:
+            continue
+        where = f"{step['layout']}, TP={step['tp']}, {row}"
+        report.figure(f"{name}: whole step per rank, {where}", step["step_ms"], "ms")
+        report.figure(f"{name}: tokens/s per rank, whole step, {where}", step["tokens_per_s"], "tokens/s")
+        report.figure(f"{name}: MFU per rank, whole step, {where}", step["mfu"])
+        if step["layout"] == "replicate":  # the Perceiver's own figures, the same in both layouts
+            ours, where = step["perceiver"], f"TP={step['tp']}, {row}"
+            report.figure(f"{name}: Perceiver TP collectives per step, {where}", len(ours["collectives"]))
+            report.figure(f"{name}: Perceiver TP collective bytes per step, {where}",
+                          sum(b for _, b in ours["collectives"]) / 2**20, "MiB")  # fmt: skip
+
+
 def feature_model_body(args, report: Report) -> None:
-    """``--feature-model``: the model's step with that decoder, then its frozen pass per TP degree."""
+    """``--feature-model``: the model's step with that decoder at TP=1, its frozen pass per TP degree,
+    then the whole step per rank at each TP degree and layout."""
     from bench_feature_models import TP_DEGREES, frozen_bytes, frozen_seconds, held_on_meta, shard_refusal
 
     name = args.feature_model
-    extra = feature_model_setting(name)
-    for row, setting, _ in matrix(args.quick):
-        if row not in ("default", "micro32"):
-            continue
-        result = project({**setting, **extra}, args.quick, rest=False)
+    extra, recorded = feature_model_setting(name), feature_model_record(name)
+    rows = [(row, setting) for row, setting, _ in matrix(args.quick) if row in ("default", "micro32")]
+    held, length = held_on_meta(name), row_config({}, args.quick).model.max_length
+    for row, setting in rows:
+        result = project({**setting, **extra}, args.quick, rest=False, recorded=recorded)
+        traced = sum(k.device_s for k in result["kernel_list"] if k.part == "features") * 1e3
+        roofline = frozen_seconds(held, 1, "replicate", int(setting["training.micro_batch_size"]), length) * 1e3
         print(f"{name}, {label(setting)}: model alone {result['step_ms_overlapped']:.1f} ms, MFU "
               f"{result['mfu_overlapped'] * 100:.1f}%; traced / model FLOPs "
-              f"{result['traced_flops'] / result['model_flops']:.4f}")  # fmt: skip
+              f"{result['traced_flops'] / result['model_flops']:.4f}; its frozen pass as traced {traced:.1f} ms "
+              f"of device time (bench_feature_models' roofline, no elementwise work: {roofline:.1f} ms)")  # fmt: skip
         report.figure(f"{name}: projected MFU overlapped, model alone, {row}", result["mfu_overlapped"])
         report.figure(f"{name}: traced / model FLOPs, {row}", result["traced_flops"] / result["model_flops"], "x")
-    held, batch = held_on_meta(name), int(matrix(args.quick)[0][1]["training.micro_batch_size"])
-    length = row_config({}, args.quick).model.max_length
+        report.figure(f"{name}: frozen pass as traced at TP=1, device, {row}", traced, "ms")
+    batch = int(rows[0][1]["training.micro_batch_size"])
     for layout in ("replicate", "shard"):
         for tp in TP_DEGREES:
             if layout == "shard" and shard_refusal(held, tp):
@@ -510,6 +650,8 @@ def feature_model_body(args, report: Report) -> None:
             gib = frozen_bytes(held, tp, layout) / 2**30
             print(f"{name}, frozen pass at TP={tp}, {layout}: {ms:.2f} ms, {gib:.2f} GiB per rank")
             report.figure(f"{name}: frozen pass per rank, {layout}, TP={tp}", ms, "ms")
+    for row, setting in rows:
+        report_whole_steps(name, row, setting, whole_steps(name, setting, args.quick), report)
 
 
 def body(args, report: Report) -> None:

@@ -97,7 +97,7 @@ class StepTracer(TorchDispatchMode):
         super().__init__()
         self.ops: list[Op] = []
         self.part = "model"  # what the caller is running: "model", "trainer", "backward", "optimizer"
-        self.in_loss = False
+        self.within: str | None = None  # inside the model: "loss" or "features" (the frozen pass), see _marked
         self.on_meta = False  # a meta trace: what it makes on the CPU stays on the host
         self._region: tuple[str, int] | None = None
         self._calls = 0
@@ -120,11 +120,12 @@ class StepTracer(TorchDispatchMode):
 
     def _phase_and_part(self) -> tuple[str, str]:
         node = torch._C._current_autograd_node()
-        loss = self.in_loss or (node is not None and "CrossEntropy" in node.name())
+        loss = self.within == "loss" or (node is not None and "CrossEntropy" in node.name())
+        model_part = "loss" if loss else self.within or "model"
         if node is not None and (node in self._model_nodes or node.name().endswith("AccumulateGrad")):
-            return "backward", "loss" if loss else "model"
+            return "backward", model_part
         if self.part == "model" and node is None:
-            return "forward", "loss" if loss else "model"
+            return "forward", model_part
         return "step", {"backward": "deepspeed backward"}.get(self.part, self.part)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -268,20 +269,62 @@ def _patched(owner, name: str, replacement):
         setattr(owner, name, original)
 
 
-def _loss_marked(tracer: StepTracer):
-    """The model's loss call, its operators marked as the loss's (its backward is found by node name)."""
-    from parallel_latent.model import autoencoder
-
-    loss = autoencoder.vocab_parallel_cross_entropy
+def _marked(tracer: StepTracer, owner, name: str, part: str):
+    """``owner.name`` (a function the model calls), its operators marked as ``part``'s: the loss
+    (its backward is found by node name), the features (the frozen pass: no backward)."""
+    function = getattr(owner, name)
 
     def marked(*args, **kwargs):
-        tracer.in_loss = True
+        tracer.within = part
         try:
-            return loss(*args, **kwargs)
+            return function(*args, **kwargs)
         finally:
-            tracer.in_loss = False
+            tracer.within = None
 
-    return _patched(autoencoder, "vocab_parallel_cross_entropy", marked)
+    return _patched(owner, name, marked)
+
+
+def _loss_marked(tracer: StepTracer):
+    from parallel_latent.model import autoencoder
+
+    return _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss")
+
+
+@contextlib.contextmanager
+def fake_tp_group(tp: int):
+    """A TP group of ``tp`` ranks inside this one process, for a meta trace at TP > 1: torch's
+    ``fake`` backend (its collectives return at once, dispatched as operators the tracer records:
+    the model's own, at their real shapes), this process its rank 0. None at TP=1 (no group: the
+    model in one process)."""
+    if tp == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError(f"a meta trace at TP={tp} makes a fake process group, and this process has one already")
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _feature_model_from(recorded: dict | None):
+    """The model's feature model rebuilt from ``recorded`` (a whole transformers config, as a
+    checkpoint's record rebuilds it: any MLP width, any kv heads) instead of the random build's few
+    keys (whose MLP is 4x the width); nothing changed without one."""
+    from parallel_latent.model import autoencoder, features
+
+    if recorded is None:
+        return contextlib.nullcontext()
+
+    def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None):
+        # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
+        return features.FeatureModel(feature_cfg, vocab_size, {**recorded, "vocab_size": vocab_size}, tp_group)
+
+    return _patched(autoencoder, "FeatureModel", rebuilt)
 
 
 # --------------------------------------------------------------------------- #
@@ -297,8 +340,10 @@ def row_config(setting: dict, quick: bool, config: Path = REPO / "configs" / "gp
     return load_config(config, overrides)
 
 
-def meta_model(cfg, tracer: StepTracer, device: str = "cuda"):
-    """The model of ``cfg`` on the meta device in bf16, its compiled regions as ``device`` runs them."""
+def meta_model(cfg, tracer: StepTracer, device: str = "cuda", tp_group=None, recorded: dict | None = None):
+    """The model of ``cfg`` on the meta device in bf16, its compiled regions as ``device`` runs them;
+    this rank's part of it over ``tp_group`` (:func:`fake_tp_group`), its feature model rebuilt from
+    ``recorded`` if given (:func:`_feature_model_from`)."""
     from parallel_latent.model import build_model, perceiver
     from parallel_latent.parallel import LossKernels
     from parallel_latent.parallel.dropout import KERNELS
@@ -306,8 +351,10 @@ def meta_model(cfg, tracer: StepTracer, device: str = "cuda"):
     compile_blocks = cfg.training.compile and device == "cuda"  # (traced as regions below: compiling on meta fails)
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
     # The head's scale reads the token table's std (a value meta has not got; it changes no cost).
-    with torch.device("meta"), _patched(perceiver, "token_table_scale", lambda table: 1.0):
-        model = build_model(cfg).to(torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32).train()
+    dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
+    scale = _patched(perceiver, "token_table_scale", lambda table: 1.0)
+    with torch.device("meta"), scale, _feature_model_from(recorded):
+        model = build_model(cfg, tp_group).to(dtype).train()
     kernels = LossKernels.compiled() if compile_blocks else model.loss_kernels.on(torch.device(device))
     rng = model.dropout_rng
     if device in rng.compile_devices:  # the mask kernel, compiled there (training.compile_dropout)
@@ -331,19 +378,27 @@ def meta_model(cfg, tracer: StepTracer, device: str = "cuda"):
     return model
 
 
-def trace_model(cfg, device: str = "cuda", micro_batch: int | None = None) -> list[Op]:
+def trace_model(
+    cfg, device: str = "cuda", micro_batch: int | None = None, tp_group=None, recorded: dict | None = None
+) -> list[Op]:
     """The model's operators in one micro-batch's forward and backward, on meta, as ``device``
-    runs them; the second of two (the first fills what the model caches, as a real run's first
-    step does)."""
+    runs them (one rank's over ``tp_group``, its collectives included; the frozen pass's operators,
+    the all-gather of split features among them, marked ``features``); the second of two (the first
+    fills what the model caches, as a real run's first step does)."""
     tracer = StepTracer()
     tracer.on_meta = True
-    model = meta_model(cfg, tracer, device)
+    model = meta_model(cfg, tracer, device, tp_group, recorded)
     micro, length = micro_batch or cfg.training.micro_batch_size, cfg.model.max_length
     ids = torch.zeros(micro, length, dtype=torch.long, device="meta")
     mask = torch.ones(micro, length, dtype=torch.long, device="meta")
     for _ in range(2):
         tracer.ops.clear()
-        with tracer, _patched(F, "scaled_dot_product_attention", ATTENTION[device]), _loss_marked(tracer):
+        with (
+            tracer,
+            _patched(F, "scaled_dot_product_attention", ATTENTION[device]),
+            _loss_marked(tracer),
+            _marked(tracer, model, "features", "features"),
+        ):
             out = tracer.model_call(model)(ids, mask)
             with tracer.running("trainer"):  # the trainer's weighting of the loss: the rest of the step's
                 loss = out.trained_loss_sum * 1.0

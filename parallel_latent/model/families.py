@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PretrainedConfig
 
+from .tokenizer import from_directory_or_hub
+
 __all__ = ["FAMILIES", "Family", "family_of", "held_layers", "supported_families"]
 
 
@@ -151,6 +153,10 @@ def held_layers(depth: int, index: int, family: Family, where: str) -> int:
     return index % (depth + 1)
 
 
-def load_config(name_or_path: str) -> PretrainedConfig:
-    """A decoder's ``config.json`` by hub name or local directory (no weights read)."""
-    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
+def load_config(name_or_path: str, where: str) -> PretrainedConfig:
+    """A decoder's ``config.json`` by hub name or local directory (no weights read); one line
+    starting with ``where`` when it cannot be had."""
+    return from_directory_or_hub(
+        lambda: AutoConfig.from_pretrained(name_or_path, trust_remote_code=False), name_or_path, where,
+        "its config.json does not load",
+    )  # fmt: skip

@@ -25,7 +25,7 @@ from parallel_latent.parallel import group_size
 
 from .families import FAMILIES, Family, family_of, held_layers, load_config
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
-from .tokenizer import OFFLINE
+from .tokenizer import OFFLINE, from_directory_or_hub
 
 logger = logging.getLogger(__name__)
 
@@ -106,13 +106,14 @@ def load_decoder(
     ``shard_group``: the TP group a ``pretrained`` decoder is read into slice by slice
     (:mod:`.sharded`); the other two are built whole and sharded by the caller once cut.
     Uses (and advances) the global torch RNG."""
+    where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
     if recorded is not None:
         config = AutoConfig.for_model(**recorded)
         family = family_of(config, "the recorded feature model")
         keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     elif feature_cfg.pretrained:
-        config = load_config(feature_cfg.name_or_path)
-        family = family_of(config, f"feature_model.name_or_path={feature_cfg.name_or_path}")
+        config = load_config(feature_cfg.name_or_path, where)
+        family = family_of(config, where)
         keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     else:
         logger.warning("%s", random_features_notice(feature_cfg))
@@ -130,9 +131,12 @@ def load_decoder(
             if shard_group is not None:
                 decoder = read_pretrained_shard(feature_cfg.name_or_path, runnable, family, shard_group)
             else:
-                decoder = AutoModel.from_pretrained(
-                    feature_cfg.name_or_path, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
-                )
+                decoder = from_directory_or_hub(
+                    lambda: AutoModel.from_pretrained(
+                        feature_cfg.name_or_path, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
+                    ),
+                    feature_cfg.name_or_path, where, "its weights do not load",
+                )  # fmt: skip
     else:
         decoder = _decoder_from_config(runnable)
     with _transformers_quiet():  # its note on how the new rows are drawn
@@ -176,7 +180,7 @@ def check_feature_model(cfg: Config) -> None:
     if not feature_cfg.pretrained:
         return
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-    config = load_config(feature_cfg.name_or_path)
+    config = load_config(feature_cfg.name_or_path, where)
     family = family_of(config, where)
     held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     positions = getattr(config, family.positions_key)

@@ -20,9 +20,16 @@ import dataclasses
 from pathlib import Path
 
 from parallel_latent.config import FeatureModelConfig, TokenizerConfig, build_dataclass, check_section
-from parallel_latent.errors import BadInput, CheckpointError, first_line
+from parallel_latent.errors import BadInput, CheckpointError
 
-from .tokenizer import OFFLINE, TOKENIZER_CONFIG_FILE, load_saved_tokenizer, load_tokenizer, tokenizer_facts
+from .tokenizer import (
+    OFFLINE,
+    TOKENIZER_CONFIG_FILE,
+    from_directory_or_hub,
+    load_saved_tokenizer,
+    load_tokenizer,
+    tokenizer_facts,
+)
 
 __all__ = ["ARCHITECTURE_KEYS", "feature_config_from_record", "recorded_feature_model", "tokenizer_from_record"]
 
@@ -98,24 +105,20 @@ def _refuse_outside_tokenizer(name: str, source: str) -> CheckpointError:
     )
 
 
-def _load(load, what: str, error_type: type[BadInput]):
-    """``load()``; a tokenizer that does not load is one line saying ``what`` it is."""
-    try:
-        return load()
-    except BadInput:
-        raise
-    except (OSError, ValueError, TypeError, KeyError) as error:  # transformers' ways of saying "cannot"
-        raise error_type(f"{what}: the tokenizer does not load: {first_line(error)}") from None
-
-
 def _choose_tokenizer(directory: Path, record: dict, source: str, tokenizer: str | None):
     """(the tokenizer, where it came from)."""
     if tokenizer is not None:  # the caller's own choice: a path or a hub id is theirs to name
         cfg = TokenizerConfig(name_or_path=str(tokenizer))
-        return _load(lambda: load_tokenizer(cfg), f"tokenizer {tokenizer}", BadInput), repr(str(tokenizer))
+        return load_tokenizer(cfg, f"tokenizer {tokenizer}", BadInput), repr(str(tokenizer))
     saved = directory / TOKENIZER_CONFIG_FILE
     if saved.is_file():  # save-pretrained stores the tokenizer's files beside the weights
-        loaded = _load(lambda: load_saved_tokenizer(directory), str(saved), CheckpointError)
+        loaded = from_directory_or_hub(
+            lambda: load_saved_tokenizer(directory),
+            str(directory),
+            str(saved),
+            "the tokenizer does not load",
+            CheckpointError,
+        )
         return loaded, f"the tokenizer in {directory}"
     section = (record.get("config") or {}).get("tokenizer") or {}
     cfg = build_dataclass(TokenizerConfig, section, source, "config.tokenizer")

@@ -223,18 +223,27 @@ def shard_layers(decoder: nn.Module, family: Family, group) -> nn.Module:
 
 def _weights_directory(name_or_path: str) -> Path:
     """The local directory of ``name_or_path``'s weights: itself, or its snapshot in the hub cache
-    (never downloaded here)."""
+    (never downloaded here). A snapshot without the weights is refused here too: reading the
+    decoder's ``config.json`` online (:func:`~.features.check_feature_model`) leaves a snapshot
+    holding that file alone."""
     if os.path.isdir(name_or_path):
         return Path(name_or_path)
+    where = f"feature_model.name_or_path={name_or_path}: {SHARD} reads the weights slice by slice from local "
+    where += "safetensors files"
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(name_or_path, local_files_only=True))
+        snapshot = Path(snapshot_download(name_or_path, local_files_only=True))
     except Exception:  # not cached (or not a hub name): the one line below says what to do
         raise ConfigError(
-            f"feature_model.name_or_path={name_or_path}: {SHARD} reads the weights slice by slice from local "
-            "safetensors files, and it is neither a local directory nor in the hub cache: download it first"
+            f"{where}, and it is neither a local directory nor in the hub cache: download it first"
         ) from None
+    if not any((snapshot / name).is_file() for name in (WEIGHTS_FILE, WEIGHTS_INDEX)):
+        raise ConfigError(
+            f"{where}, and its snapshot in the hub cache ({snapshot}) holds no {WEIGHTS_FILE} (or {WEIGHTS_INDEX}): "
+            "download its safetensors weights first"
+        )
+    return snapshot
 
 
 class _SafetensorsWeights:

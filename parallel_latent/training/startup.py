@@ -32,7 +32,7 @@ from parallel_latent.launching.rendezvous import StartupTimeout, join_job
 from parallel_latent.launching.reports import report_hang, restart_line
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model
-from parallel_latent.model.features import random_features_unannounced
+from parallel_latent.model.features import check_feature_model, random_features_unannounced
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState
 
@@ -91,8 +91,11 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
 
 def load_tokenizer_once_per_node(cfg: Config):
     """The tokenizer, fetched by the first process of each node before the others look for it in
-    the (node-local) hub cache: one download per node instead of one per rank."""
+    the (node-local) hub cache: one download per node instead of one per rank. A pretrained feature
+    model's ``config.json`` is checked first (:func:`check_feature_model`), so that a name that
+    cannot be had is named as ``feature_model.name_or_path`` even when the tokenizer is its own."""
     with main_first(per_node=True):
+        check_feature_model(cfg)
         return load_tokenizer(cfg.tokenizer)
 
 

@@ -183,6 +183,21 @@ def collectives_of(forward) -> tuple[list, list]:
         restore()
 
 
+def model_collectives_task(tp: int, cfg, batch: int) -> list:
+    """A pool task: the collectives the model of ``cfg`` issues in one training forward and backward
+    (its summed loss) of ``batch`` samples over ``tp`` real ranks (float32 on the CPU)."""
+    from parallel_latent.model import build_model
+    from parallel_latent.model.features import random_features_unannounced
+    from parallel_latent.parallel import initialize_model_parallel
+
+    group = initialize_model_parallel(tp).tp_group
+    with random_features_unannounced():
+        model = build_model(cfg, group).train()
+    ids = torch.randint(0, 50257, (batch, cfg.model.max_length), generator=torch.Generator().manual_seed(0))
+    forward, backward = collectives_of(lambda: model(ids, torch.ones_like(ids)).trained_loss_sum)
+    return forward + backward
+
+
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), dim=-1)[dist.get_rank(group)].contiguous()
 

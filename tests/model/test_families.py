@@ -24,10 +24,20 @@ from parallel_latent.config import (
     config_from_dict,
 )
 from parallel_latent.model import FeatureModel, LatentAutoencoder, build_model
+from parallel_latent.model.sharded import _weights_directory
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.checkpoint_stack import gathered_state
-from tests.helpers.decoders import FAMILIES, LAYERS, WIDTH, reduction_length, save_tiny_decoder, small_tokenizer
+from tests.helpers.decoders import (
+    FAMILIES,
+    LAYERS,
+    WIDTH,
+    into_hub_cache,
+    offline_hub,
+    reduction_length,
+    save_tiny_decoder,
+    small_tokenizer,
+)
 from tests.helpers.tp_compare import autoencoder_reduction_length, order_bound, terms_scale
 
 T = 12
@@ -174,12 +184,13 @@ def test_a_bad_choice_is_refused_from_the_decoders_config_alone(tmp_path, keys, 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def autoencoder_config(directory, family: str) -> tuple[Config, object]:
+def autoencoder_config(directory, family: str, parallel: str = "replicate", tp: int = 1) -> tuple[Config, object]:
     cfg = config_from_dict(
         {
             "model": {"d_model": WIDTH, "n_heads": 4, "n_encoder_layers": 1, "n_decoder_layers": 1, "max_length": T},
-            "feature_model": {"name_or_path": str(directory), "pretrained": True},
+            "feature_model": {"name_or_path": str(directory), "pretrained": True, "parallel": parallel},
             "tokenizer": {"name_or_path": "feature_model"},
+            "parallel": {"tensor_parallel": tp},
         }
     )
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -237,6 +248,119 @@ def test_each_familys_checkpoint_loads_at_tp4(pool4, portable):
         k = autoencoder_reduction_length(cfg, 3 * T, 4)
         assert abs(got_loss - loss) <= order_bound(k, terms_scale(abs(loss), k)), family
         assert all(torch.equal(got_state[name], state[name]) for name in state), family
+
+
+# ----------------------------------------------------------------------------- by hub name
+
+HUB_FAMILIES = ("llama", "gpt_neox")
+MISSING, CONFIG_ONLY = "tiny-org/missing", "tiny-org/config-only"
+
+
+def hub_name(family: str) -> str:
+    return f"tiny-org/{family}"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(saved, tmp_path_factory):
+    """A hub cache holding the tiny Llama and NeoX under hub names (as a download leaves them), and
+    a model whose snapshot has its config.json but no weights."""
+    cache = tmp_path_factory.mktemp("hub")
+    for family in HUB_FAMILIES:
+        into_hub_cache(cache, hub_name(family), saved[family])
+    config_only = tmp_path_factory.mktemp("config-only")
+    shutil.copy(saved["llama"] / "config.json", config_only)
+    into_hub_cache(cache, CONFIG_ONLY, config_only)
+    return cache
+
+
+@torch.no_grad()
+def features_and_state(model: LatentAutoencoder, tp_group) -> tuple[torch.Tensor, dict]:
+    ids, mask = padded_batch(model.model_cfg.vocab_size - 2)
+    return model.feature_model(ids, mask), gathered_state(model, tp_group)
+
+
+def assert_bit_for_bit(by_name: tuple, by_path: tuple, where: str) -> None:
+    (features, state), (want_features, want_state) = by_name, by_path
+    assert torch.equal(features, want_features), where
+    assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state), where
+
+
+@pytest.mark.parametrize("family", HUB_FAMILIES)
+def test_a_hub_name_builds_what_its_directory_builds(saved, hub_cache, family):
+    """``feature_model.name_or_path: org/name`` with its own tokenizer, read offline from the hub
+    cache: the same tokenizer, weights and features as the directory itself, bit for bit."""
+    with offline_hub(hub_cache):
+        cfg, tokenizer = autoencoder_config(hub_name(family), family)
+        by_name = build_model(cfg)
+    path_cfg, path_tokenizer = autoencoder_config(saved[family], family)
+    assert cfg.tokenizer.name_or_path == hub_name(family) and cfg.model == path_cfg.model
+    text = "It is a truth universally acknowledged"
+    assert tokenizer(text)["input_ids"] == path_tokenizer(text)["input_ids"]
+    assert by_name.feature_model.family.name == family
+    assert_bit_for_bit(features_and_state(by_name, None), features_and_state(build_model(path_cfg), None), family)
+
+
+def hub_shard_task(tp: int, cache: str, names: list[str], refused: list[str]) -> dict:
+    """Each of ``names`` built as the autoencoder at ``tp`` with its decoder sharded, offline from
+    ``cache``: its features and whole tensors; each of ``refused``'s sharded decoder: its one line."""
+    group = initialize_model_parallel(tp).tp_group
+    out = {}
+    with offline_hub(cache):
+        for name in names:
+            model = build_model(autoencoder_config(name, "", "shard", tp)[0], group)
+            assert model.feature_model.sharded
+            out[name] = features_and_state(model, group)
+        for name in refused:
+            with pytest.raises(ConfigError) as error:
+                FeatureModel(loaded(name, parallel="shard"), 514, tp_group=group)
+            out[name] = str(error.value)
+    return out
+
+
+def test_a_hub_name_shards_as_its_directory_does_at_tp2(pool4, saved, hub_cache):
+    """``parallel: shard`` reads the snapshot's safetensors slice by slice (``snapshot_download``
+    with ``local_files_only``): what the directory gives, bit for bit; a snapshot without weights,
+    or a name not in the cache, refused in one line."""
+    names = [hub_name("llama"), str(saved["llama"])]
+    for rank, got in enumerate(pool4.run(hub_shard_task, 2, str(hub_cache), names, [CONFIG_ONLY, MISSING])):
+        assert_bit_for_bit(got[names[0]], got[names[1]], f"rank {rank}")
+        assert got[CONFIG_ONLY].startswith(
+            f"feature_model.name_or_path={CONFIG_ONLY}: feature_model.parallel=shard reads the weights slice by slice "
+            "from local safetensors files, and its snapshot in the hub cache ("
+        )
+        assert got[CONFIG_ONLY].endswith(
+            "holds no model.safetensors (or model.safetensors.index.json): download its safetensors weights first"
+        )
+        assert got[MISSING].startswith(f"feature_model.name_or_path={MISSING}: its config.json does not load: ")
+        assert "\n" not in got[CONFIG_ONLY] + got[MISSING]
+
+
+def test_a_hub_name_not_in_the_cache_is_one_line(hub_cache):
+    """Offline, a name the cache lacks (or whose weights it lacks) is one line naming the key, as
+    the command reports it (exit status 2), not transformers' traceback; a job checks the feature
+    model before loading the tokenizer that is its own, so the line names feature_model."""
+    from parallel_latent.training.startup import load_tokenizer_once_per_node
+
+    def refused(build) -> str:
+        with pytest.raises(ConfigError) as error:
+            build()
+        message = str(error.value)
+        assert "\n" not in message, message
+        return message
+
+    hub = "no such directory, and as a hub name: We couldn't connect to 'https://huggingface.co'"
+    cfg = config_from_dict(
+        {"feature_model": {"name_or_path": MISSING, "pretrained": True}, "tokenizer": {"name_or_path": "feature_model"}}
+    )
+    with offline_hub(hub_cache):
+        message = refused(lambda: load_tokenizer_once_per_node(cfg))
+        assert message.startswith(f"feature_model.name_or_path={MISSING}: its config.json does not load: {hub}")
+        message = refused(lambda: load_tokenizer(cfg.tokenizer))
+        assert message.startswith(f"tokenizer.name_or_path={MISSING}: the tokenizer does not load: {hub}")
+        message = refused(lambda: FeatureModel(loaded(CONFIG_ONLY), 514))
+        assert message.startswith(f"feature_model.name_or_path={CONFIG_ONLY}: its weights do not load: ")
+        message = refused(lambda: _weights_directory(MISSING))  # shard's own look-up in the cache
+        assert message.endswith("it is neither a local directory nor in the hub cache: download it first")
 
 
 def test_flops_count_the_loaded_decoders_own_products(saved):
