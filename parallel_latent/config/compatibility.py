@@ -62,11 +62,10 @@ def model_difference(model_cfg: Any, record: dict | None) -> str | None:
     return None
 
 
-# The feature_model keys that choose the decoder (its weights, the features read from it), by whether
-# it is loaded or built; ``parallel`` only places its weights, and the other build keys are unused
-# by a loaded decoder.
+# The feature_model keys that choose the decoder (its weights, the features read from it). A built
+# decoder is its keys; a loaded one is its files, wherever they are now (``name_or_path`` may move:
+# a resume takes the decoder's weights from the checkpoint). ``parallel`` only places the weights.
 DECODER_KEYS = ("pretrained", "frozen", "hidden_state")
-LOADED_DECODER_KEYS = ("name_or_path",)
 BUILT_DECODER_KEYS = ("architecture", "n_layer", "n_head", "n_embd", "n_positions", "n_kv_head")
 
 
@@ -80,7 +79,7 @@ def feature_model_difference(feature_cfg: Any, record: dict | None) -> str | Non
     current = dataclasses.asdict(feature_cfg)
     for values in (saved, current):  # 0 kv heads stands for one per head
         values["n_kv_head"] = values["n_kv_head"] or values["n_head"]
-    keys = DECODER_KEYS + (LOADED_DECODER_KEYS if saved["pretrained"] else BUILT_DECODER_KEYS)
+    keys = DECODER_KEYS + (() if saved["pretrained"] else BUILT_DECODER_KEYS)
     for key in keys:
         if saved[key] != current[key]:
             return f"feature_model.{key} is {saved[key]!r} in the checkpoint but {current[key]!r} in the config"
