@@ -34,7 +34,7 @@ import time
 
 import torch.distributed as dist
 
-from parallel_latent.errors import ExitStatus
+from parallel_latent.errors import BadInput, ExitStatus
 from parallel_latent.parallel.state import DEFAULT_TIMEOUT_S, ParallelState, init_distributed
 
 from .cluster import launcher_environment
@@ -134,6 +134,12 @@ def job_store(env: dict, timeout_s: float, timeout: datetime.timedelta):
     except RuntimeError as error:
         if isinstance(error, StartupTimeout):
             raise
+        if rank == 0 and "EADDRINUSE" in str(error):
+            # Another process holds the port: the other ranks would wait out their bound on it.
+            raise BadInput(
+                f"start-up: rank 0 cannot host the job's store at {host}:{env['master_port']}: the port is in use "
+                "(MASTER_PORT: give the job a free one)"
+            ) from None
         raise StartupTimeout(
             f"start-up: the job's store at {host}:{env['master_port']} could not be reached within {timeout_s:g} s"
         ) from None

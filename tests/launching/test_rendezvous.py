@@ -6,11 +6,13 @@ that does not come is named within the bound."""
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 
 import pytest
 import torch.distributed as dist
 
+from parallel_latent.errors import BadInput
 from parallel_latent.launching.rendezvous import AGENT_STORE_ENV, ATTEMPT_KEY, StartupTimeout, job_store
 from tests.helpers.distributed import free_port
 
@@ -84,3 +86,16 @@ def test_without_rank_0_the_others_end_within_the_bound(agent, monkeypatch):
     found = meet(environment(port, 2), [1], timeout_s=2)
     assert isinstance(found[1], StartupTimeout), found
     del keep
+
+
+def test_rank_0_on_a_port_another_process_holds_ends_with_one_line():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        found = meet(environment(port, 2), [0], timeout_s=2)
+    assert isinstance(found[0], BadInput), found
+    assert str(found[0]) == (
+        f"start-up: rank 0 cannot host the job's store at 127.0.0.1:{port}: the port is in use "
+        "(MASTER_PORT: give the job a free one)"
+    )

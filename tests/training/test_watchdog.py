@@ -218,17 +218,24 @@ def _progress_record(run_dir: Path, rank: int) -> dict | None:
     return None
 
 
-def _stop_rank_after_a_checkpoint(run_dir: Path, rank: int, job: subprocess.Popen) -> int:
-    """SIGSTOP ``rank`` once a checkpoint exists and the rank is training; its pid."""
+def _stop_rank_after_a_checkpoint(run_dir: Path, rank: int, *jobs: subprocess.Popen, log: Path | None = None) -> int:
+    """SIGSTOP ``rank`` once a checkpoint exists and the rank is training; its pid. Every process of
+    ``jobs`` must live until then (``log``: where one of them writes, shown if it does not)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        assert job.poll() is None, f"the job ended (exit {job.returncode}) before the stop"
+        for job in jobs:
+            if job.poll() is not None:
+                raise AssertionError(f"process {job.pid} ended (exit {job.returncode}) before the stop{_tail(log)}")
         found = _progress_record(run_dir, rank)
         if found and found["step"] > SAVE_EVERY and (run_dir / "checkpoints" / "latest").exists():
             os.kill(found["pid"], signal.SIGSTOP)
             return found["pid"]
         time.sleep(0.2)
-    raise AssertionError("no checkpoint within 240 s")
+    raise AssertionError(f"no checkpoint within 240 s{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    return "" if log is None else "\n" + log.read_text()[-3000:]
 
 
 def _end_of(job: subprocess.Popen, stopped_pid: int) -> tuple[float, str]:
@@ -327,7 +334,7 @@ def test_a_stopped_rank_0_that_hosts_the_store_ends_the_job(tmp_path):
     rank0_log = (tmp_path / "rank0.log").open("w")
     ranks = [rank_process(0, rank0_log), rank_process(1, subprocess.PIPE)]
     try:
-        stopped = _stop_rank_after_a_checkpoint(run_dir, 0, ranks[1])
+        stopped = _stop_rank_after_a_checkpoint(run_dir, 0, *ranks, log=tmp_path / "rank0.log")
         took, output = _end_of(ranks[1], stopped)
     finally:
         for rank in ranks:
