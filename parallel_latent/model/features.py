@@ -84,6 +84,41 @@ def _decoder_from_config(config: PretrainedConfig) -> nn.Module:
     return AutoModel.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
+def _decoder_config(
+    feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None
+) -> tuple[PretrainedConfig, Family]:
+    """The uncut transformers config of the decoder :func:`load_decoder` builds, and its family."""
+    if recorded is not None:
+        config = AutoConfig.for_model(**recorded)
+        return config, family_of(config, "the recorded feature model")
+    if feature_cfg.pretrained:
+        where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
+        config = load_config(feature_cfg.name_or_path, where)
+        return config, family_of(config, where)
+    family = FAMILIES[feature_cfg.architecture]
+    config = family.random_config(
+        vocab_size, feature_cfg.n_layer, feature_cfg.n_head, feature_cfg.n_embd, feature_cfg.n_positions,
+        feature_cfg.n_kv_head,
+    )  # fmt: skip
+    return config, family
+
+
+def decoder_signature(feature_cfg: FeatureModelConfig, recorded: dict | None = None) -> dict[str, object]:
+    """What makes the decoder :func:`load_decoder` would hold compute what it computes, besides its
+    weights: its family (``architecture``), its attention heads (``n_head``), and the shape of every
+    parameter it holds, its token table aside (its rows are the tokenizer's, compared on their
+    own). Built on the meta device: no weight is read or allocated."""
+    config, family = _decoder_config(feature_cfg, 1, recorded)
+    keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
+    runnable = _runnable(config, family, keep)
+    runnable.vocab_size = 1
+    with torch.device("meta"), _transformers_quiet():
+        decoder = _decoder_from_config(runnable)
+    table = decoder.get_input_embeddings().weight
+    shapes = {name: "x".join(map(str, p.shape)) for name, p in decoder.named_parameters() if p is not table}
+    return {"architecture": family.name, "n_head": getattr(config, family.heads_key), **shapes}
+
+
 class BuiltDecoder:
     """A decoder as loaded or built, before it is cut: the module, its family, its uncut config."""
 
@@ -107,22 +142,12 @@ def load_decoder(
     (:mod:`.sharded`); the other two are built whole and sharded by the caller once cut.
     Uses (and advances) the global torch RNG."""
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-    if recorded is not None:
-        config = AutoConfig.for_model(**recorded)
-        family = family_of(config, "the recorded feature model")
-        keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
-    elif feature_cfg.pretrained:
-        config = load_config(feature_cfg.name_or_path, where)
-        family = family_of(config, where)
-        keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
-    else:
+    config, family = _decoder_config(feature_cfg, vocab_size, recorded)
+    if recorded is None and not feature_cfg.pretrained:
         logger.warning("%s", random_features_notice(feature_cfg))
-        family = FAMILIES[feature_cfg.architecture]
-        config = family.random_config(
-            vocab_size, feature_cfg.n_layer, feature_cfg.n_head, feature_cfg.n_embd, feature_cfg.n_positions,
-            feature_cfg.n_kv_head,
-        )  # fmt: skip
         keep = family.depth(config)
+    else:
+        keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     if shard_group is not None:  # refused in one line before any weight is read
         check_shardable(feature_cfg, family, config, group_size(shard_group))
     runnable = _runnable(config, family, keep)

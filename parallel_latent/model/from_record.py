@@ -22,6 +22,7 @@ from pathlib import Path
 from parallel_latent.config import FeatureModelConfig, TokenizerConfig, build_dataclass, check_section
 from parallel_latent.errors import BadInput, CheckpointError
 
+from .features import decoder_signature
 from .tokenizer import (
     OFFLINE,
     TOKENIZER_CONFIG_FILE,
@@ -31,7 +32,13 @@ from .tokenizer import (
     tokenizer_facts,
 )
 
-__all__ = ["ARCHITECTURE_KEYS", "feature_config_from_record", "recorded_feature_model", "tokenizer_from_record"]
+__all__ = [
+    "ARCHITECTURE_KEYS",
+    "feature_config_from_record",
+    "loaded_decoder_difference",
+    "recorded_feature_model",
+    "tokenizer_from_record",
+]
 
 ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "n_positions")
 # Other families than GPT-2 record their name and their whole transformers config besides the shape.
@@ -95,6 +102,27 @@ def feature_config_from_record(record: dict, source: str) -> FeatureModelConfig:
         )
     check_section(feature_cfg, source, "feature_model_config")
     return feature_cfg
+
+
+def loaded_decoder_difference(feature_cfg: FeatureModelConfig, record: dict, source: str) -> str | None:
+    """How the pretrained decoder ``feature_cfg`` loads differs from the one the model ``record``
+    describes (a checkpoint's model record, ``source`` its file) was trained over, in what makes a
+    decoder compute what it computes besides its weights (:func:`.features.decoder_signature`):
+    the first difference, or None (also when the record predates the decoder's shape). Their config
+    keys are compared beforehand (``FeatureModelConfig.difference``); the files a name points at may
+    since hold another decoder. Neither decoder's weights are read."""
+    if not feature_cfg.pretrained or not record.get(ARCHITECTURE):
+        return None
+    saved_cfg = dataclasses.replace(feature_config_from_record(record, source), hidden_state=feature_cfg.hidden_state)
+    saved = decoder_signature(saved_cfg, recorded_feature_model(record, source))
+    current = decoder_signature(feature_cfg)
+    for key in [*saved, *(key for key in current if key not in saved)]:
+        if saved.get(key) != current.get(key):
+            return (
+                f"feature_model.name_or_path={feature_cfg.name_or_path} is another decoder than the checkpoint's: "
+                f"its {key} is {current.get(key, 'absent')}, the checkpoint's {saved.get(key, 'absent')}"
+            )
+    return None
 
 
 def _refuse_outside_tokenizer(name: str, source: str) -> CheckpointError:

@@ -23,16 +23,18 @@ from parallel_latent.checkpoint import (
     remove_unfinished_saves,
     resumable,
 )
-from parallel_latent.checkpoint.layout import read_info
+from parallel_latent.checkpoint.layout import INFO_FILE, read_info, resolve_checkpoint
 from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
+from parallel_latent.errors import CheckpointError
 from parallel_latent.launching.cluster import launcher_environment
 from parallel_latent.launching.rendezvous import StartupTimeout, join_job
 from parallel_latent.launching.reports import report_hang, restart_line
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model
 from parallel_latent.model.features import check_feature_model, random_features_unannounced
+from parallel_latent.model.from_record import loaded_decoder_difference
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.parallel import ParallelState
 
@@ -234,6 +236,18 @@ def start_run(
         raise
 
 
+def require_same_decoder(cfg: Config, path: Path | None) -> None:
+    """CheckpointError (one line) when the pretrained decoder ``cfg`` names now holds parameters of
+    other shapes than the one the checkpoint at ``path`` was trained over: found here, from both
+    configs, not by the engine's load of the weights."""
+    if path is None or not cfg.feature_model.pretrained:
+        return
+    step_dir = resolve_checkpoint(path)
+    record = read_info(step_dir).get("model_record") or {}
+    if problem := loaded_decoder_difference(cfg.feature_model, record, str(step_dir / INFO_FILE)):
+        raise CheckpointError(f"{path}: config mismatch: {problem}")
+
+
 def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
     """Every check of the job and what it is built of: the tokenizer, the checkpoint to resume and
     whether it is this model, the data, the model and the engine. Writes nothing in the run
@@ -248,6 +262,7 @@ def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
     path = broadcast_value(None if path is None else str(path))
     resume_path = None if path is None else Path(path)
     require_same_model(cfg, resume_path)  # with the tokenizer's vocabulary now
+    require_same_decoder(cfg, resume_path)
     cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)

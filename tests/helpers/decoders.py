@@ -67,9 +67,14 @@ def small_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, bos_token=END)
 
 
-def save_tiny_decoder(directory: Path, family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
-    """A random ``family`` decoder with an LM head, and ``tokenizer``, saved into ``directory``."""
+def save_tiny_decoder(
+    directory: Path, family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **changes
+) -> Path:
+    """A random ``family`` decoder with an LM head, and ``tokenizer``, saved into ``directory``;
+    ``changes``: config keys set otherwise (another decoder under the same family)."""
     model_class, config = _config(family, len(tokenizer))
+    for key, value in changes.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model_class(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -117,3 +117,57 @@ def test_a_tokenizer_that_does_not_fit_or_load_is_one_line(offline, tmp_path):
     with pytest.raises(CheckpointError) as refused:
         tokenizer_from_record(Path(tmp_path), manifest, "m.json")
     one_line(refused, f"{tmp_path / 'tokenizer_config.json'}: the tokenizer does not load")
+
+
+def _decoder_directory(directory: Path, config) -> Path:
+    """A decoder as a name points at it: its config.json is all the comparison reads."""
+    config.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({}, None),
+        # GPT-2's weights have the same shapes whatever the heads: the count is compared itself.
+        ({"n_head": 2}, "its n_head is 2, the checkpoint's 4"),
+        ({"n_positions": 128}, "its wpe.weight is 128x32, the checkpoint's 64x32"),
+        # Hidden state -3 holds n_layer - 2 layers: one fewer here.
+        ({"n_layer": 5}, "its h.3.ln_1.weight is absent, the checkpoint's 32"),
+    ],
+)
+def test_a_loaded_decoder_is_compared_with_the_checkpoints_by_its_config_alone(changes, expected, tmp_path):
+    from transformers import GPT2Config
+
+    from parallel_latent.config import FeatureModelConfig
+    from parallel_latent.model.from_record import loaded_decoder_difference
+
+    directory = _decoder_directory(tmp_path / "gpt2", GPT2Config(vocab_size=50, **{**SHAPE, **changes}))
+    feature_cfg = FeatureModelConfig(name_or_path=str(directory), pretrained=True)
+    found = loaded_decoder_difference(feature_cfg, record(OUTSIDE_PATH, pretrained=True, shape=SHAPE), "c.json")
+    prefix = f"feature_model.name_or_path={directory} is another decoder than the checkpoint's: "
+    assert found == (None if expected is None else prefix + expected)
+    # A checkpoint older than the recorded shape: nothing to compare (the engine's load still checks).
+    assert loaded_decoder_difference(feature_cfg, record(OUTSIDE_PATH, pretrained=True), "c.json") is None
+
+
+def test_a_loaded_decoder_of_another_family_is_named(tmp_path):
+    from transformers import GPT2Config, LlamaConfig
+
+    from parallel_latent.config import FeatureModelConfig
+    from parallel_latent.model.from_record import loaded_decoder_difference
+
+    llama = LlamaConfig(vocab_size=50, num_hidden_layers=6, num_attention_heads=4, hidden_size=32,
+                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    saved = record(
+        OUTSIDE_PATH, pretrained=True, shape={"architecture": "llama", **SHAPE, "transformers_config": llama.to_dict()}
+    )
+    directory = _decoder_directory(tmp_path / "gpt2", GPT2Config(vocab_size=50, **SHAPE))
+    feature_cfg = FeatureModelConfig(name_or_path=str(directory), pretrained=True)
+    assert loaded_decoder_difference(feature_cfg, saved, "c.json").endswith(
+        "its architecture is gpt2, the checkpoint's llama"
+    )
+    same = _decoder_directory(tmp_path / "llama", llama)
+    assert (
+        loaded_decoder_difference(FeatureModelConfig(name_or_path=str(same), pretrained=True), saved, "c.json") is None
+    )

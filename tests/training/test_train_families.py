@@ -15,6 +15,7 @@ import pytest
 
 from parallel_latent.api import TextAutoencoder
 from tests.helpers.decoders import CORPUS, FAMILIES, save_tiny_decoder, small_tokenizer
+from tests.helpers.filesystems import directory_bytes
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.trainer_runs import TINY_CONFIG, rank_env
 
@@ -32,12 +33,15 @@ RUN = [
 HELD_OUT = re.compile(r"^held-out: loss [0-9.]+, token accuracy ([0-9.]+)", re.MULTILINE)
 
 
-def train(decoder, run_dir, *overrides: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY_CONFIG),
-        f"feature_model.name_or_path={decoder}", "feature_model.pretrained=true",
-        "tokenizer.name_or_path=feature_model", f"logging.run_dir={run_dir}", *RUN, *overrides, "--nproc=2",
+def train_argv(decoder, run_dir, *overrides: str) -> list[str]:
+    return [
+        "train", "--config", str(TINY_CONFIG), f"feature_model.name_or_path={decoder}", "feature_model.pretrained=true",
+        "tokenizer.name_or_path=feature_model", f"logging.run_dir={run_dir}", *RUN, *overrides,
     ]  # fmt: skip
+
+
+def train(decoder, run_dir, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "parallel_latent", *train_argv(decoder, run_dir, *overrides), "--nproc=2"]
     return subprocess.run(command, env=rank_env(), capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -103,3 +107,22 @@ def test_a_llama_run_resumes_at_another_tensor_parallel_degree(trained, tmp_path
     assert "2 rank(s) = TP 1 x DP 2" in output and f"step_{STEPS:08d} at step {STEPS}" in output
     [accuracy] = HELD_OUT.findall(output)
     assert float(accuracy) > 0.98
+
+
+def test_a_resume_over_a_decoder_of_another_shape_is_one_line_and_changes_nothing(trained, tmp_path):
+    """The decoder's directory now holds another Llama (its MLP 128 wide, not 176): every config key
+    is the same, so only the decoder's own config tells; refused before any weight is read, where
+    DeepSpeed's state-dict load would end every rank with its traceback."""
+    run_dir, _ = trained("llama")
+    before = directory_bytes(run_dir)
+    other = save_tiny_decoder(tmp_path / "decoder", "llama", small_tokenizer(), intermediate_size=128)
+    # One rank in this process: the refusal comes before the engine, whatever the layout.
+    result = run_main([*train_argv(other, run_dir, "parallel.tensor_parallel=1"), f"training.max_steps={STEPS + 10}"])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0] == (
+        f"parallel-latent: error: {run_dir / 'checkpoints' / f'step_{STEPS:08d}'}: config mismatch: "
+        f"feature_model.name_or_path={other} is another decoder than the checkpoint's: "
+        "its layers.0.mlp.gate_proj.weight is 128x64, the checkpoint's 176x64"
+    )
+    assert directory_bytes(run_dir) == before
