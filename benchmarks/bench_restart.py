@@ -22,9 +22,13 @@ from pathlib import Path
 
 from common import REPO, Report, add_common_arguments, run
 
-KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint, at step 30 or just after
-# --quick: the same path in fewer steps (the kill after the step-5 checkpoint, 4 steps before the next).
+KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint (or a later one), at step 30 or after
+# --quick: the same path in fewer steps (the kill after the step-5 checkpoint or a later one).
 QUICK_KILL_AT, QUICK_EVERY = 6, 5
+# The job trains until it is told to stop (SIGTERM: the step finishes, a checkpoint, exit 0), so no
+# poll of it can come too late: the kill waits for a state that lasts (a checkpoint published and a
+# step past it), never for a window between two checkpoints.
+UNTIL_STOPPED = 100_000
 
 
 def records(run_dir: Path) -> list[int]:
@@ -48,25 +52,35 @@ def rank_of(run_dir: Path, rank: int) -> int:
     raise RuntimeError(f"rank {rank} not found")
 
 
-def wait(condition, timeout: float, what: str) -> float:
+def wait(condition, job: subprocess.Popen, timeout: float, what: str) -> float:
+    """When ``condition()`` first holds; an error if ``job`` ends before, or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while not condition():
+        if job.poll() is not None:
+            raise RuntimeError(f"the job ended (status {job.returncode}) before the {what}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"no {what} within {timeout:g} s")
         time.sleep(0.05)
     return time.monotonic()
 
 
-def published(run_dir: Path, step: int) -> bool:
-    """Whether the checkpoint of ``step`` is the newest published one (``latest`` names it)."""
+def newest_checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest published checkpoint (``latest`` names it); 0 if none."""
     latest = run_dir / "checkpoints" / "latest"
-    return latest.is_file() and latest.read_text().strip() == f"step_{step:08d}"
+    return int(latest.read_text().strip().split("_")[1]) if latest.is_file() else 0
+
+
+def resumed_from(run_dir: Path) -> int | None:
+    """The checkpoint step a restarted attempt resumed from: at the resume the dead attempt's records
+    past it move aside, into ``metrics.after-step_<step>.jsonl``."""
+    aside = sorted(run_dir.glob("metrics.after-step_*.jsonl"))
+    return int(aside[-1].stem.rsplit("_", 1)[1]) if aside else None
 
 
 def body(args, report: Report) -> None:
-    kill_at, every, after = (QUICK_KILL_AT, QUICK_EVERY, QUICK_EVERY) if args.quick else (KILL_AT, EVERY, 20)
+    kill_at, every = (QUICK_KILL_AT, QUICK_EVERY) if args.quick else (KILL_AT, EVERY)
     overrides = [
-        f"training.max_steps={kill_at + after}", f"checkpoint.save_every={every}",
+        f"training.max_steps={UNTIL_STOPPED}", f"checkpoint.save_every={every}",
         "training.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1",
     ]  # fmt: skip
     if args.quick:
@@ -74,32 +88,38 @@ def body(args, report: Report) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(REPO / "configs" / "tiny.yaml")]
-    run_dir = scratch / "run"
+    run_dir, log = scratch / "run", scratch / "job.log"
     launched = time.monotonic()
-    job = subprocess.Popen(
-        [*command, *overrides, f"logging.run_dir={run_dir}", "--nproc=2", "--max-restarts=1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    with log.open("w") as out:  # a file: a pipe nobody reads while the job trains would fill and stop it
+        job = subprocess.Popen(
+            [*command, *overrides, f"logging.run_dir={run_dir}", "--nproc=2", "--max-restarts=1"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
     try:
-        first_step = wait(lambda: records(run_dir), 600, "first step") - launched
-        # The kill waits for the checkpoint it restarts from too (a save may finish after later steps).
-        wait(
-            lambda: max(records(run_dir), default=0) >= kill_at and published(run_dir, every),
-            600,
-            f"step {kill_at} after the step-{every} checkpoint",
-        )
+        first_step = wait(lambda: records(run_dir), job, 600, "first step") - launched
+
+        def past_a_checkpoint() -> bool:
+            step, saved = max(records(run_dir), default=0), newest_checkpoint_step(run_dir)
+            return saved >= every and step >= kill_at and step > saved
+
+        wait(past_a_checkpoint, job, 600, f"step {kill_at} after a checkpoint")
         killed_at_step = max(records(run_dir))
         os.kill(rank_of(run_dir, 1), signal.SIGKILL)
         killed = time.monotonic()
-        # The restarted attempt's first record: at the resume the dead attempt's records past the
-        # checkpoint move aside, then the file grows again past the checkpoint's step.
-        aside = run_dir / f"metrics.after-step_{every:08d}.jsonl"
-        wait(lambda: aside.exists() and max(records(run_dir), default=0) > every, 600, "step after the restart")
+
+        def trained_after_the_restart() -> bool:
+            resumed = resumed_from(run_dir)
+            return resumed is not None and max(records(run_dir), default=0) > resumed
+
+        wait(trained_after_the_restart, job, 600, "step after the restart")
         restart = time.monotonic() - killed
-        output, _ = job.communicate(timeout=600)
+        job.send_signal(signal.SIGTERM)  # the launcher's clean stop: the ranks checkpoint and exit 0
+        job.wait(timeout=600)
     finally:
-        job.kill()
-        job.wait()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        output = log.read_text()
         shutil.rmtree(scratch, ignore_errors=True)  # its run directory, checkpoints and all
     if job.returncode != 0:
         raise RuntimeError(f"the restarted job ended with status {job.returncode}: {output[-2000:]}")
