@@ -159,19 +159,22 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
     out = Path(args[args.index("--out") + 1])
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
-    process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    peak, killed = 0.0, False
-    while process.poll() is None:
-        peak = max(peak, _peak_rss_mb(process.pid) or 0.0)
-        if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
-            process.send_signal(signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.01)
-    process.wait()
-    elapsed = time.perf_counter() - started
-    if not killed and process.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} failed: {process.stderr.read().decode()[-2000:]}")
+    # Its messages to a file: a pipe nobody reads while it runs could fill and stop it.
+    with tempfile.TemporaryFile() as messages:
+        process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=messages)
+        peak, killed = 0.0, False
+        while process.poll() is None:
+            peak = max(peak, _peak_rss_mb(process.pid) or 0.0)
+            if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
+                process.send_signal(signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.01)
+        process.wait()
+        elapsed = time.perf_counter() - started
+        if not killed and process.returncode != 0:
+            messages.seek(0)
+            raise RuntimeError(f"{' '.join(args)} failed: {messages.read().decode()[-2000:]}")
     return {"seconds": elapsed, "rss": peak, "killed": killed}
 
 
