@@ -31,11 +31,12 @@ QUICK_KILL_AT, QUICK_EVERY = 6, 5
 UNTIL_STOPPED = 100_000
 
 
-def records(run_dir: Path) -> list[int]:
+def records(run_dir: Path, kind: str = "train") -> list[int]:
+    """The steps of ``run_dir``'s metrics records of ``kind`` (``first_step``: one per attempt, at its first step)."""
     from parallel_latent.files import read_jsonl
 
     metrics = run_dir / "metrics.jsonl"
-    return [r["step"] for r in read_jsonl(metrics) if r.get("kind") == "train"] if metrics.exists() else []
+    return [r["step"] for r in read_jsonl(metrics) if r.get("kind") == kind] if metrics.exists() else []
 
 
 def rank_of(run_dir: Path, rank: int) -> int:
@@ -70,13 +71,6 @@ def newest_checkpoint_step(run_dir: Path) -> int:
     return int(latest.read_text().strip().split("_")[1]) if latest.is_file() else 0
 
 
-def resumed_from(run_dir: Path) -> int | None:
-    """The checkpoint step a restarted attempt resumed from: at the resume the dead attempt's records
-    past it move aside, into ``metrics.after-step_<step>.jsonl``."""
-    aside = sorted(run_dir.glob("metrics.after-step_*.jsonl"))
-    return int(aside[-1].stem.rsplit("_", 1)[1]) if aside else None
-
-
 def body(args, report: Report) -> None:
     kill_at, every = (QUICK_KILL_AT, QUICK_EVERY) if args.quick else (KILL_AT, EVERY)
     overrides = [
@@ -107,11 +101,10 @@ def body(args, report: Report) -> None:
         os.kill(rank_of(run_dir, 1), signal.SIGKILL)
         killed = time.monotonic()
 
-        def trained_after_the_restart() -> bool:
-            resumed = resumed_from(run_dir)
-            return resumed is not None and max(records(run_dir), default=0) > resumed
-
-        wait(trained_after_the_restart, job, 600, "step after the restart")
+        # The restarted attempt's first step: its own first_step record. (The dead attempt's records
+        # past the checkpoint move aside at the resume, but not at once: a step past the checkpoint
+        # may still be the dead attempt's when the set-aside file already exists.)
+        wait(lambda: len(records(run_dir, "first_step")) >= 2, job, 600, "step after the restart")
         restart = time.monotonic() - killed
         job.send_signal(signal.SIGTERM)  # the launcher's clean stop: the ranks checkpoint and exit 0
         job.wait(timeout=600)

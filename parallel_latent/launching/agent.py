@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .reports import error_file_record, failure_lines
-from .worker_logs import WORKER_LOGS_ENV
+from .worker_logs import WORKER_LOGS_ENV, stop_time
 
 __all__ = ["run_agent"]
 
@@ -33,18 +33,25 @@ def _agent_logs_to(path: Path) -> None:
         torch_logger.propagate = False
 
 
-def _root_cause(failed) -> tuple[int, object, dict | None]:
+def _root_cause(failed, stopped_at: float | None = None) -> tuple[int, object, dict | None]:
     """(rank, failure, our record) of the rank that failed first.
 
     Our records carry the exact time. A rank that died without one (a signal, a hard crash) is only
     known to the second in which torchrun saw it dead, so it counts from a second before that: its
     peers' errors ("connection closed by peer") follow it within milliseconds. The SIGTERM with which
-    torchrun stops the other ranks is a consequence, never a cause."""
-    candidates = [
-        (record["time"] if record else failure.timestamp - 1, rank, failure, record)
-        for rank, failure in failed.failures.items()
-        if (record := error_file_record(failure)) is not None or failure.exitcode != -signal.SIGTERM
-    ]
+    torchrun stops the other ranks is a consequence, never a cause, unless the launcher forwarded a
+    stop (``stopped_at``, :func:`.worker_logs.stop_time`): a rank it ended counts from then, before
+    what its end made the others say (a rank whose training had begun only notes the stop, and
+    meets the dead rank in its next collective), after any failure recorded before the stop."""
+    candidates = []
+    for rank, failure in failed.failures.items():
+        record = error_file_record(failure)
+        if record is not None:
+            candidates.append((record["time"], rank, failure, record))
+        elif failure.exitcode != -signal.SIGTERM:
+            candidates.append((failure.timestamp - 1, rank, failure, record))
+        elif stopped_at is not None:
+            candidates.append((stopped_at, rank, failure, record))
     if not candidates:
         rank, failure = failed.get_first_failure()
         return rank, failure, error_file_record(failure)
@@ -64,7 +71,7 @@ def run_agent(torchrun_args: list[str]) -> int:
     try:
         run(parse_args(["--log-dir", str(log_dir / "torchrun"), *torchrun_args]))
     except ChildFailedError as failed:
-        lines, status = failure_lines(*_root_cause(failed), log_dir)
+        lines, status = failure_lines(*_root_cause(failed, stop_time(log_dir)), log_dir)
         print("\n".join(lines), file=sys.stderr, flush=True)
         return status
     except SignalException as stopped:  # the agent itself was signalled: its ranks are gone too

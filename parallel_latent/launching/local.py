@@ -16,7 +16,7 @@ from pathlib import Path
 
 from parallel_latent.errors import ExitStatus
 
-from .worker_logs import INTERRUPTED_MARKER, WORKER_LOGS_ENV, close_worker_logs, open_worker_logs
+from .worker_logs import WORKER_LOGS_ENV, close_worker_logs, mark_stop, open_worker_logs
 
 __all__ = ["launch_local", "torchrun_command"]
 
@@ -107,9 +107,8 @@ def launch_local(
     def forward(signum, frame):
         nonlocal signals_seen
         signals_seen += 1
-        if signum == signal.SIGINT and signals_seen == 1:  # before the ranks hear of it: the agent reads it
-            with contextlib.suppress(OSError):
-                (log_dir / INTERRUPTED_MARKER).touch()
+        if signals_seen == 1:  # before the ranks hear of it: the agent reads it
+            mark_stop(log_dir, interrupted=signum == signal.SIGINT)
         ranks = _children(process.pid)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):

@@ -26,9 +26,11 @@ from pathlib import Path
 from .cluster import environment_rank
 
 WORKER_LOGS_ENV = "PARALLEL_LATENT_WORKER_LOGS"
-# Left in the launch's log directory by the launcher before it forwards a terminal's Ctrl-C to the
-# ranks: ranks that its SIGTERM ends (during start-up) were interrupted by the user, not stopped by a cluster.
+# Left in the launch's log directory by the launcher, holding the time, before it forwards a stop to
+# the ranks (as SIGTERM): a terminal's Ctrl-C (ranks it ends during start-up were interrupted by the
+# user, not stopped by a cluster), or a SIGTERM it received.
 INTERRUPTED_MARKER = "interrupted"
+STOPPED_MARKER = "stopped"
 
 # (message regex, category): raised by DeepSpeed's ZeRO collectives on torch >= 2.13, once per call
 # site per rank; nothing a user of this package can change.
@@ -39,20 +41,37 @@ UNACTIONABLE_WARNINGS = [
 
 __all__ = [
     "INTERRUPTED_MARKER",
+    "STOPPED_MARKER",
     "UNACTIONABLE_WARNINGS",
     "WORKER_LOGS_ENV",
     "close_worker_logs",
     "filter_unactionable_warnings",
+    "mark_stop",
     "open_worker_logs",
     "quiet_repeated_notices",
     "rank_log",
     "redirect_worker_output",
+    "stop_time",
 ]
 
 
 def rank_log(log_dir: str | Path, rank: int) -> Path:
     """The file a rank other than 0 writes to (and every rank's traceback goes to)."""
     return Path(log_dir) / f"rank{rank}.log"
+
+
+def mark_stop(log_dir: Path, interrupted: bool) -> None:
+    """Before the launcher forwards a stop to the ranks: which stop, and when (see the markers)."""
+    with contextlib.suppress(OSError):
+        (log_dir / (INTERRUPTED_MARKER if interrupted else STOPPED_MARKER)).write_text(f"{time.time()!r}\n")
+
+
+def stop_time(log_dir: Path) -> float | None:
+    """When the launcher forwarded a stop to the ranks (:func:`mark_stop`), or None if it did not."""
+    for marker in (INTERRUPTED_MARKER, STOPPED_MARKER):
+        with contextlib.suppress(OSError, ValueError):
+            return float((log_dir / marker).read_text())
+    return None
 
 
 # --------------------------------------------------------------------------- #

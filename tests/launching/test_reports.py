@@ -211,6 +211,50 @@ def test_a_job_whose_ranks_were_all_stopped_by_sigterm_says_it_stopped_in_its_st
     assert lines == [f"{PROG}: error: rank 1 exited with status 3 without saying why"] and status == 1
 
 
+def test_a_stop_the_launcher_forwarded_is_the_cause_of_what_the_other_ranks_meet_after_it(tmp_path):
+    """The launcher forwards a SIGTERM (or a Ctrl-C) to ranks one of which has begun training and one
+    of which has not: the one in start-up dies of it; the one training only notes it, meets the dead
+    rank in its next collective and records that ("connection closed by peer"). The stop is the
+    cause: its time, which the launcher writes before it forwards it, precedes that record. A
+    failure recorded before the stop stays the cause; without a forwarded stop, a SIGTERM is
+    torchrun's teardown and the record is the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from parallel_latent.errors import PROG, ExitStatus
+    from parallel_latent.launching.agent import _root_cause
+    from parallel_latent.launching.reports import RECORD_KEY, failure_lines
+    from parallel_latent.launching.worker_logs import mark_stop, stop_time
+
+    def job(recorded_at: float) -> ChildFailedError:
+        error_file = tmp_path / f"error-{recorded_at}.json"
+        reason = "RuntimeError: Connection closed by peer [127.0.0.1]:9616"
+        record = {"reason": reason, "exit_code": ExitStatus.FAILURE, "time": recorded_at}
+        message = {"message": reason, "extraInfo": {"py_callstack": reason, "timestamp": str(int(recorded_at))}}
+        error_file.write_text(json.dumps({"message": message, RECORD_KEY: record}))  # as reports.py writes it
+        return ChildFailedError("train", {
+            0: ProcessFailure(0, 1000, -signal.SIGTERM, str(tmp_path / "none")),
+            1: ProcessFailure(1, 1001, 1, str(error_file)),
+        })  # fmt: skip
+
+    def line(failed: ChildFailedError) -> tuple[str, int]:
+        lines, status = failure_lines(*_root_cause(failed, stop_time(tmp_path)), tmp_path)
+        return lines[-1], status
+
+    assert stop_time(tmp_path) is None
+    assert line(job(time.time())) == (f"{PROG}: error: rank 1: RuntimeError: Connection closed by peer "
+                                      "[127.0.0.1]:9616", ExitStatus.FAILURE)  # fmt: skip
+    mark_stop(tmp_path, interrupted=False)
+    stopped = stop_time(tmp_path)
+    assert line(job(stopped + 0.01)) == (
+        f"{PROG}: error: stopped by SIGTERM during start-up, before the first step (nothing to save)",
+        128 + signal.SIGTERM,
+    )
+    assert line(job(stopped - 5))[0].endswith("rank 1: RuntimeError: Connection closed by peer [127.0.0.1]:9616")
+    (tmp_path / "stopped").unlink()
+    mark_stop(tmp_path, interrupted=True)
+    assert line(job(stop_time(tmp_path) + 0.01)) == (f"{PROG}: error: interrupted", ExitStatus.INTERRUPTED)
+
+
 ELASTIC = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3"}
 
 
