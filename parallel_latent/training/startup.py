@@ -237,9 +237,9 @@ def start_run(
 
 
 def require_same_decoder(cfg: Config, path: Path | None) -> None:
-    """CheckpointError (one line) when the pretrained decoder ``cfg`` names now holds parameters of
-    other shapes than the one the checkpoint at ``path`` was trained over: found here, from both
-    configs, not by the engine's load of the weights."""
+    """CheckpointError (one line) when the pretrained decoder ``cfg`` names is now another decoder
+    than the one the checkpoint at ``path`` was trained over (another family, head count or
+    parameter shape): found here, from both configs, not by the engine's load of the weights."""
     if path is None or not cfg.feature_model.pretrained:
         return
     step_dir = resolve_checkpoint(path)
