@@ -22,7 +22,9 @@ __all__ = [
 ]
 
 # Keys that do not change the weights: a checkpoint loads whatever they are set to.
-RUNTIME_ONLY_KEYS: frozenset[str] = frozenset({"dropout", "activation_checkpointing", "init_std", "latent_noise"})
+RUNTIME_ONLY_KEYS: frozenset[str] = frozenset(
+    {"dropout", "activation_checkpointing", "init_std", "latent_noise", "feature_norm_samples"}
+)
 # Keys added after checkpoints were already written, with the value such a checkpoint means.
 KEYS_ADDED_LATER: dict[str, Any] = {
     "head": "normal",
@@ -31,6 +33,8 @@ KEYS_ADDED_LATER: dict[str, Any] = {
     "latent_dim": 0,
     "predict_length": False,
     "latent_noise": 0.0,
+    "feature_norm": "none",
+    "feature_norm_samples": 512,
 }
 
 

@@ -94,6 +94,19 @@ class ModelConfig:
         "the noise is keyed like dropout (TP=N draws TP=1's), and evaluation reads clean latents",
         at_least(0.0),
     )
+    feature_norm: Literal["none", "standardize"] = setting(
+        "none",
+        "what the encoder reads: none: the feature model's hidden state as it is (random-weight decoders); "
+        "standardize: each feature shifted by its corpus mean and divided by its corpus deviation, measured "
+        "at the start of a fresh run and kept in the model's checkpoints: what a pretrained decoder needs, "
+        "whose few 'massive' features would otherwise take all of the encoder's scale (docs/quality.md)",
+    )
+    feature_norm_samples: int = setting(
+        512,
+        "training samples (the first ones of the training split) whose tokens measure the feature "
+        "statistics of model.feature_norm=standardize",
+        at_least(1),
+    )
 
     @property
     def latent_count(self) -> int:

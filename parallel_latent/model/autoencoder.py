@@ -31,6 +31,7 @@ from parallel_latent.parallel import (
     vocab_parallel_cross_entropy,
 )
 
+from .feature_norm import FeatureStandardizer, measure_feature_statistics
 from .features import FeatureModel, check_feature_model
 from .perceiver import LatentDecoder, PerceiverEncoder
 
@@ -120,6 +121,10 @@ class LatentAutoencoder(nn.Module):
                     f"model.max_length={model_cfg.max_length} exceeds the {self.feature_model.positions} positions "
                     f"of feature_model.name_or_path={feature_cfg.name_or_path}"
                 )
+            # What the encoder reads: the features, standardised by statistics the model keeps.
+            self.feature_norm = (
+                FeatureStandardizer(self.feature_model.width) if model_cfg.feature_norm == "standardize" else None
+            )
             torch.default_generator.manual_seed(seed + 1)
             self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group, options)
             # The mask vector is the mask row of the feature model's resized token table. That decoder
@@ -189,10 +194,25 @@ class LatentAutoencoder(nn.Module):
             return split_batch_and_gather(self.feature_model, (input_ids, attention_mask), self.tp_group)
         return self.feature_model(input_ids, attention_mask)
 
+    def encoder_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """What the encoder reads: the features, standardised with ``model.feature_norm``."""
+        features = self.features(input_ids, attention_mask)
+        return features if self.feature_norm is None else self.feature_norm(features)
+
+    def measure_feature_norm(self, batches, dp_group=None) -> None:
+        """``model.feature_norm=standardize``: measure the feature statistics on ``batches`` (this
+        DP rank's share of them; every rank of a TP group the same batches) and keep them. Every rank
+        ends with the same statistics. Nothing to do without a standardiser."""
+        if self.feature_norm is None:
+            return
+        device = self.feature_norm.mean.device
+        count, mean, variance = measure_feature_statistics(self.features, batches, device, dp_group)
+        self.feature_norm.set_statistics(count, mean, variance)
+
     def _encode_local(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Latents of this rank's positions (all of them unless sequence parallel)."""
         self._check_length(input_ids.shape[1])
-        return self.encoder(self.features(input_ids, attention_mask), attention_mask)
+        return self.encoder(self.encoder_input(input_ids, attention_mask), attention_mask)
 
     def _whole(self, latents: torch.Tensor) -> torch.Tensor:
         return gather_from_sequence_parallel_region(latents, self.tp_group) if self.sequence_parallel else latents

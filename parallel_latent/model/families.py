@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, PretrainedConfig
 
+from .packaged import local_decoder
 from .tokenizer import from_directory_or_hub
 
 __all__ = ["FAMILIES", "Family", "family_of", "held_layers", "supported_families"]
@@ -156,7 +157,8 @@ def held_layers(depth: int, index: int, family: Family, where: str) -> int:
 def load_config(name_or_path: str, where: str) -> PretrainedConfig:
     """A decoder's ``config.json`` by hub name or local directory (no weights read); one line
     starting with ``where`` when it cannot be had."""
+    local = local_decoder(name_or_path, where)
     return from_directory_or_hub(
-        lambda: AutoConfig.from_pretrained(name_or_path, trust_remote_code=False), name_or_path, where,
+        lambda: AutoConfig.from_pretrained(local, trust_remote_code=False), local, where,
         "its config.json does not load",
     )  # fmt: skip

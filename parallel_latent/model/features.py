@@ -24,6 +24,7 @@ from parallel_latent.config import Config, ConfigError, FeatureModelConfig
 from parallel_latent.parallel import group_size
 
 from .families import FAMILIES, Family, family_of, held_layers, load_config
+from .packaged import local_decoder
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
 from .tokenizer import OFFLINE, from_directory_or_hub
 
@@ -156,11 +157,12 @@ def load_decoder(
             if shard_group is not None:
                 decoder = read_pretrained_shard(feature_cfg.name_or_path, runnable, family, shard_group)
             else:
+                local = local_decoder(feature_cfg.name_or_path, where)
                 decoder = from_directory_or_hub(
                     lambda: AutoModel.from_pretrained(
-                        feature_cfg.name_or_path, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
+                        local, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
                     ),
-                    feature_cfg.name_or_path, where, "its weights do not load",
+                    local, where, "its weights do not load",
                 )  # fmt: skip
     else:
         decoder = _decoder_from_config(runnable)

@@ -54,6 +54,7 @@ from parallel_latent.parallel.projection import Projection, column_parallel_proj
 from parallel_latent.parallel.utils import partition_ranges, set_tensor_parallel_attributes
 
 from .families import Family
+from .packaged import local_decoder
 
 # How a projection is split: by output features (column) or input features (row); also the
 # partition dim of an nn.Linear weight [out, in] (a Conv1D's, [in, out], is the other one).
@@ -299,7 +300,7 @@ def read_pretrained_shard(name_or_path: str, config: PretrainedConfig, family: F
     its projections and the rest whole, read from ``name_or_path``'s safetensors: the skeleton is
     built on the meta device, so no rank ever allocates a whole layer's projections."""
     where = f"feature_model.name_or_path={name_or_path}"
-    weights = _SafetensorsWeights(_weights_directory(name_or_path), family, where)
+    weights = _SafetensorsWeights(_weights_directory(local_decoder(name_or_path)), family, where)
     with torch.device("meta"):
         decoder = AutoModel.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
         shard_layers(decoder, family, group)

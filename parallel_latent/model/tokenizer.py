@@ -25,6 +25,8 @@ from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBa
 from parallel_latent.config import Config, ConfigError, TokenizerConfig
 from parallel_latent.errors import BadInput, first_line
 
+from .packaged import local_decoder
+
 __all__ = [
     "MASK_TOKEN",
     "OFFLINE",
@@ -108,8 +110,8 @@ def load_tokenizer(
     if cfg.name_or_path == OFFLINE:
         tokenizer = _offline_gpt2_tokenizer()
     else:
-        name = cfg.name_or_path
-        where = where or f"tokenizer.name_or_path={name}"
+        where = where or f"tokenizer.name_or_path={cfg.name_or_path}"
+        name = local_decoder(cfg.name_or_path, where)
         tokenizer = from_directory_or_hub(
             lambda: AutoTokenizer.from_pretrained(name), name, where, "the tokenizer does not load", error_type
         )

@@ -12,9 +12,12 @@ from parallel_latent.model.features import random_features_notice
 __all__ = ["banner_lines", "summary_text", "tp_options_line"]
 
 
-def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source: str) -> list[str]:
+def banner_lines(
+    run: Any, trainable: int, global_batch: int, peak_flops_source: str, frozen_share: float = 0.0
+) -> list[str]:
     """What rank 0 prints at start-up: the layout, the data, the batch, the trainable parameters,
-    how gradients are reduced, random features, the TP switches, the MFU peak on a CPU."""
+    how gradients are reduced, random features, what the encoder reads (the feature statistics and
+    the frozen pass's share of a step's FLOPs), the TP switches, the MFU peak on a CPU."""
     s, cfg = run.state, run.cfg
     lines = [
         f"parallel-latent: {s.world_size} rank(s) = TP {s.tp_size} x DP {s.dp_size}, ZeRO stage "
@@ -33,6 +36,7 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
     lines.append(f"data parallelism: gradients reduced in {reduce_dtype}{how}")
     if not cfg.feature_model.pretrained:
         lines.append(random_features_notice(cfg.feature_model))
+    lines.append(features_line(run, frozen_share))
     model = cfg.model
     if model.compresses_positions or model.has_bottleneck or model.predict_length:
         floats = model.latent_count * model.latent_width
@@ -45,6 +49,19 @@ def banner_lines(run: Any, trainable: int, global_batch: int, peak_flops_source:
     if run.device_kind == "cpu":
         lines.append(f"MFU peak: {peak_flops_source}")
     return lines
+
+
+def features_line(run: Any, frozen_share: float) -> str:
+    """How the encoder's input is made, and what the frozen pass costs of a training step."""
+    cfg, norm = run.cfg, run.model.feature_norm
+    where = cfg.feature_model.name_or_path if cfg.feature_model.pretrained else "a random build"
+    line = f"features: hidden state {cfg.feature_model.hidden_state} of {where}"
+    if norm is not None:
+        source = "read from the checkpoint" if run.resume_path is not None else "measured at the start"
+        line += f", standardised per feature (statistics of {int(norm.tokens):,} tokens, {source})"
+    if cfg.feature_model.frozen:
+        line += f"; the frozen feature pass is {100 * frozen_share:.0f}% of a training step's FLOPs"
+    return line
 
 
 def tp_options_line(cfg: Config, model: Any) -> str:

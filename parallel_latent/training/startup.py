@@ -32,7 +32,7 @@ from parallel_latent.launching.cluster import launcher_environment
 from parallel_latent.launching.rendezvous import StartupTimeout, join_job
 from parallel_latent.launching.reports import report_hang, restart_line
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
-from parallel_latent.model import build_model
+from parallel_latent.model import build_model, eval_mode
 from parallel_latent.model.features import check_feature_model, random_features_unannounced
 from parallel_latent.model.from_record import loaded_decoder_difference
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
@@ -106,6 +106,19 @@ def build_model_once_per_node(cfg: Config, tp_group):
     node before the others read it from the cache. Random features are said once, in the banner."""
     with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
         return build_model(cfg, tp_group)
+
+
+def measure_feature_norm(model, cfg: Config, train_set, state) -> None:
+    """A fresh run's feature statistics (``model.feature_norm=standardize``): the tokens of the first
+    ``model.feature_norm_samples`` training samples, whatever the seed, each DP rank a share (every
+    rank of a TP group the same share), combined so that every rank keeps the same numbers."""
+    if model.feature_norm is None:
+        return
+    mine = list(range(min(cfg.model.feature_norm_samples, len(train_set))))[state.dp_rank :: state.dp_size]
+    size = cfg.training.micro_batch_size
+    batches = (train_set.batch(mine[i : i + size]) for i in range(0, len(mine), size))
+    with eval_mode(model):
+        model.measure_feature_norm(batches, state.dp_group)
 
 
 @dataclass
@@ -267,6 +280,8 @@ def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)
     bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
+    if resume_path is None:  # a resume reads the statistics from its checkpoint
+        measure_feature_norm(bundle.engine.module, cfg, train_set, state)
     return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle)
 
 

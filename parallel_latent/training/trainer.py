@@ -213,12 +213,16 @@ class Trainer:
         features = self.model.feature_model  # the decoder that was loaded, not the YAML's widths
         flops = model_flops_per_sample(self.cfg, features.blocks, features.width, features.matmul_weights)
         self.flops_per_sample = flops["train"]
+        self.frozen_share = flops["frozen_forward"] / flops["train"] if flops["train"] else 0.0
         self.peak_flops, self.peak_flops_source = peak_flops_per_device(run.device_kind, training.precision)
         self._resume()
         if self.is_main:
             # This rank's TP slices (ZeRO-3 partitions them further; ds_numel is the unpartitioned size).
             trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.trainable_parameters())
-            print("\n".join(banner_lines(run, trainable, self.global_batch, self.peak_flops_source)), flush=True)
+            print(
+                "\n".join(banner_lines(run, trainable, self.global_batch, self.peak_flops_source, self.frozen_share)),
+                flush=True,
+            )
         self.logger = MetricsLogger(
             self.run_dir, enabled=self.is_main, total_steps=training.max_steps, start_step=self.step,
             tensorboard=self.cfg.logging.tensorboard, progress_bar=self.cfg.logging.progress_bar,
