@@ -82,7 +82,7 @@ def test_a_version_the_index_does_not_have_is_one_line(empty_cache):
 def gguf_hidden_states(gguf: Path, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float64).eval()
     with torch.no_grad():
         return model.model(input_ids=ids, output_hidden_states=True).hidden_states
 
@@ -120,11 +120,11 @@ def test_smollm2_from_the_package_index_is_the_gguf_model(smollm2_wheel):
     hidden_states = gguf_hidden_states(smollm2_wheel, ids)  # read once: loading the GGUF takes seconds
     for index in (2, -3):
         features = FeatureModel(FeatureModelConfig(name_or_path=SMOLLM2, pretrained=True, hidden_state=index), 49154)
-        with torch.no_grad():
-            got = features(ids, torch.ones_like(ids))
+        with torch.no_grad():  # float64: at -3 (values in the thousands) an fp32 bound would exceed them
+            got = features.double()(ids, torch.ones_like(ids))
         want = hidden_states[index]
         n = features.blocks * 4 * features.width
-        bound = order_bound(n, terms_scale(want.abs().max().item(), n))
+        bound = order_bound(n, terms_scale(want.abs().max().item(), n), torch.float64)
         assert (got - want).abs().max().item() <= bound, index
         if index == -3:  # what model.feature_norm exists for
             assert want.abs().max().item() > 1000 * want.abs().median().item()

@@ -29,6 +29,7 @@ from tests.helpers.autoencoder_tp import sgd_engine
 from tests.helpers.checkpoint_stack import gathered_state
 from tests.helpers.decoders import WIDTH, save_tiny_decoder, small_tokenizer
 from tests.helpers.pool_training import train_in_pool
+from tests.helpers.smollm2 import SMOLLM2, smollm2_directory
 from tests.helpers.tiny_model import D, T, dp_half_batch, reduction_length_of_model, tiny_batch, tiny_configs
 from tests.helpers.tp_compare import (
     autoencoder_reduction_length,
@@ -91,15 +92,18 @@ def full_shape(param: torch.Tensor, tp: int) -> torch.Size:
     return torch.Size(shape)
 
 
-def features_task(tp: int, feature_cfg: FeatureModelConfig, vocab: int, recorded: dict | None = None) -> dict:
+def features_task(
+    tp: int, feature_cfg: FeatureModelConfig, vocab: int, recorded: dict | None = None, dtype=torch.float32
+) -> dict:
     """The sharded decoder at ``tp`` against the replicated one, in this rank (``recorded``: both
-    rebuilt from a checkpoint's transformers config)."""
+    rebuilt from a checkpoint's transformers config), both computing in ``dtype``."""
     group = initialize_model_parallel(tp).tp_group
     with random_features_unannounced():
         torch.manual_seed(0)
         whole = FeatureModel(dataclasses.replace(feature_cfg, parallel="replicate"), vocab, recorded, group)
         torch.manual_seed(0)
         sharded = FeatureModel(feature_cfg, vocab, recorded, group)
+    whole, sharded = whole.to(dtype), sharded.to(dtype)
     ids, mask = batch(vocab)
     want = whole(ids, mask)
     log, restore = count_collectives()
@@ -114,8 +118,9 @@ def features_task(tp: int, feature_cfg: FeatureModelConfig, vocab: int, recorded
                 layer.get_submodule(path).tp_group = None
     broken = sharded(ids, mask)
     return {
+        "features": want,
         "diff": (got - want).abs().max().item(),
-        "bound": order_bound(n, terms_scale(max_abs([want]), n)),
+        "bound": order_bound(n, terms_scale(max_abs([want]), n), dtype),
         "broken": (broken - want).abs().max().item(),
         "collectives": log,
         "expected_collectives": [("all_reduce", B * LENGTH * whole.width, "SUM")] * (2 * whole.blocks),
@@ -186,6 +191,44 @@ def test_a_pretrained_decoder_read_slice_by_slice_equals_the_whole_one(pool4, sa
     """The tiny decoders (tests/helpers/decoders.py: NeoX with partial rotary, Llama with grouped
     kv heads and an MLP width that is not 4x), the held layers of hidden state -2 only."""
     assert_sharded_equals_whole(pool4.run(features_task, 2, pretrained_shard(saved[family]), 514), 2, family)
+
+
+@pytest.fixture(scope="module")
+def pool3(request):
+    """Three gloo ranks: SmolLM2's 3 key/value heads split over TP=3 (started for this module only)."""
+    from tests.helpers.pool_training import shared_pool
+
+    return shared_pool(request, 3)
+
+
+@pytest.mark.slow
+def test_smollm2_sharded_over_three_ranks_equals_replicated_and_transformers(pool3):
+    """The real pretrained decoder (tests/helpers/smollm2.py) at TP=3, one kv head per rank, at an
+    early hidden state and the design's -3: the sharded features equal the replicated model's on
+    every rank, and both equal transformers' own ``output_hidden_states`` of the converted directory.
+    In float64: through 28 layers of 576-wide reductions, with values in the thousands (the massive
+    activations), the derived fp32 bound would exceed the values themselves; in float64 it is ~1e-5
+    of them while a missing all-reduce moves them by hundreds. The layout is what is tested here;
+    fp32 and the bound's margin are the random builds' above."""
+    from transformers import AutoModelForCausalLM
+
+    directory = smollm2_directory()
+    vocab = 49152 + 2  # its BPE plus mask and pad, as the trainer resizes it
+    ids, _ = batch(vocab)  # the ids features_task draws
+    assert int(ids.max()) < 49152, "the tokens features_task draws must exist in transformers' table"
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+    with torch.no_grad():
+        hidden_states = reference.model(input_ids=ids, output_hidden_states=True).hidden_states
+    del reference
+    for index in (2, -3):
+        cfg = FeatureModelConfig(name_or_path=SMOLLM2, pretrained=True, hidden_state=index, parallel="shard")
+        results = pool3.run(features_task, 3, cfg, vocab, None, torch.float64)
+        assert_sharded_equals_whole(results, 3, f"SmolLM2 hidden state {index}")
+        for rank, res in enumerate(results):
+            diff = (res["features"] - hidden_states[index]).abs().max().item()
+            assert diff <= res["bound"], (
+                f"rank {rank} hidden state {index}: {diff:.3g} from transformers > {res['bound']:.3g}"
+            )
 
 
 class RecordingSlice:
