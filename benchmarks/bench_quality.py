@@ -6,6 +6,7 @@ all: the goals are checked on the minimum.
     python benchmarks/bench_quality.py                                      # configs/tiny.yaml, seeds 1-20
     python benchmarks/bench_quality.py --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
     python benchmarks/bench_quality.py --config configs/compressed.yaml --seeds 1 2 1234
+    python benchmarks/bench_quality.py --config configs/smollm2.yaml --seeds 1 2 3        # ~13 min a seed
     python benchmarks/bench_quality.py --quick                              # a few seconds of training
     python benchmarks/bench_quality.py --tiny-decoder llama --seeds 1 2 3   # over a tiny saved Llama
 
@@ -35,6 +36,8 @@ GOALS = {
     "small.yaml": {"bleu": 98.0, "wall_s": 1800.0},
     # LD4LG's BART-base figure on ROCStories at 32 floats per token (ours: the bundled corpus).
     "compressed.yaml": {"token_accuracy": 0.99, "bleu": 97.6, "wall_s": 1200.0},
+    # Issue 62's goal over the real pretrained SmolLM2-135M (not met yet: docs/quality.md).
+    "smollm2.yaml": {"token_accuracy": 0.98, "bleu": 95.0, "wall_s": 900.0},
 }
 # The latent evaluations shown beside them (parallel_latent.evaluation.latent_space), where a run has them.
 LATENT = {

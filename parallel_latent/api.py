@@ -251,8 +251,13 @@ class TextAutoencoder:
 
 def check_decode_inputs(latents: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     """What decode takes, checked before the model sees it (a ValueError in one line): floating-point
-    latents of finite values, and a mask [B, T] of 0s and 1s (integers or booleans) for their B
+    latents [B, N, k] of finite values, and a mask [B, T] of 0s and 1s (integers or booleans) for their B
     samples. Their shape against the model is the model's own check."""
+    if latents.dim() != 3:
+        raise ValueError(
+            f"latents of shape {tuple(latents.shape)}: expected 3 dimensions [samples, latents, width], as encode "
+            "returns them"
+        )
     if not latents.is_floating_point():
         raise ValueError(f"latents of dtype {latents.dtype}: expected floating point, as encode returns them")
     finite = torch.isfinite(latents)

@@ -20,6 +20,7 @@ training waits for it; only then, with every rank's writer stopped, is the stagi
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from .integrity import file_record
 from .layout import CheckpointSaveError
 from .portable import capture_portable, plain
 from .training import _rank, _rng_file, _tensor_facts, capture_rng_state, engine_layout
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PendingSave", "finish_background_save", "save_training_checkpoint", "start_background_save"]
 
@@ -167,7 +170,13 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
         layout.write_json(staging / layout.INFO_FILE, info)  # written last: marks the directory complete
         _pause_before_publish(staging, step)
         layout.publish_checkpoint(request.checkpoint_dir, staging, request.tag)
-        layout.prune_checkpoints(request.checkpoint_dir, request.keep_last)
+        try:
+            layout.prune_checkpoints(request.checkpoint_dir, request.keep_last)
+        except OSError as error:  # the checkpoint is published and complete: only the old ones stay
+            logger.warning(
+                "checkpoint at step %d written; pruning older checkpoints in %s failed: %s",
+                step, request.checkpoint_dir, layout.error_reason(error),
+            )  # fmt: skip
 
     return failures, jobs, finish
 

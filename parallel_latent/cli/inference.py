@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from parallel_latent.cli.bounds import MAX_BATCH_SIZE, MAX_INTERPOLATION_STEPS, check_range
 from parallel_latent.errors import UsageError, require_file, require_new_file
 
 
@@ -91,8 +92,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_interpolate(args: argparse.Namespace) -> int:
-    if args.steps < 2:
-        raise UsageError(f"interpolate: --steps {args.steps}: at least 2 (the two endpoints)")
+    check_range("interpolate: --steps", args.steps, 2, MAX_INTERPOLATION_STEPS, "the two endpoints included")
     for index, text in enumerate(_load(args).interpolate(args.first, args.second, args.steps)):
         print(f"{index / (args.steps - 1):.3f}  {text}")
     return 0
@@ -102,10 +102,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from parallel_latent.data import read_samples
     from parallel_latent.evaluation.held_out import evaluate_held_out, evaluate_texts
 
-    if args.batch_size < 1:
-        raise UsageError(f"evaluate: --batch-size {args.batch_size}: at least 1")
-    if args.max_samples < 0:
-        raise UsageError(f"evaluate: --max-samples {args.max_samples}: at least 0 (0: every sample)")
+    check_range("evaluate: --batch-size", args.batch_size, 1, MAX_BATCH_SIZE)
+    check_range("evaluate: --max-samples", args.max_samples, 0, 2**31 - 1, "0: every sample")
     autoencoder = _load(args)
     if args.data:  # any corpus, e.g. out-of-domain text
         texts = read_samples(args.data)
@@ -159,7 +157,9 @@ def add_subcommands(sub) -> None:
     add_checkpoint_options(interpolate)
     interpolate.add_argument("first", help="the text at 0")
     interpolate.add_argument("second", help="the text at 1")
-    interpolate.add_argument("--steps", type=int, default=5, help="points on the line, endpoints included")
+    interpolate.add_argument(
+        "--steps", type=int, default=5, help=f"points on the line, endpoints included (2-{MAX_INTERPOLATION_STEPS})"
+    )
     interpolate.set_defaults(handler=cmd_interpolate)
 
     evaluate = sub.add_parser("evaluate", help="loss, token accuracy, exact match and BLEU of a checkpoint")
@@ -170,6 +170,6 @@ def add_subcommands(sub) -> None:
         help="text/JSONL file or directory, e.g. another corpus to measure out-of-domain text "
         "(default: the run's held-out split)",
     )
-    evaluate.add_argument("--batch-size", type=int, default=32, help="at least 1")
+    evaluate.add_argument("--batch-size", type=int, default=32, help=f"1-{MAX_BATCH_SIZE}")
     evaluate.add_argument("--max-samples", type=int, default=0, help="0 = all")
     evaluate.set_defaults(handler=cmd_evaluate)

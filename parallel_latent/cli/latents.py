@@ -14,6 +14,7 @@ import shutil
 import signal
 from pathlib import Path
 
+from parallel_latent.cli.bounds import MAX_LOCAL_PROCESSES, check_range
 from parallel_latent.cli.train import PER_RANK, _prefer_cpu_accelerator
 from parallel_latent.errors import ExitStatus, UsageError
 
@@ -28,8 +29,7 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_encode_corpus(args: argparse.Namespace) -> int:
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc={args.nproc} must be >= 1")
+    check_range("--nproc", args.nproc, 1, MAX_LOCAL_PROCESSES)
     from parallel_latent.latents import WORK_DIR, index_summary, output_state, plan_export
     from parallel_latent.launching.cluster import under_launcher
     from parallel_latent.launching.local import launch_local

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from parallel_latent.cli.bounds import MAX_LOCAL_PROCESSES, MAX_RESTARTS, MAX_WAIT_FOR_LOCK_S, check_range
 from parallel_latent.errors import ExitStatus, UsageError, require_file
 
 # Set on the parsed arguments once training has started on this rank: from then on a failure is
@@ -95,12 +96,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from parallel_latent.launching.cluster import under_launcher
 
     deepspeed_overrides = _parse_overrides_json(args.deepspeed_overrides)
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc={args.nproc} must be >= 1")
-    if args.wait_for_lock < 0:
-        raise UsageError(f"--wait-for-lock={args.wait_for_lock:g} must be >= 0")
-    if args.max_restarts < 0:
-        raise UsageError(f"--max-restarts={args.max_restarts} must be >= 0")
+    check_range("--nproc", args.nproc, 1, MAX_LOCAL_PROCESSES)
+    check_range("--wait-for-lock", args.wait_for_lock, 0, MAX_WAIT_FOR_LOCK_S, "seconds, at most a week")
+    check_range("--max-restarts", args.max_restarts, 0, MAX_RESTARTS)
     if args.max_restarts and (under_launcher() or not args.nproc or args.nproc < 2):
         raise UsageError(
             "--max-restarts restarts the ranks that --nproc N (N > 1) starts; under a launcher use its own "

@@ -51,6 +51,7 @@ __all__ = [
     "quiet_repeated_notices",
     "rank_log",
     "redirect_worker_output",
+    "stop_cause",
     "stop_time",
 ]
 
@@ -77,6 +78,16 @@ def stop_time(log_dir: Path) -> float | None:
 # --------------------------------------------------------------------------- #
 # In every rank.
 # --------------------------------------------------------------------------- #
+
+
+def stop_cause(signal_name: str | None) -> str:
+    """What stopped training, in the words of the line that reports it. A rank of ``train --nproc``
+    hears every stop as the SIGTERM its launcher forwards; the launcher's marker says whether that
+    was a terminal's Ctrl-C. ``signal_name``: what this rank received (None: another rank did)."""
+    log_dir = os.environ.get(WORKER_LOGS_ENV)
+    if signal_name == "SIGINT" or (log_dir and (Path(log_dir) / INTERRUPTED_MARKER).exists()):
+        return "interrupted (Ctrl-C)"
+    return f"stopped by {signal_name}" if signal_name else "stopped by a signal to another rank"
 
 
 def redirect_worker_output() -> None:

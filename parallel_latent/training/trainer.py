@@ -55,6 +55,7 @@ from parallel_latent.data.prefetch import BatchPrefetcher, StepBatches, to_devic
 from parallel_latent.errors import ExitStatus, one_line
 from parallel_latent.evaluation.periodic import EvaluatedRun, Evaluator
 from parallel_latent.evaluation.totals import LOSS_SUM, NUM_STATS, SAMPLES, output_totals, reduce_stats
+from parallel_latent.launching.worker_logs import stop_cause
 
 from .checkpointer import Checkpointer
 from .flops import model_flops_per_sample, peak_flops_per_device, peak_memory_bytes
@@ -468,8 +469,7 @@ class Trainer:
     def _finish(self, stopped_by: str, final_eval: dict | None, signal_name: str | None) -> TrainResult:
         if stopped_by == "signal":
             self.logger.print(
-                f"stop requested ({signal_name or 'signal on another rank'}): "
-                f"checkpoint {self.checkpointer.last_path} written at step {self.step}"
+                f"{stop_cause(signal_name)}: checkpoint {self.checkpointer.last_path} written at step {self.step}"
             )
         samples = self.cfg.logging.print_samples
         examples = self.evaluator.reconstructions(samples, self.step) if stopped_by == "max_steps" and samples else []

@@ -155,6 +155,39 @@ def test_keep_last_and_latest(pool4, tmp_path):
     assert "step 3" in text and "TP=2 x DP=2" in text and "ZeRO stage 2" in text and "head.weight" in text
 
 
+def save_with_a_failing_prune_task(directory: str) -> list[str]:
+    """save_task at step 1, with pruning failing as a file system that refuses a deletion does; what
+    this rank logged."""
+    import logging
+
+    from parallel_latent.checkpoint import layout
+
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied", str(Path(directory) / "step_00000000"))
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("parallel_latent.checkpoint").addHandler(handler)
+    original, layout.prune_checkpoints = layout.prune_checkpoints, refuse
+    try:
+        save_task(2, 2, directory, 1, 1)
+    finally:
+        layout.prune_checkpoints = original
+        logging.getLogger("parallel_latent.checkpoint").removeHandler(handler)
+    return records
+
+
+def test_a_failed_prune_says_the_checkpoint_was_written(pool4, tmp_path):
+    """Pruning runs after the publish: its failure is a warning that the checkpoint was written, not
+    a "not written" error about a checkpoint that is complete and resumable."""
+    logged = pool4.run(save_with_a_failing_prune_task, str(tmp_path))
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert [line for line in logged[0] if "pruning" in line] == [
+        f"checkpoint at step 1 written; pruning older checkpoints in {tmp_path} failed: Permission denied"
+    ], logged[0]
+
+
 def test_kill_9_before_publish_keeps_previous_latest(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(

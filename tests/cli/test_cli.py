@@ -146,9 +146,19 @@ def test_more_processes_than_gpus_is_refused_before_any_worker_starts(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def test_nproc_must_be_positive(tmp_path, capsys):
-    assert cli.main(train_argv(tmp_path / "run", nproc=0) + ["--nproc=0"]) == ExitStatus.BAD_INPUT
-    assert_one_line_error(capsys, "--nproc=0 must be >= 1")
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("--nproc=0", "--nproc 0: must be between 1 and 1024"),
+        ("--nproc=100000", "--nproc 100000: must be between 1 and 1024"),
+        ("--max-restarts=-1", "--max-restarts -1: must be between 0 and 1000"),
+        ("--wait-for-lock=1e9", "--wait-for-lock 1e+09: must be between 0 and 604800 (seconds, at most a week)"),
+    ],
+)
+def test_numeric_options_are_bounded(tmp_path, capsys, option, message):
+    assert cli.main(train_argv(tmp_path / "run", nproc=2) + [option]) == ExitStatus.BAD_INPUT
+    assert_one_line_error(capsys, message)
+    assert not (tmp_path / "run").exists()
 
 
 def test_ranks_run_the_command_without_nproc():
@@ -189,11 +199,16 @@ def test_reconstruct_without_a_checkpoint_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("option", "expected"),
-    [("--batch-size=0", "--batch-size 0: at least 1"), ("--max-samples=-1", "--max-samples -1: at least 0")],
+    [
+        ("--batch-size=0", "--batch-size 0: must be between 1 and 4096"),
+        ("--batch-size=10000000", "--batch-size 10000000: must be between 1 and 4096"),
+        ("--max-samples=-1", "--max-samples -1: must be between 0 and 2147483647 (0: every sample)"),
+    ],
 )
 def test_evaluate_options_are_bounded_before_the_checkpoint_is_read(tmp_path, capsys, option, expected):
     """A batch of 0 would fail deep in range(); a negative sample count would report 0 samples, loss
-    0.0 and exit 0. Both are refused like a config key, before anything is loaded."""
+    0.0 and exit 0; ten million samples in one batch would run the machine out of memory. Each is
+    refused like a config key, before anything is loaded."""
     argv = ["evaluate", "--checkpoint", str(tmp_path / "not read"), option]
     assert cli.main(argv) == ExitStatus.BAD_INPUT
     assert_one_line_error(capsys, f"evaluate: {expected}")

@@ -289,3 +289,18 @@ def test_a_restarted_job_says_which_restart_how_the_last_attempt_ended_and_where
     from parallel_latent.launching.reports import restart_line
 
     assert restart_line(before, step, env) == line
+
+
+def test_a_stop_after_training_began_is_named_as_the_user_gave_it(tmp_path, monkeypatch):
+    """The line a stopped run ends with: every rank of ``train --nproc`` hears the launcher's SIGTERM,
+    and the launcher's marker says whether the user pressed Ctrl-C (not "SIGTERM")."""
+    from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV, mark_stop, stop_cause
+
+    monkeypatch.setenv(WORKER_LOGS_ENV, str(tmp_path))
+    assert stop_cause("SIGTERM") == "stopped by SIGTERM"
+    assert stop_cause(None) == "stopped by a signal to another rank"
+    assert stop_cause("SIGINT") == "interrupted (Ctrl-C)"  # one process from a terminal
+    mark_stop(tmp_path, interrupted=True)
+    assert stop_cause("SIGTERM") == stop_cause(None) == "interrupted (Ctrl-C)"
+    monkeypatch.delenv(WORKER_LOGS_ENV)  # not launched by train --nproc: the signal as received
+    assert stop_cause("SIGTERM") == "stopped by SIGTERM"

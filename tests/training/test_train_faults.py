@@ -122,7 +122,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, output[-5000:]
-    assert "stop requested (SIGTERM)" in output
+    assert "stopped by SIGTERM: checkpoint" in output and "interrupted" not in output
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
     assert 3 <= stopped_at < 400
