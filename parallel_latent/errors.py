@@ -9,7 +9,9 @@ Torch-free, so that the command line can build its parser and report errors with
 - :class:`CheckpointError`: a checkpoint that is missing, damaged or does not fit, raised by the
   checkpoint package and by the code below it that reads DeepSpeed's files and state
   (:mod:`parallel_latent.zero`);
-- :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as.
+- :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as;
+- :class:`SaidOnce`: a notice that start-up reaches several times (the launcher's checks, each
+  rank's, the resume) said once per process.
 
 A path that names the wrong kind of thing (a file where a directory is expected, a directory where
 a file is expected, something missing or unreadable) is bad input.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -65,6 +68,23 @@ class PeerFailure(RuntimeError):
 
 class UsageError(BadInput):
     """A command-line problem found after parsing (one line)."""
+
+
+class SaidOnce(logging.Filter):
+    """A logger's filter that lets each distinct message through once in this process: the checks
+    that choose a checkpoint run in preflight and again at resume, and a notice about the choice
+    (``latest`` names an older checkpoint) is one fact, said once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.said:
+            return False
+        self.said.add(message)
+        return True
 
 
 def first_line(error: BaseException) -> str:

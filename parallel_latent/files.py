@@ -46,6 +46,24 @@ def inside(directory: Path, name: str, what: str) -> Path:
     return Path(directory) / name
 
 
+def link_leaving(directory: Path) -> tuple[Path, Path] | None:
+    """The first link under ``directory`` that resolves outside it, with where it leads, or None: a
+    directory that must be self-contained (a portable checkpoint) names its files inside it, and the
+    file system must not lead elsewhere either. The one exception is a Hugging Face cache snapshot
+    (``.../snapshots/REV``), whose files are links into the repository's ``blobs/``."""
+    root = Path(directory).resolve()
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    for folder, folders, files in os.walk(directory):
+        for name in sorted(folders + files):
+            path = Path(folder) / name
+            if not path.is_symlink():
+                continue
+            target = path.resolve()
+            if not (target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs))):
+                return path, target
+    return None
+
+
 def fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to the disk. A file system that cannot fsync a
     directory says EINVAL: nothing to flush there."""
@@ -173,6 +191,7 @@ class ExclusiveLock:
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "state": "held"}
         self.created_file = False
         self.found: bytes = b""  # the file's bytes when this lock took it: what undo puts back
+        self.found_times: tuple[int, int] | None = None  # its (atime, mtime) in ns, or its directory's
         self._fd: int | None = None
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
@@ -208,6 +227,7 @@ class ExclusiveLock:
     def try_acquire(self) -> dict | None:
         """Take the lock now: None when taken, else the holder's record."""
         self.created_file = self.created_file or not self.path.exists()
+        before = self.path.parent.stat() if self.created_file else None
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             taken = not self.use_flock or self._flock(fd)
@@ -219,12 +239,15 @@ class ExclusiveLock:
             return self.read_holder() or {"host": "?"}
         previous = self.read_holder()
         found = self.path.read_bytes()
+        stat = before or os.fstat(fd)
         if not self.use_flock and previous.get("state") == "held":
             renewed = previous.get("renewed", previous.get("started", 0))
             if time.time() - float(renewed) < LEASE_EXPIRES_S:
                 os.close(fd)
                 return previous
         self._fd, self.found = fd, found
+        if self.found_times is None:
+            self.found_times = (stat.st_atime_ns, stat.st_mtime_ns)
         if previous.get("state") == "held" and self.on_takeover is not None:
             self.on_takeover(previous)
         self.holder["renewed"] = time.time()
@@ -252,7 +275,8 @@ class ExclusiveLock:
 
     def release(self, undo: bool = False) -> None:
         """Give the lock up (its record says so); ``undo`` (a job refused before it began): leave the
-        file as this lock found it, deleted if this lock made it, else its bytes put back."""
+        file as this lock found it, deleted if this lock made it, else its bytes put back, and its
+        (or its directory's) modification time too: a refused job leaves the tree as it was."""
         if self._fd is None:
             return
         self._lease_stop.set()
@@ -265,7 +289,10 @@ class ExclusiveLock:
                 os.ftruncate(self._fd, 0)
                 os.pwrite(self._fd, self.found, 0)
                 os.fsync(self._fd)
+                os.utime(self._fd, ns=self.found_times)
         if undo and self.created_file:
             self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.utime(self.path.parent, ns=self.found_times)
         os.close(self._fd)  # (releases the flock)
         self._fd = None

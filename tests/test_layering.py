@@ -142,7 +142,7 @@ def test_the_package_root_is_a_short_floor():
 
 # The checkpoint package's modules, lowest first: each may import only modules before it.
 CHECKPOINT_ORDER = [
-    "layout", "background", "shards", "integrity", "portable",
+    "layout", "background", "shards", "schema", "integrity", "portable",
     "universal", "training", "saving", "describe",
 ]  # fmt: skip
 

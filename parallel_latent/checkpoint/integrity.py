@@ -7,7 +7,8 @@ or whose small-file checksum differs makes the checkpoint damaged. Checkpoints w
 record existed are checked for what can be checked without it: JSON files parse, DeepSpeed's
 ``.pt`` files are whole zip archives (their central directory is at the end: a truncated one has
 none), the portable weights match their manifest's sizes and safetensors headers. A missing record
-is never damage.
+is never damage. Files that match their record are then read for what they hold (:mod:`.schema`):
+a record can be rewritten to match anything.
 
 With ``checkpoint.resume=auto`` a damaged newest checkpoint is moved aside (``.damaged-step_N``,
 renamed, not deleted) with one line saying so, and the run resumes from the newest intact one; an
@@ -22,7 +23,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from parallel_latent.files import replace_file
+from parallel_latent.files import inside, replace_file
 
 from .layout import (
     DAMAGED_PREFIX,
@@ -35,6 +36,7 @@ from .layout import (
     find_latest_checkpoint,
     list_checkpoints,
 )
+from .schema import CHECKPOINT_INFO, content_damage, schema_problem
 from .shards import PortableCheckpoint
 
 __all__ = [
@@ -55,28 +57,48 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _zip_crcs(path: Path) -> str | None:
+    """A digest of the CRC32s a zip archive (a torch file) keeps of its entries, read from its
+    directory alone: with the entries checked against them (:mod:`.schema`), the record holds the
+    whole content of a file too big to hash at every resume. None for a file that is no archive."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            crcs = [f"{info.filename}:{info.CRC:08x}" for info in archive.infolist()]
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return hashlib.sha256("\n".join(crcs).encode()).hexdigest()
+
+
 def file_record(directory: Path) -> dict[str, dict]:
-    """What ``directory``'s files are now (relative name -> bytes, and sha256 for small files);
-    written into ``checkpoint.json`` when the checkpoint is published."""
+    """What ``directory``'s files are now (relative name -> bytes, and sha256 for small files, the
+    digest of their entries' CRCs for torch files); written into ``checkpoint.json`` when the
+    checkpoint is published."""
     record = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != INFO_FILE):
         size = path.stat().st_size
         entry: dict = {"bytes": size}
         if size <= CHECKSUM_MAX_BYTES:
             entry["sha256"] = _sha256(path)
+        elif path.suffix == ".pt" and (crcs := _zip_crcs(path)) is not None:
+            entry["zip_crcs"] = crcs
         record[path.relative_to(directory).as_posix()] = entry
     return record
 
 
 def _against_record(step_dir: Path, record: dict[str, dict]) -> str | None:
     for name, expected in record.items():
-        path = step_dir / name
+        try:
+            path = inside(step_dir, name, INFO_FILE)
+        except ValueError as error:
+            return str(error)
         if not path.is_file():
             return f"{path}: missing"
         if (size := path.stat().st_size) != expected["bytes"]:
             return f"{path}: {size} bytes, {expected['bytes']} when it was saved"
         if "sha256" in expected and _sha256(path) != expected["sha256"]:
             return f"{path}: its contents changed since it was saved (checksum)"
+        if "zip_crcs" in expected and _zip_crcs(path) != expected["zip_crcs"]:
+            return f"{path}: its contents changed since it was saved (the CRCs of its entries)"
     return None
 
 
@@ -108,8 +130,11 @@ def checkpoint_damage(step_dir: Path) -> str | None:
         return f"{step_dir / INFO_FILE}: missing"
     except (OSError, UnicodeDecodeError, ValueError):
         return f"{step_dir / INFO_FILE}: not readable JSON"
-    record = info.get("files") if isinstance(info, dict) else None
-    return _against_record(step_dir, record) if isinstance(record, dict) else _without_record(step_dir)
+    if (problem := schema_problem(info, CHECKPOINT_INFO)) is not None:
+        return f"{step_dir / INFO_FILE}: {problem}"
+    record = info.get("files")
+    damage = _against_record(step_dir, record) if isinstance(record, dict) else _without_record(step_dir)
+    return damage if damage is not None else content_damage(step_dir, info)
 
 
 def damaged_error(step_dir: Path, damage: str) -> CheckpointError:

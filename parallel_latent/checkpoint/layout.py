@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from parallel_latent.coordination import broadcast_value, first_failure, is_main
-from parallel_latent.errors import CheckpointError, ExitStatus, first_line, require_writable
+from parallel_latent.errors import CheckpointError, ExitStatus, SaidOnce, first_line, require_writable
 from parallel_latent.files import Staged, discard, publish, replace_file
 
 logger = logging.getLogger(__name__)
+logger.addFilter(SaidOnce())  # preflight and the resume both choose the checkpoint: one notice
 T = TypeVar("T")
 
 RUN_CHECKPOINTS_DIR = "checkpoints"

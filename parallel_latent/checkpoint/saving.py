@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel_latent.coordination import all_gather_value, barrier, is_main
-from parallel_latent.zero.files import save_keeping_errno
+from parallel_latent.zero.files import OWN_NAME_KEY, save_keeping_errno
 from parallel_latent.zero.patches import checkpoint_writes
 from parallel_latent.zero.version import import_deepspeed
 
@@ -117,6 +117,8 @@ def deferred_writes(engine, failures: list[str], jobs: list, copies: HostCopies 
     raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at."""
 
     def save(state_dict, path: str, zipfile: bool) -> None:
+        if isinstance(state_dict, dict):
+            state_dict = {**state_dict, OWN_NAME_KEY: Path(path).name}
         state = snapshot(state_dict, copies, (Path(path).name,)) if copies is not None else state_dict
         jobs.append(lambda: save_keeping_errno(state, path, zipfile))
 
@@ -142,7 +144,8 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
         engine.save_checkpoint(
             str(request.checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False
         )
-    rng_file, rng_state = _rng_file(staging, _rank()), capture_rng_state(request.model)
+    # Each state names its rank: a state moved to another rank's file is found before a resume.
+    rng_file, rng_state = _rng_file(staging, _rank()), {**capture_rng_state(request.model), "rank": _rank()}
     jobs += [lambda: rng_file.parent.mkdir(exist_ok=True), lambda: layout.write_json(rng_file, rng_state, indent=None)]
     portable = None
     if request.export_portable:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from parallel_latent.files import inside
+from parallel_latent.files import inside, link_leaving
 from parallel_latent.parallel.utils import group_rank, group_size, partition_ranges
 from parallel_latent.zero.params import gathered, is_zero3, local_shape
 
@@ -230,6 +230,57 @@ def write_all_ranks(directory: Path, entries_by_rank: list[list[Entry]], prefix:
     write_json(directory / MANIFEST_NAME, assemble_manifest(entries_by_rank[0], parts, tp_size, fields, aliases))
 
 
+def _count(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _tensor_problem(info: Any, files: dict) -> str | None:
+    """What is wrong with one tensor's record in a manifest (the keys its readers use), or None."""
+    if not isinstance(info, dict):
+        return "not an object"
+    shape, dim, shards = info.get("shape"), info.get("partition_dim"), info.get("shards")
+    if not (isinstance(shape, list) and all(_count(n) for n in shape)):
+        return "'shape' must be a list of sizes"
+    if not (isinstance(info.get("dtype"), str) and isinstance(getattr(torch, info["dtype"], None), torch.dtype)):
+        return f"'dtype' {info.get('dtype')!r} is not a torch dtype"
+    if not (dim is None or (_count(dim) and dim < len(shape))):
+        return f"'partition_dim' {dim!r} is not a dimension of its shape {shape}"
+    if not (isinstance(shards, list) and shards and all(isinstance(shard, dict) for shard in shards)):
+        return "'shards' must be a list of objects"
+    for shard in shards:
+        if shard.get("file") not in files:
+            return f"a shard's 'file' {shard.get('file')!r} is not one of the manifest's files"
+        if not any(isinstance(shard.get(kind), str) for kind in (CHECKSUM_KEY, "sha256")):
+            return "a shard has no checksum"
+        if "key" in shard and not isinstance(shard["key"], str):
+            return "a shard's 'key' must be a string"
+        offset, length = shard.get("offset"), shard.get("length")
+        if dim is not None and not (_count(offset) and _count(length) and offset + length <= shape[dim]):
+            return f"a shard's rows ({shard.get('offset')!r} + {shard.get('length')!r}) are not inside {shape[dim]}"
+    return None
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with the structure of a manifest (the keys and types every reader here uses),
+    naming the key, or None: a damaged or hand-edited manifest is refused in one line, not met by a
+    KeyError halfway through a load."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    files, tensors, aliases = manifest.get("files"), manifest.get("tensors"), manifest.get("aliases", {})
+    if not (isinstance(files, dict) and all(isinstance(v, dict) and _count(v.get("bytes")) for v in files.values())):
+        return "'files' must map each file name to an object with its 'bytes'"
+    if not _count(manifest.get("tp_size"), 1):
+        return f"'tp_size' {manifest.get('tp_size')!r} is not a TP degree"
+    if not isinstance(tensors, dict):
+        return "'tensors' must be an object"
+    for name, info in tensors.items():
+        if (problem := _tensor_problem(info, files)) is not None:
+            return f"tensor {name!r}: {problem}"
+    if not (isinstance(aliases, dict) and all(isinstance(v, str) and v in tensors for v in aliases.values())):
+        return "'aliases' must map names to tensors of the manifest"
+    return None
+
+
 class PortableCheckpoint:
     """A directory of shards with its manifest checked against its files (existence, sizes,
     headers); tensors are checked against their checksums as they are read."""
@@ -241,12 +292,16 @@ class PortableCheckpoint:
         if not manifest_path.is_file():
             raise CheckpointError(f"{self.directory}: not a portable checkpoint ({MANIFEST_NAME} missing)")
         self.manifest = read_json(manifest_path, "manifest")
-        if self.manifest.get("format") != FORMAT:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"{manifest_path}: not a {FORMAT} manifest")
-        if (version := self.manifest.get("format_version", 0)) > FORMAT_VERSION:
+        if not _count(version := self.manifest.get("format_version", 0)):
+            raise CheckpointError(f"{manifest_path}: 'format_version' {version!r} is not a version number; not read")
+        if version > FORMAT_VERSION:
             raise CheckpointError(
                 f"{manifest_path}: format v{version} is newer than this code reads (v{FORMAT_VERSION})"
             )
+        if (problem := manifest_problem(self.manifest)) is not None:
+            raise CheckpointError(f"{manifest_path}: {problem}; not read")
         self.tensors: dict[str, dict] = self.manifest["tensors"]
         self.aliases: dict[str, str] = self.manifest.get("aliases", {})
         self._files: dict[str, tuple[Any, set[str]]] = {}  # open file, its tensor names
@@ -256,6 +311,8 @@ class PortableCheckpoint:
                 inside(self.directory, name, MANIFEST_NAME)
             except ValueError as error:
                 raise CheckpointError(str(error)) from None
+        if (link := link_leaving(self.directory)) is not None:
+            raise CheckpointError(f"{link[0]}: a link to {link[1]}, outside the checkpoint's directory; not read")
         for name, info in self.manifest["files"].items():
             if not (path := self.directory / name).is_file():
                 raise CheckpointError(f"{path}: shard file missing")
@@ -289,14 +346,22 @@ class PortableCheckpoint:
         (handle, names), where = self._file(shard["file"]), self.directory / shard["file"]
         if key not in names:
             raise CheckpointError(f"{where}: tensor {key!r} missing from shard")
+        info = self.tensors[name]
+        want = list(info["shape"])
+        if info["partition_dim"] is not None and "length" in shard:
+            want[info["partition_dim"]] = shard["length"]
         if not self.verify_checksums and spans is not None:
             value = handle.get_slice(key)
+            if list(value.get_shape()) != want:
+                raise CheckpointError(f"{where}: tensor {key!r} is {value.get_shape()}, the manifest says {want}")
         else:
             value = handle.get_tensor(key)
             if self.verify_checksums:
                 kind = CHECKSUM_KEY if CHECKSUM_KEY in shard else "sha256"
                 if checksum(value, kind) != shard[kind]:
                     raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r} (the file is corrupted)")
+            if list(value.shape) != want:
+                raise CheckpointError(f"{where}: tensor {key!r} is {list(value.shape)}, the manifest says {want}")
         if spans is None:
             return [value]
         return [value[(slice(None),) * dim + (slice(lo, hi),)] for lo, hi in spans]

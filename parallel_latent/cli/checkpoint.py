@@ -31,6 +31,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    from parallel_latent.zero.version import prefer_cpu_accelerator
+
+    prefer_cpu_accelerator()  # (DeepSpeed's guess would be a warning on stdout)
     from parallel_latent.checkpoint import convert_to_universal, resolve_checkpoint
 
     out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.out)

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 
 from parallel_latent.cli.bounds import MAX_LOCAL_PROCESSES, check_range
-from parallel_latent.cli.train import PER_RANK, _prefer_cpu_accelerator
+from parallel_latent.cli.train import PER_RANK
 from parallel_latent.errors import ExitStatus, UsageError
 
 
@@ -57,7 +57,9 @@ def cmd_encode_corpus(args: argparse.Namespace) -> int:
                 f"encode-corpus: parallel.tensor_parallel={plan.tensor_parallel} needs that many processes: "
                 f"add --nproc {plan.tensor_parallel} (or a multiple of it)"
             )
-    _prefer_cpu_accelerator()
+    from parallel_latent.zero.version import prefer_cpu_accelerator
+
+    prefer_cpu_accelerator()
     # A forwarded Ctrl-C (`--nproc`'s launcher sends the ranks SIGTERM) or a launcher's stop: the
     # export has nothing to save (a rerun continues it), so every rank ends as Ctrl-C ends it, "interrupted".
     signal.signal(signal.SIGTERM, _interrupt)

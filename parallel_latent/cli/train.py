@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import errno
 import json
-import os
+import logging
 from pathlib import Path
 
 from parallel_latent.cli.bounds import MAX_LOCAL_PROCESSES, MAX_RESTARTS, MAX_WAIT_FOR_LOCK_S, check_range
@@ -49,12 +49,13 @@ def _load_train_config(args: argparse.Namespace):
     return load_config(args.config, args.overrides)
 
 
-def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
-    """``train --nproc N``: the run directory's lock first (torch-free: a second job on it is
-    refused in seconds, before any work), then the checks in this one process (bad input costs one
-    line and no launch, and leaves nothing behind), then the ranks."""
-    from parallel_latent.launching.local import launch_local
-    from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV, acquire_run_lock
+def accept_job(cfg, args: argparse.Namespace):
+    """The acceptance phase of ``train --nproc N``: the run directory's lock first (torch-free: a
+    second job on it is refused in seconds, before any work), then the checks in this one process,
+    the checkpoint to resume read whole among them. Returns the lock (None where the file system
+    cannot hold one: preflight has said why); a refusal raises with one line and leaves the run
+    directory as it was: the lock's file put back, a directory it made removed."""
+    from parallel_latent.training.run_lock import acquire_run_lock
 
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
@@ -71,7 +72,11 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
 
         preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
         _check_local_devices(cfg, args.nproc)
-        lock = lock or acquire_run_lock(run_dir, args.wait_for_lock)
+        if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
+            from parallel_latent.model.weight_files import check_decoder_files
+
+            check_decoder_files(cfg.feature_model.name_or_path)
+        return lock or acquire_run_lock(run_dir, args.wait_for_lock)
     except BaseException:
         if lock is not None:
             lock.release(undo=True)
@@ -79,6 +84,24 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()  # only if empty
         raise
+
+
+def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
+    """``train --nproc N``: the job accepted (:func:`accept_job`: bad input costs one line and no
+    launch, and leaves nothing behind), then the ranks."""
+    from parallel_latent.launching.local import launch_local
+    from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV
+
+    run_dir = Path(cfg.logging.run_dir)
+    existed = run_dir.exists()
+    # The notices of the checks (which checkpoint is resumed, and why) are rank 0's to say.
+    package_log = logging.getLogger("parallel_latent")
+    level = package_log.level
+    package_log.setLevel(logging.ERROR)
+    try:
+        lock = accept_job(cfg, args)
+    finally:
+        package_log.setLevel(level)
     held = {HELD_BY_LAUNCHER_ENV: str(lock.path.resolve())} if lock is not None else {}  # rank 0 takes none of its own
     return launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts, held)
 
@@ -115,7 +138,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "(or a multiple of it), or set parallel.tensor_parallel=1"
             )
 
-    _prefer_cpu_accelerator()
+    from parallel_latent.zero.version import prefer_cpu_accelerator
+
+    prefer_cpu_accelerator()
     from parallel_latent.launching.worker_logs import quiet_repeated_notices
     from parallel_latent.training.trainer import train
 
@@ -151,16 +176,6 @@ def _check_local_devices(cfg, nproc: int) -> None:
         import torch
 
         check_processes_fit_devices(nproc, torch.cuda.device_count())
-
-
-def _prefer_cpu_accelerator() -> None:
-    """Without CUDA, tell DeepSpeed its accelerator is the CPU (instead of a warning per rank
-    that it guessed so)."""
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def shutdown_process_groups(args: argparse.Namespace) -> None:

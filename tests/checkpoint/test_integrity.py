@@ -176,6 +176,88 @@ def test_an_explicitly_named_damaged_checkpoint_stops_with_one_line(straight, tm
     assert step_dir.is_dir()  # nothing moved, nothing removed
 
 
+class Payload:
+    """What an attacker's pickle holds: unpickling it would run a command."""
+
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def _pickle(path: Path) -> None:
+    import torch
+
+    torch.save({"x": torch.ones(2), "payload": Payload()}, path)
+
+
+# Files that hold what no resume can use, with the record rewritten to match them (an attacker's or
+# a careless copy's checkpoint): each is found by what it holds, not by its size or checksum.
+CRAFTED = {
+    "a pickle in the optimizer states": (OPTIMIZER_SHARD, _pickle, "holds pickled objects of"),
+    "client state of other keys": (
+        "client_state.json",
+        lambda p: p.write_text('{"x": 1}'),
+        "x is not a key this file holds",
+    ),
+    "an RNG state without keys": ("rng/rank_00001.json", lambda p: p.write_text("{}"), "python is missing"),
+    "rank 0's RNG state in rank 1's file": (
+        "rng/rank_00001.json",
+        lambda p: p.write_text(p.with_name("rank_00000.json").read_text()),
+        "rank 0's RNG state, in rank 1's file",
+    ),
+    "RNG states swapped between ranks": (
+        "rng/rank_00001.json",
+        lambda p: p.rename(p.with_name("rank_00002.json")),
+        "RNG states for the 2 ranks",
+    ),
+    "client state of another step": (
+        "client_state.json",
+        lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "step": 3})),
+        f"step 3, the checkpoint's is {STEPS}",
+    ),
+}
+
+
+def crafted_copy(straight: Path, tmp_path: Path, kind: str) -> tuple[Path, Path]:
+    """A copy of the straight run whose newest checkpoint holds CRAFTED[kind], its record consistent."""
+    copy = tmp_path / "run"
+    shutil.copytree(straight, copy)
+    step_dir = copy / "checkpoints" / f"step_{STEPS:08d}"
+    name, craft, _ = CRAFTED[kind]
+    craft(step_dir / name)
+    info = json.loads((step_dir / "checkpoint.json").read_text())
+    (step_dir / "checkpoint.json").write_text(json.dumps({**info, "files": file_record(step_dir)}))
+    return copy, step_dir
+
+
+def tree(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``directory`` (itself included) with its size and modification time."""
+    paths = [directory, *directory.rglob("*")]
+    return {str(p): (p.lstat().st_size if p.is_file() else 0, p.lstat().st_mtime_ns) for p in paths}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(CRAFTED))
+def test_a_checkpoint_whose_record_matches_is_read_for_what_it_holds(straight, tmp_path, kind):
+    copy, step_dir = crafted_copy(straight, tmp_path, kind)
+    damage = checkpoint_damage(step_dir)
+    assert damage is not None and CRAFTED[kind][2] in damage, damage
+    assert resumable(copy / "checkpoints")[0] == copy / "checkpoints" / f"step_{HALF:08d}"
+
+
+@pytest.mark.slow
+def test_crafted_checkpoints_named_explicitly_end_in_one_line_with_the_run_untouched(straight, tmp_path, capfd):
+    """The issue's three crafted checkpoints, each named by checkpoint.resume: rc 2, one line naming
+    the file, and the run directory's tree (paths, sizes, modification times) as it was."""
+    for kind in ("a pickle in the optimizer states", "client state of other keys", "an RNG state without keys"):
+        copy, step_dir = crafted_copy(straight, tmp_path / kind.replace(" ", "-"), kind)
+        before = tree(copy)
+        status = main([*train_args(copy, *RECIPE, f"checkpoint.resume={step_dir}"), "--nproc=2"])
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, lines
+        assert str(step_dir / CRAFTED[kind][0]) in lines[0] and lines[0].endswith("truncated or damaged; not loaded")
+        assert tree(copy) == before, kind
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("named", ["../x", "/x", "step_00000010/../../x", "model"])
 def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named, capfd):

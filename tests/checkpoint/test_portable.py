@@ -207,6 +207,31 @@ def test_a_manifest_naming_a_file_outside_its_directory_is_refused_before_readin
     assert f"manifest.json names {outside!r}, which is not a file inside the directory; not read" in message
 
 
+def test_a_shard_that_is_a_link_out_of_its_directory_is_refused(damaged):
+    # The manifest names the file inside; the file system leads elsewhere: refused all the same.
+    name = "model-tp00-of-02.safetensors"
+    outside = damaged.parent / "elsewhere.safetensors"
+    shutil.move(damaged / name, outside)
+    (damaged / name).symlink_to(outside)
+    message = load_error(damaged)
+    assert f"{damaged / name}: a link to {outside}, outside the checkpoint's directory; not read" in message
+
+
+def test_links_inside_the_directory_or_into_a_hub_cache_blob_store_load(damaged, tmp_path):
+    name = "model-tp00-of-02.safetensors"
+    shutil.move(damaged / name, damaged / "real.safetensors")
+    (damaged / name).symlink_to("real.safetensors")
+    load_portable(damaged, Stack(None))
+    # A Hugging Face cache: snapshots/REV/FILE -> ../../blobs/HASH, outside the snapshot by design.
+    snapshot = tmp_path / "models--me--x" / "snapshots" / "abc"
+    (blobs := tmp_path / "models--me--x" / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(damaged.iterdir()):
+        shutil.copy(path, blobs / f"blob-{path.name}")
+        (snapshot / path.name).symlink_to(f"../../blobs/blob-{path.name}")
+    load_portable(snapshot, Stack(None))
+
+
 def test_missing_manifest(damaged):
     (damaged / "manifest.json").unlink()
     assert "not a portable checkpoint" in load_error(damaged)

@@ -24,3 +24,41 @@ def test_the_launchers_checks_load_neither_transformers_nor_deepspeed(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert not run_dir.exists()  # the checks write nothing
+
+
+def _checkpoint_saved_over(tmp_path, cfg, name_or_path: str):
+    """A checkpoint directory whose recorded config is ``cfg`` over the decoder ``name_or_path``."""
+    import dataclasses
+    import json
+
+    step_dir = tmp_path / "checkpoints" / "step_00000001"
+    step_dir.mkdir(parents=True)
+    config = dataclasses.asdict(cfg)
+    config["feature_model"]["name_or_path"] = name_or_path
+    (step_dir / "checkpoint.json").write_text(json.dumps({"step": 1}))
+    (step_dir / "client_state.json").write_text(json.dumps({"step": 1, "config": config}))
+    return step_dir
+
+
+def test_a_resume_over_another_pretrained_decoder_says_the_checkpoints_is_kept(tmp_path, caplog):
+    """The frozen decoder's weights are in the checkpoint: resuming with another
+    feature_model.name_or_path (same shapes, same keys) keeps the saved one, said in one line, once;
+    the same directory written another way says nothing."""
+    from parallel_latent.config import load_config
+    from parallel_latent.training.preflight import require_same_model
+
+    cfg = load_config(TINY_CONFIG, ["feature_model.pretrained=true"])
+    (tmp_path / "trained").mkdir()
+    (tmp_path / "other").mkdir()
+    step_dir = _checkpoint_saved_over(tmp_path, cfg, str(tmp_path / "trained"))
+    cfg.feature_model.name_or_path = str(tmp_path / "trained" / ".." / "trained")
+    with caplog.at_level("WARNING", logger="parallel_latent"):
+        require_same_model(cfg, step_dir)
+        assert not caplog.records
+        cfg.feature_model.name_or_path = str(tmp_path / "other")
+        require_same_model(cfg, step_dir)
+        require_same_model(cfg, step_dir)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{step_dir} keeps the decoder it was trained over ({tmp_path / 'trained'}, its weights saved in the "
+        f"checkpoint): feature_model.name_or_path={tmp_path / 'other'} is replaced by it"
+    ]
