@@ -56,10 +56,19 @@ def accept_job(cfg, args: argparse.Namespace):
     cannot hold one: preflight has said why); a refusal raises with one line and leaves the run
     directory as it was: the lock's file put back, a directory it made removed."""
     from parallel_latent.training.run_lock import acquire_run_lock
+    from parallel_latent.training.watchdog import bounded_phase
 
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
     lock = None
+
+    def undo() -> None:
+        if lock is not None:
+            lock.release(undo=True)
+        if not existed:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
+
     try:
         lock = acquire_run_lock(run_dir, args.wait_for_lock)
     except (NotADirectoryError, FileExistsError):
@@ -67,22 +76,20 @@ def accept_job(cfg, args: argparse.Namespace):
     except OSError as error:
         if error.errno != errno.EROFS:
             raise  # (a read-only file system: preflight says so)
+    watched = cfg.training.hang_long_phase_s if cfg.training.hang_timeout_s > 0 else 0.0
     try:
-        from parallel_latent.training.preflight import preflight
+        with bounded_phase("acceptance", watched, "training.hang_long_phase_s", undo):
+            from parallel_latent.training.preflight import preflight
 
-        preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
-        _check_local_devices(cfg, args.nproc)
-        if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
-            from parallel_latent.model.weight_files import check_decoder_files
+            preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+            _check_local_devices(cfg, args.nproc)
+            if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
+                from parallel_latent.model.weight_files import check_decoder_files
 
-            check_decoder_files(cfg.feature_model.name_or_path)
-        return lock or acquire_run_lock(run_dir, args.wait_for_lock)
+                check_decoder_files(cfg.feature_model.name_or_path)
+            return lock or acquire_run_lock(run_dir, args.wait_for_lock)
     except BaseException:
-        if lock is not None:
-            lock.release(undo=True)
-        if not existed:
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if empty
+        undo()
         raise
 
 

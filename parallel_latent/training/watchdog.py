@@ -33,13 +33,14 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from parallel_latent.errors import ExitStatus
+from parallel_latent.errors import ExitStatus, error_line
 from parallel_latent.files import replace_file
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "HangReport",
     "Progress",
     "Watchdog",
+    "bounded_phase",
     "clear_progress",
     "collective_timeout_s",
     "find_stall",
@@ -309,3 +311,32 @@ class Watchdog:
             time.sleep(math.ceil(self.interval) + 1.0)
         self.report(hang_line(report), detected_here)
         self.exit(int(ExitStatus.HANG))
+
+
+@contextlib.contextmanager
+def bounded_phase(phase: str, allowance_s: float, key: str, undo: Callable[[], None]) -> Iterator[None]:
+    """A phase of one process that no rank's watchdog covers yet (the launcher's acceptance of a
+    job: reading the checkpoint whole, the decoder's files, a download): past ``allowance_s`` (0:
+    unbounded) it runs ``undo`` (what the phase took, given back) and ends the process with one line
+    naming the phase, ``key`` and the code its main thread was stuck in, exit status 5."""
+    if allowance_s <= 0:
+        yield
+        return
+    main = threading.main_thread()
+
+    def expire() -> None:
+        frame = sys._current_frames().get(main.ident)
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})" if frame else "unknown"
+        with contextlib.suppress(Exception):
+            undo()
+        line = f"{phase}: not done within {allowance_s:g} s ({key}); its main thread was at {where}"
+        print(error_line(line), file=sys.stderr, flush=True)
+        os._exit(ExitStatus.HANG)
+
+    timer = threading.Timer(allowance_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -357,3 +357,28 @@ def test_the_suite_runs_with_a_short_watchdog():
     timeout short enough that a false alarm in a healthy run would fail that test."""
     assert any(item.startswith("training.hang_timeout_s=") for item in TINY)
     assert TINY_CONFIG.exists()
+
+
+STUCK_ACCEPTANCE = """
+import sys, time
+import parallel_latent.training.preflight as preflight
+preflight.preflight = lambda *args, **kwargs: time.sleep(120)  # a read that never returns
+from parallel_latent import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_stuck_acceptance_ends_in_one_line_with_the_run_directory_as_it_was(tmp_path):
+    """The launcher's acceptance (before any rank, so before any rank's watchdog) is bounded by
+    training.hang_long_phase_s: past it, one line naming where it was stuck, exit status 5, the
+    lock given back and the run directory it made removed."""
+    run_dir = tmp_path / "run"
+    argv = [*train_args(run_dir, "training.hang_long_phase_s=2", "training.hang_timeout_s=2"), "--nproc=2"]
+    command = [sys.executable, "-c", STUCK_ACCEPTANCE, *argv]
+    result = subprocess.run(command, env=rank_env(), capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == ExitStatus.HANG, result.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "parallel-latent: error: acceptance: not done within 2 s (training.hang_long_phase_s); its main thread was at"
+    ), lines
+    assert "<lambda>" in lines[0] and not run_dir.exists()
