@@ -47,6 +47,20 @@ class Family:
     def depth(self, config: PretrainedConfig) -> int:
         return getattr(config, self.layers_key)
 
+    def unreproduced(self, config: PretrainedConfig, length: int) -> str | None:
+        """A field of ``config`` that changes the decoder's computation over ``length`` tokens in a
+        way :meth:`run_layers` does not reproduce, said as the one line's reason, or None."""
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        slides = window is not None and (not layer_types or "sliding_attention" in layer_types)
+        if slides and window < length:
+            return (
+                f"has sliding_window={window} (each token attends to the last {window} only), shorter than "
+                f"model.max_length={length}: the feature model runs full causal attention, which would give "
+                f"other features from position {window} on"
+            )
+        return None
+
     def mlp_width(self, config: PretrainedConfig) -> int:
         """The MLP's inner width (GPT-2: ``n_inner``, unset for 4x the width)."""
         if self.name == "gpt2":

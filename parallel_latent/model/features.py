@@ -210,6 +210,8 @@ def check_feature_model(cfg: Config) -> None:
     config = load_config(feature_cfg.name_or_path, where)
     family = family_of(config, where)
     held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
+    if (reason := family.unreproduced(config, cfg.model.max_length)) is not None:
+        raise ConfigError(f"{where} {reason}")
     positions = getattr(config, family.positions_key)
     if positions < cfg.model.max_length:
         raise ConfigError(f"model.max_length={cfg.model.max_length} exceeds the {positions} positions of {where}")

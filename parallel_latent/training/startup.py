@@ -36,6 +36,7 @@ from parallel_latent.model import build_model, eval_mode
 from parallel_latent.model.features import check_feature_model, random_features_unannounced
 from parallel_latent.model.from_record import loaded_decoder_difference
 from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.model.weight_files import check_decoder_files
 from parallel_latent.parallel import ParallelState
 
 from .engine import EngineBundle, dump_deepspeed_config, initialize_engine
@@ -95,9 +96,12 @@ def load_tokenizer_once_per_node(cfg: Config):
     """The tokenizer, fetched by the first process of each node before the others look for it in
     the (node-local) hub cache: one download per node instead of one per rank. A pretrained feature
     model's ``config.json`` is checked first (:func:`check_feature_model`), so that a name that
-    cannot be had is named as ``feature_model.name_or_path`` even when the tokenizer is its own."""
+    cannot be had is named as ``feature_model.name_or_path`` even when the tokenizer is its own, and
+    under another launcher than ``train --nproc`` its weight files are read whole here."""
     with main_first(per_node=True):
         check_feature_model(cfg)
+        if cfg.feature_model.pretrained and not os.environ.get(HELD_BY_LAUNCHER_ENV):
+            check_decoder_files(cfg.feature_model.name_or_path)  # (``train --nproc`` read them before launching)
         return load_tokenizer(cfg.tokenizer)
 
 

@@ -378,3 +378,17 @@ def test_a_reader_of_a_run_that_prunes_meanwhile_reads_the_newest_checkpoint(tmp
     with pytest.raises(CheckpointError, match="damaged"):
         read_newest(tmp_path, damaged)
     assert seen == ["step_00000002"]
+
+
+def test_a_lagging_latest_is_said_once_however_often_it_is_read(tmp_path, caplog):
+    """Preflight and the resume both choose the checkpoint (and each rank would): the notice that
+    ``latest`` lags behind a newer complete one is one fact, said once in a process."""
+    for step in (2, 3):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "checkpoint.json").write_text(f'{{"step": {step}}}')
+    (tmp_path / "latest").write_text("step_00000002\n")
+    with caplog.at_level("WARNING", logger="parallel_latent"):
+        for _ in range(3):
+            assert find_latest_checkpoint(tmp_path).name == "step_00000003"
+    said = [r.getMessage() for r in caplog.records if "newer and complete" in r.getMessage()]
+    assert said == [f"{tmp_path / 'latest'} names step_00000002; step_00000003 is newer and complete: using it"]

@@ -181,6 +181,34 @@ def test_a_bad_choice_is_refused_from_the_decoders_config_alone(tmp_path, keys, 
         build_model(cfg)
 
 
+@pytest.mark.parametrize("window, refused", [(4, True), (16, False), (None, False)])
+def test_a_sliding_window_shorter_than_max_length_is_refused(tmp_path, window, refused):
+    """A Mistral attends over its last ``sliding_window`` tokens; the feature model's layers run
+    full causal attention, the same thing only when the window holds every position."""
+    from transformers import MistralConfig
+
+    from parallel_latent.model.features import check_feature_model
+
+    config = MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=window
+    )
+    where = write_config(tmp_path / "mistral", config)
+    section = {"name_or_path": where, "pretrained": True}
+    cfg = config_from_dict(
+        {"model": {"max_length": 16}, "feature_model": section, "tokenizer": {"name_or_path": "feature_model"}}
+    )
+    if not refused:
+        check_feature_model(cfg)
+        return
+    with pytest.raises(ConfigError) as caught:
+        check_feature_model(cfg)
+    assert str(caught.value) == (
+        f"feature_model.name_or_path={where} has sliding_window=4 (each token attends to the last 4 only), "
+        "shorter than model.max_length=16: the feature model runs full causal attention, which would give other "
+        "features from position 4 on"
+    )
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
