@@ -6,11 +6,25 @@ cannot be written, :class:`CheckpointSaveError` (status 4).
 """
 
 import argparse
+from pathlib import Path
+
+
+def _read_whole(path: str) -> Path:
+    """``path`` as given, a training checkpoint it names checked whole first (every file against its
+    record and its schema: :func:`~parallel_latent.checkpoint.require_intact`), as a resume checks
+    it: a damaged one is one line naming the file before anything is read or written."""
+    from parallel_latent.checkpoint import require_intact, resolve_checkpoint
+    from parallel_latent.checkpoint.layout import MANIFEST_NAME
+
+    if not (Path(path) / MANIFEST_NAME).is_file():  # a portable directory checks itself as it is read
+        require_intact(resolve_checkpoint(path))
+    return Path(path)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from parallel_latent.checkpoint.universal import export_portable
 
+    _read_whole(args.checkpoint)
     print(f"portable checkpoint written to {export_portable(args.checkpoint, args.out)}")
     return 0
 
@@ -18,7 +32,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from parallel_latent.checkpoint import consolidate
 
-    out = consolidate(args.checkpoint, args.out)
+    out = consolidate(_read_whole(args.checkpoint), args.out)
     print(f"consolidated checkpoint written to {out} (model.safetensors, config.json, manifest.json)")
     return 0
 
@@ -26,7 +40,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from parallel_latent.checkpoint.describe import inspect_checkpoint
 
-    print(inspect_checkpoint(args.checkpoint, max_rows=None if args.all else 40))
+    print(inspect_checkpoint(_read_whole(args.checkpoint), max_rows=None if args.all else 40))
     return 0
 
 
@@ -36,7 +50,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     prefer_cpu_accelerator()  # (DeepSpeed's guess would be a warning on stdout)
     from parallel_latent.checkpoint import convert_to_universal, resolve_checkpoint
 
-    out = convert_to_universal(resolve_checkpoint(args.checkpoint), args.out)
+    out = convert_to_universal(resolve_checkpoint(_read_whole(args.checkpoint)), args.out)
     print(f"universal optimizer state written to {out}")
     if args.out is None:
         print("resume at any TP x DP x ZeRO layout: checkpoint.resume=<this checkpoint> (it is used automatically)")

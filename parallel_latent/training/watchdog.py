@@ -165,12 +165,14 @@ def previous_job_failure(run_dir: Path) -> str | None:
     directory = Path(run_dir) / PROGRESS_DIR
     stalled = _read_json(directory / MARKER)
     if stalled is not None:
-        return f"{_where(stalled)} stalled (no progress for {stalled.get('idle_s', 0):.0f} s)"
+        return f"{_where(stalled)} stalled (no progress for {_number(stalled.get('idle_s')):.0f} s)"
     records = [r for r in (_read_json(p) for p in sorted(directory.glob("rank_*.json"))) if r]
     unclosed = [r for r in records if r.get("state") == "running"]
     if unclosed:
         return "; ".join(_where(r) for r in unclosed) + " stopped without a word"
-    failed = sorted((r for r in records if r.get("failure")), key=lambda r: (r.get("written_at", 0), r.get("rank", 0)))
+    failed = sorted(
+        (r for r in records if r.get("failure")), key=lambda r: (_number(r.get("written_at")), _number(r.get("rank")))
+    )
     if failed:
         return f"{_where(failed[0])} failed: {failed[0]['failure']}"
     return None
@@ -190,10 +192,17 @@ def _record_path(directory: Path, rank: int) -> Path:
 
 
 def _read_json(path: Path) -> dict | None:
+    """A record, or None: not written yet, a reader on a file system without atomic rename, or a
+    file that is no record (a record is only ever a notice's source: never worth a traceback)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # not written yet, or a reader on a file system without atomic rename
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 class Watchdog:

@@ -259,6 +259,25 @@ def test_crafted_checkpoints_named_explicitly_end_in_one_line_with_the_run_untou
 
 
 @pytest.mark.slow
+def test_the_checkpoint_commands_read_a_training_checkpoint_whole_first(straight, tmp_path, capfd):
+    """reshard, export, consolidate and inspect check a training checkpoint as a resume does: a
+    crafted one is one line naming the file, rc 2, nothing written beside it or into it."""
+    copy, step_dir = crafted_copy(straight, tmp_path, "a pickle in the optimizer states")
+    before = tree(copy)
+    commands = [
+        ["reshard", str(step_dir)],
+        ["export", str(step_dir), str(tmp_path / "exported")],
+        ["consolidate", str(step_dir), str(tmp_path / "consolidated")],
+        ["inspect", str(copy / "checkpoints")],
+    ]
+    for argv in commands:
+        status = main(argv)
+        lines = capfd.readouterr().err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and str(step_dir / OPTIMIZER_SHARD) in lines[0], (argv, lines)
+    assert tree(copy) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("named", ["../x", "/x", "step_00000010/../../x", "model"])
 def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(straight, tmp_path, named, capfd):
     from parallel_latent.checkpoint import CheckpointError, find_latest_checkpoint

@@ -121,6 +121,23 @@ def test_the_job_before_ended_by_a_stall_or_cleanly(tmp_path):
     assert previous_job_failure(tmp_path / "nothing") is None
 
 
+def test_the_job_befores_records_of_another_shape_are_no_traceback(tmp_path):
+    """The progress records a resume reads are only a notice's source: records that are not
+    objects, or hold values of other types, say what they can and never end start-up."""
+    run_dir = write_records(
+        tmp_path / "a",
+        {"state": "exited", "failure": "OSError: EIO", "written_at": "late", "rank": None},
+        {"state": "exited", "failure": "ValueError: x", "written_at": 1.0},
+    )
+    assert previous_job_failure(run_dir).endswith("failed: OSError: EIO")
+    hang = {"rank": 1, "idle_s": "long"}
+    assert previous_job_failure(write_records(tmp_path / "b", {}, {}, marker=hang)).endswith("(no progress for 0 s)")
+    progress = write_records(tmp_path / "c", {"state": "exited"}, {"state": "exited"}) / PROGRESS_DIR
+    (progress / "hang.json").write_text("[1, 2]")
+    (progress / "rank_00000.json").write_text('"running"')
+    assert previous_job_failure(progress.parent) is None
+
+
 # ------------------------------------------------------------------------------------------- #
 # The thread, in this process (a main thread "stuck" is one that sleeps: nothing else moves it).
 # ------------------------------------------------------------------------------------------- #
