@@ -328,11 +328,16 @@ def test_every_module_reads_in_a_sitting():
             ),
             "zero/",
         ),
+        (
+            ("_attn_implementation", "pytorch_utils", "rotary_emb", "split_size", "position_embeddings="),
+            "model/transformers_api.py",
+        ),
     ],
 )
 def test_each_delicate_dependency_is_touched_in_one_module(names, home):
     """One exclusive lock; every use of DeepSpeed's private API where its version range is checked;
-    DeepSpeed's private checkpoint keys and ZeRO's parameter attributes in DeepSpeed's room."""
+    DeepSpeed's private checkpoint keys and ZeRO's parameter attributes in DeepSpeed's room;
+    transformers' internals where its version range is checked."""
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).is_relative_to(home):
             continue

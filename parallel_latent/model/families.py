@@ -25,6 +25,7 @@ from transformers import AutoConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, Pre
 
 from .packaged import local_decoder
 from .tokenizer import from_directory_or_hub
+from .transformers_api import run_rotary_layers
 
 __all__ = ["FAMILIES", "Family", "family_of", "held_layers", "supported_families"]
 
@@ -84,11 +85,7 @@ class Family:
             for layer in layers:
                 hidden = layer(hidden)
             return hidden
-        position_ids = positions[None]
-        rotary = decoder.rotary_emb(hidden, position_ids=position_ids)
-        for layer in layers:
-            hidden = layer(hidden, position_ids=position_ids, position_embeddings=rotary)
-        return hidden
+        return run_rotary_layers(decoder, layers, hidden, positions)
 
 
 def _gpt2_config(vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head) -> GPT2Config:

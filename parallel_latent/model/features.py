@@ -27,6 +27,7 @@ from .families import FAMILIES, Family, family_of, held_layers, load_config
 from .packaged import local_decoder
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
 from .tokenizer import OFFLINE, from_directory_or_hub
+from .transformers_api import require_supported_transformers, use_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def _runnable(config: PretrainedConfig, family: Family, layers: int) -> Pretrain
     setattr(config, family.layers_key, layers)
     for key, value in family.no_dropout.items():
         setattr(config, key, value)
-    config._attn_implementation = "sdpa"
+    use_sdpa(config)
     return config
 
 
@@ -142,6 +143,7 @@ def load_decoder(
     ``shard_group``: the TP group a ``pretrained`` decoder is read into slice by slice
     (:mod:`.sharded`); the other two are built whole and sharded by the caller once cut.
     Uses (and advances) the global torch RNG."""
+    require_supported_transformers()
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
     config, family = _decoder_config(feature_cfg, vocab_size, recorded)
     if recorded is None and not feature_cfg.pretrained:
@@ -204,6 +206,7 @@ def check_feature_model(cfg: Config) -> None:
     ``model.max_length`` needs, and a tokenizer of its own family (the offline GPT-2 BPE's ids would
     index another vocabulary than a Llama's or a Pythia's)."""
     feature_cfg = cfg.feature_model
+    require_supported_transformers()
     if not feature_cfg.pretrained:
         return
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"

@@ -18,8 +18,8 @@ weight that hold whole heads:
 - ``gpt2``: the projections are ``Conv1D`` (weight [in, out]) and stay in that orientation
   (:class:`ParallelConv1D`: a column split cuts dim 1, a row split dim 0). ``c_attn`` holds q of all
   heads, then k, then v: a rank's heads are its 1/tp of each, a split with partition stride 3, and
-  transformers' attention splits the output into q, k, v by ``split_size``, which is set to the
-  local width.
+  transformers' attention splits the output into q, k, v by its width, which is set to the local
+  one (:func:`.transformers_api.set_local_gpt2_attention`).
 
 The parameter names and the full (reassembled) shapes are those of the replicated decoder, with the
 TP flags of the parallel layers (partition dim and stride), so a portable checkpoint holds the same
@@ -40,7 +40,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
-from transformers.pytorch_utils import Conv1D
 
 from parallel_latent.config import ConfigError, FeatureModelConfig
 from parallel_latent.parallel import (
@@ -55,6 +54,7 @@ from parallel_latent.parallel.utils import partition_ranges, set_tensor_parallel
 
 from .families import Family
 from .packaged import local_decoder
+from .transformers_api import Conv1D, rebuild_rotary, set_local_gpt2_attention
 
 # How a projection is split: by output features (column) or input features (row); also the
 # partition dim of an nn.Linear weight [out, in] (a Conv1D's, [in, out], is the other one).
@@ -199,12 +199,11 @@ def _split(module: nn.Linear | Conv1D, kind: int, stride: int, group) -> nn.Modu
 
 
 def _local_attention(layer: nn.Module, family: Family, group) -> None:
-    """transformers' GPT-2 attention cuts c_attn's output into q, k and v by ``split_size`` (its
-    width): on a rank holding 1/tp of the heads, 1/tp of it. (Llama and NeoX reshape by head width.)"""
+    """GPT-2's attention on a rank holding 1/tp of the heads: 1/tp of its width. (Llama and NeoX
+    reshape by head width.)"""
     if family.name == "gpt2":
-        attention, config, tp = layer.attn, layer.attn.config, group_size(group)
-        attention.num_heads = config.num_attention_heads // tp
-        attention.embed_dim = attention.split_size = config.hidden_size // tp
+        config, tp = layer.attn.config, group_size(group)
+        set_local_gpt2_attention(layer.attn, config.num_attention_heads // tp, config.hidden_size // tp)
 
 
 def shard_layers(decoder: nn.Module, family: Family, group) -> nn.Module:
@@ -310,9 +309,7 @@ def read_pretrained_shard(name_or_path: str, config: PretrainedConfig, family: F
         else:
             value = weights.whole(name)
         _materialize(decoder, name, value)
-    # Non-persistent buffers (rotary inverse frequencies; GPT-2 has none) are in no file: rebuilt from the config.
-    if hasattr(decoder, "rotary_emb"):
-        decoder.rotary_emb = type(decoder.rotary_emb)(config=decoder.config)
+    rebuild_rotary(decoder)
     left = [name for name, buffer in decoder.named_buffers() if buffer.is_meta]  # every parameter was read
     if left:
         raise ConfigError(f"{where}: {SHARD} found no weights for {left[0]} in {weights.directory}")
