@@ -10,6 +10,8 @@ Torch-free, so that the command line can build its parser and report errors with
   checkpoint package and by the code below it that reads DeepSpeed's files and state
   (:mod:`parallel_latent.zero`);
 - :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as;
+- :func:`in_release_range`, :func:`release_range_words`: a dependency's supported releases, for
+  the one line that refuses another;
 - :class:`SaidOnce`: a notice that start-up reaches several times (the launcher's checks, each
   rank's, the resume) said once per process.
 
@@ -23,6 +25,7 @@ import enum
 import errno
 import logging
 import os
+import re
 from pathlib import Path
 
 PROG = "parallel-latent"
@@ -85,6 +88,25 @@ class SaidOnce(logging.Filter):
             return False
         self.said.add(message)
         return True
+
+
+Release = tuple[int, int, int]
+
+
+def in_release_range(version: str, supported: tuple[Release, Release]) -> bool:
+    """Whether ``version`` (``"0.19.8"``, ``"5.25.1.dev0"``, ``"0.19.9+cu130"``) lies in
+    ``supported`` = [first, end): the releases a dependency's internals were used as. Its refusal
+    outside is one line of bad input (DeepSpeed's in ``zero/version.py``, transformers' in
+    ``model/transformers_api.py``)."""
+    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
+    release = tuple(numbers + [0] * (3 - len(numbers)))
+    return supported[0] <= release < supported[1]
+
+
+def release_range_words(supported: tuple[Release, Release]) -> str:
+    """``supported`` as a pip requirement's range: ``>=0.19.8,<0.20``."""
+    (a, b, c), (d, e, _) = supported
+    return f">={a}.{b}.{c},<{d}.{e}"
 
 
 def first_line(error: BaseException) -> str:

@@ -23,7 +23,6 @@ decoder is built. The version is read from the installed distribution's metadata
 from __future__ import annotations
 
 import functools
-import re
 from importlib import metadata
 
 import torch
@@ -31,7 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.pytorch_utils import Conv1D
 
-from parallel_latent.errors import BadInput
+from parallel_latent.errors import BadInput, in_release_range, release_range_words
 
 __all__ = [
     "SUPPORTED",
@@ -54,11 +53,6 @@ class TransformersVersionError(BadInput):
     """The installed transformers is outside the releases whose internals the feature model uses."""
 
 
-def _release(version: str) -> tuple[int, int, int]:
-    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
-    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
-
-
 @functools.cache
 def installed_version() -> str:
     return metadata.version("transformers")
@@ -66,19 +60,18 @@ def installed_version() -> str:
 
 def supported(version: str | None = None) -> bool:
     """Whether ``version`` (default: the installed transformers') is in :data:`SUPPORTED`."""
-    release = _release(installed_version() if version is None else version)
-    return SUPPORTED[0] <= release < SUPPORTED[1]
+    return in_release_range(installed_version() if version is None else version, SUPPORTED)
 
 
 def require_supported_transformers(version: str | None = None) -> None:
     """Refuse (one line, exit status 2) a transformers whose internals may have changed."""
     version = installed_version() if version is None else version
     if not supported(version):
-        (a, b, c), (d, e, _) = SUPPORTED
+        words = release_range_words(SUPPORTED)
         raise TransformersVersionError(
             f"transformers {version} is installed; the feature model runs and shards transformers' decoder "
-            f"layers through internals written for transformers>={a}.{b}.{c},<{d}.{e} "
-            f"(parallel_latent/model/transformers_api.py): pip install 'transformers>={a}.{b}.{c},<{d}.{e}'"
+            f"layers through internals written for transformers{words} "
+            f"(parallel_latent/model/transformers_api.py): pip install 'transformers{words}'"
         )
 
 

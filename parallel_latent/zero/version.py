@@ -17,10 +17,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 from importlib import metadata
 
-from parallel_latent.errors import BadInput
+from parallel_latent.errors import BadInput, in_release_range, release_range_words
 
 __all__ = [
     "SUPPORTED",
@@ -44,16 +43,6 @@ class DeepSpeedVersionError(BadInput):
     """The installed DeepSpeed is outside the releases whose checkpoint engine this code patches."""
 
 
-def _release(version: str) -> tuple[int, int, int]:
-    numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
-    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
-
-
-def _range_words() -> str:
-    (a, b, c), (d, e, _) = SUPPORTED
-    return f">={a}.{b}.{c},<{d}.{e}"
-
-
 # Read once: the installed release does not change while the process runs, and reading the metadata
 # costs milliseconds, which ZeRO-3's gathers (through the gate, for every tensor) would pay each time.
 @functools.cache
@@ -69,17 +58,17 @@ def installed_version() -> str:
 
 def supported(version: str | None = None) -> bool:
     """Whether ``version`` (default: the installed DeepSpeed's) is in :data:`SUPPORTED`."""
-    release = _release(installed_version() if version is None else version)
-    return SUPPORTED[0] <= release < SUPPORTED[1]
+    return in_release_range(installed_version() if version is None else version, SUPPORTED)
 
 
 def require_supported_deepspeed(version: str | None = None) -> None:
     """Refuse (one line, exit status 2) a DeepSpeed whose checkpoint engine this code cannot patch."""
     version = installed_version() if version is None else version
     if not supported(version):
+        words = release_range_words(SUPPORTED)
         raise DeepSpeedVersionError(
             f"DeepSpeed {version} is installed, but parallel-latent's checkpoints patch DeepSpeed's checkpoint "
-            f"engine as releases {_range_words()} have it: pip install 'deepspeed{_range_words()}'"
+            f"engine as releases {words} have it: pip install 'deepspeed{words}'"
         )
 
 
@@ -93,7 +82,7 @@ def usable(what: str, version: str | None) -> bool:
         "DeepSpeed %s is outside the releases %s that parallel-latent's %s was written for: skipped, "
         "DeepSpeed's own code runs instead (correct, slower)",
         version,
-        _range_words(),
+        release_range_words(SUPPORTED),
         what,
     )
     return False
