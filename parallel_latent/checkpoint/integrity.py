@@ -122,8 +122,10 @@ def _without_record(step_dir: Path) -> str | None:
     return None
 
 
-def checkpoint_damage(step_dir: Path) -> str | None:
-    """Why the checkpoint ``step_dir`` is damaged (a file and what is wrong with it), or None."""
+def checkpoint_damage(step_dir: Path, contents: bool = True) -> str | None:
+    """Why the checkpoint ``step_dir`` is damaged (a file and what is wrong with it), or None.
+    ``contents``: also what every file holds (:func:`.schema.content_damage`, which reads the whole
+    checkpoint); False checks the record alone, for a process whose launcher read it whole."""
     try:
         info = json.loads((step_dir / INFO_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -134,21 +136,22 @@ def checkpoint_damage(step_dir: Path) -> str | None:
         return f"{step_dir / INFO_FILE}: {problem}"
     record = info.get("files")
     damage = _against_record(step_dir, record) if isinstance(record, dict) else _without_record(step_dir)
-    return damage if damage is not None else content_damage(step_dir, info)
+    return damage if damage is not None or not contents else content_damage(step_dir, info)
 
 
 def damaged_error(step_dir: Path, damage: str) -> CheckpointError:
     return CheckpointError(f"{damage}: the checkpoint {step_dir} is truncated or damaged; not loaded")
 
 
-def require_intact(step_dir: Path) -> Path:
-    """``step_dir`` if it is intact; else CheckpointError (one line, naming the file)."""
-    if (damage := checkpoint_damage(step_dir)) is not None:
+def require_intact(step_dir: Path, contents: bool = True) -> Path:
+    """``step_dir`` if it is intact (:func:`checkpoint_damage`); else CheckpointError (one line,
+    naming the file)."""
+    if (damage := checkpoint_damage(step_dir, contents)) is not None:
         raise damaged_error(step_dir, damage)
     return step_dir
 
 
-def resumable(checkpoint_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+def resumable(checkpoint_dir: Path, contents: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The checkpoint a run in ``checkpoint_dir`` resumes from: the one :func:`find_latest_checkpoint`
     finds, or when it is damaged the newest intact one before it (None if there is none); and the
     damaged ones passed over, newest first, each with its damage. Reads, never changes anything."""
@@ -158,7 +161,7 @@ def resumable(checkpoint_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]
     newest = _step(latest)
     damaged = []
     for step_dir in reversed([p for p in list_checkpoints(checkpoint_dir) if _step(p) <= newest]):
-        if (damage := checkpoint_damage(step_dir)) is None:
+        if (damage := checkpoint_damage(step_dir, contents)) is None:
             return step_dir, damaged
         damaged.append((step_dir, damage))
     return None, damaged

@@ -49,9 +49,16 @@ logger.addFilter(SaidOnce())  # preflight and every rank's start-up compare the 
 TOKENIZER_KEYS = ("vocab_size", "mask_token_id", "pad_token_id")
 
 
-def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_per_node: int | None = None) -> None:
+def preflight(
+    cfg: Config,
+    world_size: int,
+    source: str = "<config>",
+    processes_per_node: int | None = None,
+    read_checkpoint_whole: bool = True,
+) -> None:
     """Everything about ``cfg`` that can be checked without building anything: the world size
-    against TP and the batch sizes, the device, the data path, the checkpoint to resume.
+    against TP and the batch sizes, the device, the data path, the checkpoint to resume (read whole,
+    unless ``read_checkpoint_whole`` is False: the ranks of a job whose launcher read it).
     Raises ConfigError / DataError with one line; writes nothing."""
     require_supported_deepspeed()  # before any work: checkpoints patch DeepSpeed's checkpoint engine
     validate_world(cfg, world_size, source, processes_per_node)
@@ -79,22 +86,23 @@ def preflight(cfg: Config, world_size: int, source: str = "<config>", processes_
         raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
     # A checkpoint of another model, or whose global batch cannot be kept on this many processes:
     # one line now, before any rank starts (the ranks check again with the tokenizer's vocabulary).
-    resume_path = checkpoint_to_resume(cfg)
+    resume_path = checkpoint_to_resume(cfg, read_checkpoint_whole)
     require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
     planned_resume(cfg, world_size, resume_path)
     require_room_for_a_checkpoint(cfg, resume_path, source)
 
 
-def checkpoint_to_resume(cfg: Config) -> Path | None:
+def checkpoint_to_resume(cfg: Config, contents: bool = True) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names, as this process sees it (reading only):
     ``auto`` = the run directory's latest, or the newest intact one before it if that is damaged
-    (None if there is none); ``never`` = None; else that path, which must be intact."""
+    (None if there is none); ``never`` = None; else that path, which must be intact (``contents``:
+    :func:`~parallel_latent.checkpoint.checkpoint_damage`'s)."""
     resume = cfg.checkpoint.resume
     if resume == "never":
         return None
     if resume == "auto":
-        return resumable(checkpoints_dir(cfg.logging.run_dir))[0]
-    return require_intact(resolve_checkpoint(resume))
+        return resumable(checkpoints_dir(cfg.logging.run_dir), contents)[0]
+    return require_intact(resolve_checkpoint(resume), contents)
 
 
 def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = ()) -> None:

@@ -61,10 +61,17 @@ __all__ = [
 def choose_checkpoint_to_resume(cfg: Config) -> tuple[Path | None, list[tuple[Path, str]]]:
     """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, and (``checkpoint.resume=auto``)
     the damaged checkpoints passed over, each with its damage, which :func:`_commit` moves aside
-    once the job is accepted. Reads only."""
+    once the job is accepted. Reads only (the checkpoint whole unless the launcher did)."""
+    contents = not accepted_by_launcher(Path(cfg.logging.run_dir))
     if cfg.checkpoint.resume != "auto":
-        return checkpoint_to_resume(cfg), []  # an explicit checkpoint that is damaged stops the run
-    return resumable(checkpoints_dir(cfg.logging.run_dir))
+        return checkpoint_to_resume(cfg, contents), []  # an explicit checkpoint that is damaged stops the run
+    return resumable(checkpoints_dir(cfg.logging.run_dir), contents)
+
+
+def accepted_by_launcher(run_dir: Path) -> bool:
+    """Whether the ``train --nproc`` that started this rank accepted the job (it holds the run
+    directory's lock for it, and read the checkpoint to resume whole before launching)."""
+    return os.environ.get(HELD_BY_LAUNCHER_ENV) == str((run_dir / LOCK_FILE).resolve())
 
 
 def move_damaged_aside(damaged: list[tuple[Path, str]], intact: Path | None) -> None:
@@ -100,7 +107,7 @@ def load_tokenizer_once_per_node(cfg: Config):
     under another launcher than ``train --nproc`` its weight files are read whole here."""
     with main_first(per_node=True):
         check_feature_model(cfg)
-        if cfg.feature_model.pretrained and not os.environ.get(HELD_BY_LAUNCHER_ENV):
+        if cfg.feature_model.pretrained and not accepted_by_launcher(Path(cfg.logging.run_dir)):
             check_decoder_files(cfg.feature_model.name_or_path)  # (``train --nproc`` read them before launching)
         return load_tokenizer(cfg.tokenizer)
 
@@ -193,7 +200,7 @@ def take_run_directory(run_dir: Path, wait_for_lock_s: float) -> RunLock | None:
     --nproc`` that started this job holds it. Every rank raises the same one line if another job
     holds the directory (collective). Returns the lock on rank 0, None elsewhere."""
     lock, refusal = None, None
-    if is_main() and os.environ.get(HELD_BY_LAUNCHER_ENV) != str((run_dir / LOCK_FILE).resolve()):
+    if is_main() and not accepted_by_launcher(run_dir):
         try:
             lock = acquire_run_lock(run_dir, wait_for_lock_s)
         except RunDirLocked as error:
@@ -229,7 +236,10 @@ def start_run(
     then on the hang watchdog watches."""
     started = time.perf_counter()
     launcher = launcher_environment()
-    preflight(cfg, launcher["world_size"], source, launcher["local_world_size"])
+    # Every rank checks alike (no process group yet to share a verdict); the launcher's acceptance
+    # read the checkpoint whole already, which N ranks need not each do again.
+    accepted = accepted_by_launcher(Path(cfg.logging.run_dir))
+    preflight(cfg, launcher["world_size"], source, launcher["local_world_size"], read_checkpoint_whole=not accepted)
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
     try:

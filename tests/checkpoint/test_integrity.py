@@ -242,6 +242,8 @@ def test_a_checkpoint_whose_record_matches_is_read_for_what_it_holds(straight, t
     damage = checkpoint_damage(step_dir)
     assert damage is not None and CRAFTED[kind][2] in damage, damage
     assert resumable(copy / "checkpoints")[0] == copy / "checkpoints" / f"step_{HALF:08d}"
+    # The ranks of a job whose launcher read it whole check its record alone, which matches.
+    assert checkpoint_damage(step_dir, contents=False) is None
 
 
 @pytest.mark.slow
