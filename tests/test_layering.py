@@ -346,6 +346,24 @@ def test_each_delicate_dependency_is_touched_in_one_module(names, home):
         assert not used, f"parallel_latent/{path.relative_to(PACKAGE)} uses {used}, which belong in {home}"
 
 
+def test_the_rest_of_the_package_asks_the_family_and_never_names_one():
+    """A decoder family's name or model type, as a string, lives in its file under model/families/;
+    config/sections.py lists them as feature_model.architecture's choices. (Prose may name them.)"""
+    from parallel_latent.model.families import FAMILIES
+
+    names = {name for family in FAMILIES.values() for name in (family.name, *family.model_types)}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        if where.is_relative_to("model/families") or where == Path("config/sections.py"):
+            continue
+        named = sorted(
+            node.value
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+        )
+        assert not named, f"parallel_latent/{where} names the families {named}: ask the family instead"
+
+
 def test_no_test_module_imports_another():
     """What tests share lives in tests/helpers/; a test module is never imported by another."""
     tests = PACKAGE.parent / "tests"

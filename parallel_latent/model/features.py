@@ -18,7 +18,6 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
-from transformers.activations import ACT2FN
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig
 from parallel_latent.parallel import group_size
@@ -31,7 +30,6 @@ from .transformers_api import require_supported_transformers, use_sdpa
 
 logger = logging.getLogger(__name__)
 
-GPT2 = "gpt2"
 HIDDEN_STATE_KEY = "feature_model.hidden_state"
 
 
@@ -175,16 +173,6 @@ def load_decoder(
     return BuiltDecoder(decoder, family, config)
 
 
-def use_fused_tanh_gelu(gpt2: nn.Module) -> nn.Module:
-    """GPT-2's ``gelu_new`` is the tanh approximation written as 8 elementwise kernels over [B, T,
-    4f]; ``gelu_pytorch_tanh`` is the same function in one kernel (the results differ by rounding)."""
-    if gpt2.config.activation_function == "gelu_new":
-        gpt2.config.activation_function = "gelu_pytorch_tanh"
-        for block in gpt2.h:
-            block.mlp.act = ACT2FN["gelu_pytorch_tanh"]
-    return gpt2
-
-
 def truncate_to_hidden_state(decoder: nn.Module, index: int, depth: int | None = None) -> nn.Module:
     """Cut ``decoder`` (a base model of one of the families) in place so that its layers' output
     equals ``hidden_states[index]`` of the full ``depth``-layer model (by default: as many layers as
@@ -218,7 +206,7 @@ def check_feature_model(cfg: Config) -> None:
     positions = getattr(config, family.positions_key)
     if positions < cfg.model.max_length:
         raise ConfigError(f"model.max_length={cfg.model.max_length} exceeds the {positions} positions of {where}")
-    if family.name != GPT2 and cfg.tokenizer.name_or_path == OFFLINE:
+    if not family.uses_gpt2_bpe and cfg.tokenizer.name_or_path == OFFLINE:
         raise ConfigError(
             f"{where} is a {family.title} decoder but tokenizer.name_or_path={OFFLINE} is GPT-2's BPE: set "
             "tokenizer.name_or_path=feature_model (its own tokenizer)"
@@ -227,8 +215,8 @@ def check_feature_model(cfg: Config) -> None:
 
 class FeatureModel(nn.Module):
     """Features [B, T, width] of ``input_ids``: hidden state ``feature_model.hidden_state`` of the
-    decoder. The decoder is registered under its family's name (``gpt2``, ``gpt_neox``, ``llama``),
-    so checkpoint keys say which it is.
+    decoder. The decoder is registered under its family's name (:data:`.families.FAMILIES`), so
+    checkpoint keys say which it is.
 
     Frozen (the default): no parameter trains, the module stays in eval mode whatever the parent
     does, and the forward builds no autograd graph. Otherwise it trains like any replicated module.
@@ -247,7 +235,7 @@ class FeatureModel(nn.Module):
         decoder = truncate_to_hidden_state(built.decoder, self.hidden_state, built.family.depth(built.config))
         if self.shard_group is not None:
             shard_layers(decoder, self.family, self.shard_group)
-        self.add_module(self.family.name, use_fused_tanh_gelu(decoder) if self.family.name == GPT2 else decoder)
+        self.add_module(self.family.name, self.family.prepare(decoder))
         self.matmul_weights = self._count_matmul_weights()
         if self.frozen:
             self.requires_grad_(False)
@@ -297,8 +285,9 @@ class FeatureModel(nn.Module):
         )
 
     def architecture(self) -> dict:
-        """What rebuilds this decoder without the hub or a path: a GPT-2's shape (``n_*``; its uncut
-        depth), any other family's name and whole transformers config (uncut, vocabulary resized)."""
+        """What rebuilds this decoder without the hub or a path: its shape (``n_*``; its uncut depth),
+        and unless its family is recorded by its shape alone, the family's name and the whole
+        transformers config (uncut, vocabulary resized)."""
         config, family = self.decoder_config, self.family
         shape = {
             "n_layer": family.depth(config),
@@ -306,7 +295,7 @@ class FeatureModel(nn.Module):
             "n_embd": self.width,
             "n_positions": self.positions,
         }
-        if family.name == GPT2:
+        if family.records_shape_alone:
             return shape
         return {"architecture": family.name, **shape, "transformers_config": config.to_dict()}
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from parallel_latent.config import FeatureModelConfig, TokenizerConfig, build_dataclass, check_section
 from parallel_latent.errors import BadInput, CheckpointError
 
+from .families import SHAPE_RECORDED
 from .features import decoder_signature
 from .tokenizer import (
     OFFLINE,
@@ -41,7 +42,8 @@ __all__ = [
 ]
 
 ARCHITECTURE_KEYS = ("n_layer", "n_head", "n_embd", "n_positions")
-# Other families than GPT-2 record their name and their whole transformers config besides the shape.
+# Other families than the one recorded by its shape alone (SHAPE_RECORDED) record their name and
+# their whole transformers config besides the shape.
 FAMILY_KEY, TRANSFORMERS_CONFIG = "architecture", "transformers_config"
 ARCHITECTURE = "feature_model_architecture"
 
@@ -54,8 +56,8 @@ def _recorded_shape(architecture, source: str, hidden_state: int) -> dict:
         raise CheckpointError(f"{source}: {ARCHITECTURE}.{unknown[0]}: unknown key")
     if missing := [key for key in ARCHITECTURE_KEYS if key not in architecture]:
         raise CheckpointError(f"{source}: {ARCHITECTURE}.{missing[0]}: missing")
-    family = architecture.get(FAMILY_KEY, "gpt2")
-    if family != "gpt2" and not isinstance(architecture.get(TRANSFORMERS_CONFIG), dict):
+    family = architecture.get(FAMILY_KEY, SHAPE_RECORDED.name)
+    if family != SHAPE_RECORDED.name and not isinstance(architecture.get(TRANSFORMERS_CONFIG), dict):
         raise CheckpointError(f"{source}: {ARCHITECTURE}.{TRANSFORMERS_CONFIG}: missing (a {family} decoder)")
     shape = {key: architecture[key] for key in (*ARCHITECTURE_KEYS, FAMILY_KEY) if key in architecture}
     checked = build_dataclass(FeatureModelConfig, {**shape, "hidden_state": -1}, source, ARCHITECTURE)
@@ -70,8 +72,9 @@ def _recorded_shape(architecture, source: str, hidden_state: int) -> dict:
 
 
 def recorded_feature_model(record: dict, source: str) -> dict | None:
-    """The transformers config ``record`` holds for its feature model (any family but GPT-2, whose
-    shape alone rebuilds it), or None; one line naming ``source`` when it is not one."""
+    """The transformers config ``record`` holds for its feature model (any family but
+    :data:`.families.SHAPE_RECORDED`, whose shape alone rebuilds it), or None; one line naming
+    ``source`` when it is not one."""
     architecture = record.get(ARCHITECTURE) or {}
     config = architecture.get(TRANSFORMERS_CONFIG) if isinstance(architecture, dict) else None
     if config is not None and not (isinstance(config, dict) and isinstance(config.get("model_type"), str)):
@@ -84,11 +87,11 @@ def feature_config_from_record(record: dict, source: str) -> FeatureModelConfig:
     path, for the errors): never ``pretrained``, so that building it reads no path and no hub.
 
     With the recorded shape, a decoder of that shape (whatever ``feature_model_config`` says it was
-    first loaded from: every weight is overwritten by the checkpoint's; a family other than GPT-2 is
-    rebuilt from its recorded transformers config, :func:`recorded_feature_model`). Without it (a manifest
-    older than the shape, or edited), the ``n_*`` keys of a ``pretrained: false`` config; a
-    ``pretrained: true`` one is refused: its shape (the attention heads) is known only to the model
-    it names outside the checkpoint."""
+    first loaded from: every weight is overwritten by the checkpoint's; a family other than
+    :data:`.families.SHAPE_RECORDED` is rebuilt from its recorded transformers config,
+    :func:`recorded_feature_model`). Without it (a manifest older than the shape, or edited), the
+    ``n_*`` keys of a ``pretrained: false`` config; a ``pretrained: true`` one is refused: its shape
+    (the attention heads) is known only to the model it names outside the checkpoint."""
     feature_cfg = build_dataclass(FeatureModelConfig, record["feature_model_config"], source, "feature_model_config")
     architecture = record.get(ARCHITECTURE)
     if architecture:

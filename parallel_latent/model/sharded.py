@@ -8,18 +8,9 @@ its bias added once after it). A layer costs two all-reduces of [B, T, width]. T
 positions, norms and rotary buffers stay whole on every rank.
 
 Only the attention and MLP projections of the held layers are split, as slices of the transformers
-weight that hold whole heads:
-
-- ``llama``: q/k/v split by (kv) head, so tensor_parallel must divide the kv heads; transformers'
-  attention reshapes with ``view(..., -1, head_dim)`` and ``num_key_value_groups`` (heads per kv
-  head, the same on every rank), so local head counts need no other change;
-- ``gpt_neox``: ``query_key_value`` holds q, k, v of head 0, then of head 1, ...: a contiguous chunk
-  of its rows is whole heads;
-- ``gpt2``: the projections are ``Conv1D`` (weight [in, out]) and stay in that orientation
-  (:class:`ParallelConv1D`: a column split cuts dim 1, a row split dim 0). ``c_attn`` holds q of all
-  heads, then k, then v: a rank's heads are its 1/tp of each, a split with partition stride 3, and
-  transformers' attention splits the output into q, k, v by its width, which is set to the local
-  one (:func:`.transformers_api.set_local_gpt2_attention`).
+weight that hold whole heads, as the family's tensor-parallel plan says (:class:`.families.Family`:
+``projections``, ``strides``, ``split_counts``, ``localize_attention``; each family's file says why
+its plan holds whole heads).
 
 The parameter names and the full (reassembled) shapes are those of the replicated decoder, with the
 TP flags of the parallel layers (partition dim and stride), so a portable checkpoint holds the same
@@ -52,40 +43,10 @@ from parallel_latent.parallel import (
 from parallel_latent.parallel.projection import Projection, column_parallel_projections
 from parallel_latent.parallel.utils import partition_ranges, set_tensor_parallel_attributes
 
-from .families import Family
+from .families import COLUMN, Family
 from .packaged import local_decoder
-from .transformers_api import Conv1D, rebuild_rotary, set_local_gpt2_attention
+from .transformers_api import Conv1D, rebuild_rotary
 
-# How a projection is split: by output features (column) or input features (row); also the
-# partition dim of an nn.Linear weight [out, in] (a Conv1D's, [in, out], is the other one).
-COLUMN, ROW = 0, 1
-# Per family: the held layers' projections (paths inside a layer) and how each is split.
-PROJECTIONS = {
-    "gpt2": {
-        "attn.c_attn": COLUMN,
-        "attn.c_proj": ROW,
-        "mlp.c_fc": COLUMN,
-        "mlp.c_proj": ROW,
-    },
-    "llama": {
-        "self_attn.q_proj": COLUMN,
-        "self_attn.k_proj": COLUMN,
-        "self_attn.v_proj": COLUMN,
-        "self_attn.o_proj": ROW,
-        "mlp.gate_proj": COLUMN,
-        "mlp.up_proj": COLUMN,
-        "mlp.down_proj": ROW,
-    },
-    "gpt_neox": {
-        "attention.query_key_value": COLUMN,
-        "attention.dense": ROW,
-        "mlp.dense_h_to_4h": COLUMN,
-        "mlp.dense_4h_to_h": ROW,
-    },
-}
-# Projections whose output is several tensors side by side, each split alike (Megatron's partition
-# stride): GPT-2's c_attn is q of all heads, then k, then v.
-STRIDES = {"gpt2": {"attn.c_attn": 3}}
 SHARD = "feature_model.parallel=shard"
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -103,10 +64,7 @@ def check_shardable(feature_cfg: FeatureModelConfig, family: Family, config: Pre
             "(a trainable feature model stays replicated)"
         )
     heads = getattr(config, family.heads_key)
-    counts = {"attention heads": heads, "MLP width": family.mlp_width(config)}
-    if family.name == "llama":
-        counts = {"key/value heads": getattr(config, "num_key_value_heads", None) or heads, **counts}
-    for what, count in counts.items():
+    for what, count in family.split_counts(config).items():
         if count % tp:
             raise ConfigError(
                 f"parallel.tensor_parallel={tp} does not divide the {count} {what} of the feature model "
@@ -172,10 +130,9 @@ def _rank_slice(tensor, dim: int, stride: int, group):
 def _projections(decoder: nn.Module, family: Family):
     """(layer, path in it, the module there, how it is split, its stride) for each projection of the
     held layers."""
-    strides = STRIDES.get(family.name, {})
     for layer in getattr(decoder, family.layers):
-        for path, kind in PROJECTIONS[family.name].items():
-            yield layer, path, layer.get_submodule(path), kind, strides.get(path, 1)
+        for path, kind in family.projections.items():
+            yield layer, path, layer.get_submodule(path), kind, family.strides.get(path, 1)
 
 
 def _replace(layer: nn.Module, path: str, module: nn.Module) -> None:
@@ -198,14 +155,6 @@ def _split(module: nn.Linear | Conv1D, kind: int, stride: int, group) -> nn.Modu
     return _parallel_linear(weight, bias, tuple(module.weight.shape), kind, stride, group)
 
 
-def _local_attention(layer: nn.Module, family: Family, group) -> None:
-    """GPT-2's attention on a rank holding 1/tp of the heads: 1/tp of its width. (Llama and NeoX
-    reshape by head width.)"""
-    if family.name == "gpt2":
-        config, tp = layer.attn.config, group_size(group)
-        set_local_gpt2_attention(layer.attn, config.num_attention_heads // tp, config.hidden_size // tp)
-
-
 def shard_layers(decoder: nn.Module, family: Family, group) -> nn.Module:
     """``decoder`` (built whole in memory: a random build, or a checkpoint's rebuild) with each held
     layer's projections replaced by this rank's slices of the same weights: the sharded decoder
@@ -214,7 +163,7 @@ def shard_layers(decoder: nn.Module, family: Family, group) -> nn.Module:
         if isinstance(module, (nn.Linear, Conv1D)):
             _replace(layer, path, _split(module, kind, stride, group))
     for layer in getattr(decoder, family.layers):
-        _local_attention(layer, family, group)
+        family.localize_attention(layer, group_size(group))
     return decoder
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel_latent.model.families import FAMILIES
+from parallel_latent.model.families import FAMILIES, SHAPE_RECORDED
 
 from .layout import LIBRARY
 from .record import METRICS, TrainingRecord, dataset_of, latent_figures
@@ -121,7 +121,7 @@ def _trained_feature_model(config: dict) -> dict:
 
 
 def _family(config: dict) -> str:
-    return (config.get("feature_model_architecture") or {}).get("architecture", "gpt2")
+    return (config.get("feature_model_architecture") or {}).get("architecture", SHAPE_RECORDED.name)
 
 
 def _feature_words(config: dict) -> str:

@@ -21,7 +21,8 @@ from parallel_latent.checkpoint import load_portable, save_portable
 from parallel_latent.config import ConfigError, FeatureModelConfig, config_from_dict
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.sharded import COLUMN, PROJECTIONS, ROW, _SafetensorsWeights, sharded_projection_weights
+from parallel_latent.model.families import COLUMN, ROW
+from parallel_latent.model.sharded import _SafetensorsWeights, sharded_projection_weights
 from parallel_latent.parallel import initialize_model_parallel
 from parallel_latent.training.report import tp_options_line
 from parallel_latent.zero.params import gathered
@@ -76,7 +77,7 @@ def projection_elements(model: FeatureModel, split_only: bool) -> int:
     """Elements of the held layers' projections (weights, and biases of the column-split ones)."""
     total = 0
     for layer in getattr(model.decoder, model.family.layers):
-        for path, kind in PROJECTIONS[model.family.name].items():
+        for path, kind in model.family.projections.items():
             linear = layer.get_submodule(path)
             total += linear.weight.numel()
             if linear.bias is not None and (kind == COLUMN or not split_only):
@@ -113,7 +114,7 @@ def features_task(
         restore()
     n = decoder_reduction_length(whole, LENGTH, tp)
     for layer in getattr(sharded.decoder, sharded.family.layers):  # a broken variant: no all-reduce at all
-        for path, kind in PROJECTIONS[sharded.family.name].items():
+        for path, kind in sharded.family.projections.items():
             if kind == ROW:
                 layer.get_submodule(path).tp_group = None
     broken = sharded(ids, mask)
