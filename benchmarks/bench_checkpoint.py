@@ -74,7 +74,7 @@ def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, 
     from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
     from parallel_latent.checkpoint.background import HostCopies
     from parallel_latent.launching.rendezvous import join_job
-    from parallel_latent.training.engine import initialize_engine
+    from parallel_latent.training.engine_setup import initialize_engine
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel=1))
     join_job(1, "gloo")

@@ -74,7 +74,7 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
 
     from parallel_latent.data import ShardedBatchSampler, get_batch
     from parallel_latent.model import build_model
-    from parallel_latent.training.engine import build_lr_scheduler, build_optimizer
+    from parallel_latent.training.engine_setup import build_lr_scheduler, build_optimizer
 
     overrides = [*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"]
     with tempfile.TemporaryDirectory() as run_dir, started_trainer(load(overrides, run_dir)) as trainer:

@@ -52,6 +52,11 @@ class CheckpointError(BadInput):
     """A checkpoint is missing, damaged, or does not fit the model; the message is one line."""
 
 
+class DataError(BadInput):
+    """A data problem (torch-free: the command line and every data module raise it); the message is
+    one line naming the offending path."""
+
+
 # OSErrors that say something about the path a user gave, not about the machine.
 PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 # A destination on a read-only mount (PermissionError is one of PATH_ERRORS): the path a user gave is wrong.

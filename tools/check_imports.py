@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT_MODULES = (
     "parallel_latent.cli",
     "parallel_latent.training.trainer",
-    "parallel_latent.training.engine",
+    "parallel_latent.training.engine_setup",
     "parallel_latent.data.prepare",
     "parallel_latent.checkpoint",
     "parallel_latent.pretrained",

@@ -7,9 +7,10 @@ their commands are in :mod:`parallel_latent.cli.checkpoint`. No model is known h
 itself (``checkpoint_record``/``checkpoint_mismatch``).
 """
 
-from parallel_latent.zero.files import safe_torch_load
+from parallel_latent.zero.checkpoint_files import safe_torch_load
 
 from .describe import inspect_checkpoint as inspect
+from .engine_state import load_training_checkpoint, saved_client_state, saved_run_config
 from .integrity import checkpoint_damage, move_aside, require_intact, resumable
 from .layout import (
     CheckpointError,
@@ -28,7 +29,6 @@ from .layout import (
 from .portable import consolidate, load_portable, save_portable
 from .saving import finish_background_save, save_training_checkpoint, start_background_save
 from .shards import PortableCheckpoint
-from .training import load_training_checkpoint, saved_client_state, saved_run_config
 from .universal import convert_to_universal
 
 __all__ = [

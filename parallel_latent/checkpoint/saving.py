@@ -30,16 +30,16 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel_latent.coordination import all_gather_value, barrier, is_main
-from parallel_latent.zero.files import OWN_NAME_KEY, save_keeping_errno
+from parallel_latent.zero.checkpoint_files import OWN_NAME_KEY, save_keeping_errno
 from parallel_latent.zero.patches import checkpoint_writes
 from parallel_latent.zero.version import import_deepspeed
 
 from . import layout
 from .background import BackgroundSave, HostCopies, snapshot
+from .engine_state import _rank, _rng_file, _tensor_facts, capture_rng_state, engine_layout
 from .integrity import file_record
 from .layout import CheckpointSaveError
 from .portable import capture_portable, plain
-from .training import _rank, _rng_file, _tensor_facts, capture_rng_state, engine_layout
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from parallel_latent.files import link_leaving
-from parallel_latent.zero.files import state_file_problem
+from parallel_latent.zero.checkpoint_files import state_file_problem
 
 from .layout import CLIENT_STATE_FILE, PORTABLE_DIR, RNG_DIR, CheckpointError
 from .shards import PortableCheckpoint
 
 __all__ = ["CHECKPOINT_INFO", "CLIENT_STATE", "RNG_STATE", "content_damage", "schema_problem"]
 
-# The classes DeepSpeed pickles into its checkpoint files beside tensors (zero/files.safe_torch_load
+# The classes DeepSpeed pickles into its checkpoint files beside tensors (zero/checkpoint_files.safe_torch_load
 # allows the same): data holders whose unpickling runs no code of theirs.
 ALLOWED_GLOBALS = frozenset(
     {

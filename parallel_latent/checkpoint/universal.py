@@ -5,7 +5,7 @@ trainable parameter ``p`` its fp32 master ``fp32/<p>`` and the optimizer's per-p
 (``exp_avg/<p>`` and ``exp_avg_sq/<p>``, or SGD's ``momentum_buffer/<p>``; whole over DP, split over
 TP like the weight), ``state/<name>`` for every frozen tensor, and the optimizer's kind, step and
 hyperparameters in the manifest. It is converted from DeepSpeed's files of any ZeRO stage (read by
-:mod:`parallel_latent.zero.files`), in one process: by rank 0 when a resume finds another layout, or
+:mod:`parallel_latent.zero.checkpoint_files`), in one process: by rank 0 when a resume finds another layout, or
 by ``parallel-latent reshard``; a resume sets it through :mod:`parallel_latent.zero.params`.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from parallel_latent.coordination import broadcast_value, is_main
 from parallel_latent.errors import require_writable
 from parallel_latent.zero import params as zero_params
-from parallel_latent.zero.files import MASTER, read_tp_rank
+from parallel_latent.zero.checkpoint_files import MASTER, read_tp_rank
 
 from . import layout, shards
 from .layout import CheckpointError, CheckpointSaveError

@@ -2,7 +2,7 @@
 
 - :mod:`.schema`: the machinery (a key's default, meaning and bound; dict -> dataclass);
 - :mod:`.sections`: the sections, each with its own rules, and :func:`validate_config`, the rules
-  that span sections (:mod:`.export`: encode-corpus's section, re-exported there);
+  that span sections (:mod:`.export_section`: encode-corpus's section, re-exported there);
 - :mod:`.io`: files and ``key=value`` overrides;
 - :mod:`.compatibility`: what a checkpoint's recorded model config means today.
 

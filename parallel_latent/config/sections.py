@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .compatibility import feature_model_difference, model_difference, saved_model_config
-from .export import EXPORT_SECTION, ExportConfig
+from .export_section import EXPORT_SECTION, ExportConfig
 from .schema import FRACTION, NOT_EMPTY, POSITIVE, SHARE, Bound, Items, at_least, check_section, require, setting
 
 __all__ = [

@@ -28,7 +28,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from parallel_latent.data.errors import DataError
 from parallel_latent.data.permutation import KeyedPermutation
 from parallel_latent.data.prepare import (
     CACHE_ENV,
@@ -48,6 +47,7 @@ from parallel_latent.data.sources import (
     resolve_source,
 )
 from parallel_latent.data.tokenize import TokenizedDataset, tokenize_samples
+from parallel_latent.errors import DataError
 
 __all__ = [
     "CACHE_ENV",

@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 
 from parallel_latent import coordination, files
-from parallel_latent.data.errors import DataError
 from parallel_latent.data.prepared import FORMAT_VERSION, META, PREPARED_MARKER, PreparedDataset
 from parallel_latent.data.sources import (
     Source,
@@ -49,7 +48,7 @@ from parallel_latent.data.sources import (
     resolve_source,
 )
 from parallel_latent.data.tokenize import RowEncoder, token_dtype, tokenizer_identity
-from parallel_latent.errors import first_line, os_reason
+from parallel_latent.errors import DataError, first_line, os_reason
 
 __all__ = [
     "CACHE_ENV",

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from parallel_latent.data.errors import DataError
+from parallel_latent.errors import DataError
 
 __all__ = [
     "ARRAYS",

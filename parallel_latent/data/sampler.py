@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from parallel_latent.data.errors import DataError
 from parallel_latent.data.permutation import KeyedPermutation, derive_key
+from parallel_latent.errors import DataError
 
 __all__ = ["HeldOutSplit", "ShardedBatchSampler", "held_out_size"]
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parallel_latent.data.errors import DataError
 from parallel_latent.data.prepared import is_prepared_copy
-from parallel_latent.errors import first_line, os_reason
+from parallel_latent.errors import DataError, first_line, os_reason
 
 __all__ = [
     "HUB_PREFIX",

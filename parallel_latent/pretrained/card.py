@@ -9,7 +9,7 @@ from typing import Any
 
 from parallel_latent.model.families import FAMILIES, SHAPE_RECORDED
 
-from .layout import LIBRARY
+from .directory import LIBRARY
 from .record import METRICS, TrainingRecord, dataset_of, latent_figures
 
 __all__ = ["build_model_card"]

@@ -16,7 +16,7 @@ from parallel_latent.checkpoint import CheckpointError
 from parallel_latent.coordination import barrier, broadcast_value, is_main, main_first
 from parallel_latent.errors import first_line
 
-from .layout import CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, read_pretrained_config
+from .directory import CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, read_pretrained_config
 from .save import save_pretrained
 
 __all__ = ["hub_repo_id", "pretrained_directory", "push_directory_to_hub", "push_to_hub"]

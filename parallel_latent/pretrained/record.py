@@ -11,7 +11,7 @@ from pathlib import Path
 from parallel_latent.checkpoint import PortableCheckpoint
 from parallel_latent.files import read_jsonl
 
-from .layout import read_pretrained_config
+from .directory import read_pretrained_config
 
 __all__ = [
     "BUNDLED_CORPUS",

@@ -1,4 +1,4 @@
-"""``save_pretrained``: an autoencoder written as a pretrained directory (:mod:`.layout`), from any TP
+"""``save_pretrained``: an autoencoder written as a pretrained directory (:mod:`.directory`), from any TP
 degree. The weights go through the checkpoint package's public functions (``save_portable`` from
 any TP degree, then ``consolidate``), so loading at any TP degree is the portable loader's.
 """
@@ -22,7 +22,7 @@ from parallel_latent.errors import first_line
 from parallel_latent.model.tokenizer import tokenizer_facts
 
 from .card import build_model_card
-from .layout import CARD_FILE, CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, PRETRAINED_FORMAT_VERSION
+from .directory import CARD_FILE, CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, PRETRAINED_FORMAT_VERSION
 from .record import TrainingRecord, training_record
 
 __all__ = ["save_pretrained"]
@@ -49,7 +49,7 @@ def save_pretrained(
     autoencoder, directory: str | Path, *, record: TrainingRecord | None = None, repo_id: str | None = None
 ) -> Path:
     """Write ``autoencoder`` (a :class:`parallel_latent.api.TextAutoencoder`) as a pretrained
-    directory (see :mod:`.layout`); ``record`` defaults to what its source checkpoint says, and the
+    directory (see :mod:`.directory`); ``record`` defaults to what its source checkpoint says, and the
     latents' statistics recorded are the autoencoder's (``latent_stats``).
 
     Under a process group it is collective: every rank calls it (each TP rank contributes its

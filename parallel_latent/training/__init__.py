@@ -7,7 +7,7 @@ checkpoint.
   checkpoint to resume, the engine); :mod:`.preflight`: :func:`~.preflight.preflight`, the checks that
   build nothing (``train --nproc`` runs them before it launches a rank, without transformers or
   DeepSpeed);
-- :mod:`.engine`: the DeepSpeed config, optimizer, schedule and ``deepspeed.initialize``;
+- :mod:`.engine_setup`: the DeepSpeed config, optimizer, schedule and ``deepspeed.initialize``;
 - the periodic held-out evaluation that the trainer runs is :mod:`parallel_latent.evaluation.periodic`;
 - :mod:`.metrics`, :mod:`.flops`, :mod:`.report`: metric sinks and records, FLOPs and MFU, the
   banner and the summary;

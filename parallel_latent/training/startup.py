@@ -39,7 +39,7 @@ from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenize
 from parallel_latent.model.weight_files import check_decoder_files
 from parallel_latent.parallel import ParallelState
 
-from .engine import EngineBundle, dump_deepspeed_config, initialize_engine
+from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine
 from .preflight import checkpoint_to_resume, planned_resume, preflight, require_same_model, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from .watchdog import Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure

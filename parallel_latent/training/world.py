@@ -2,7 +2,7 @@
 batch a config asks for, whether a config can run on so many processes (and so many per node), and
 how a checkpoint's global batch is kept when a run resumes on another data-parallel size. Checked
 before a launch (``parallel-latent train --nproc``) and at start-up (:mod:`parallel_latent.training.startup`);
-the DeepSpeed config takes its batch sizes from here (:mod:`parallel_latent.training.engine`)."""
+the DeepSpeed config takes its batch sizes from here (:mod:`parallel_latent.training.engine_setup`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 - :mod:`.engine`: ``deepspeed.initialize`` with those patches, its logs, the ZeRO-3 registration of
   parameters a module borrows from another, the non-finite guard of the bare stage-0 optimizer;
 - :mod:`.params`: ZeRO parameter access (gather, write a parameter, fp32 master weights, Adam's moments);
-- :mod:`.files`: DeepSpeed's checkpoint files (the weights-only load, the write that keeps the OS's
+- :mod:`.checkpoint_files`: DeepSpeed's checkpoint files (the weights-only load, the write that keeps the OS's
   reason, the readers of its model and optimizer states of every ZeRO stage).
 
 No module imports DeepSpeed at module level: the command line and the launcher's checks import this

@@ -3,7 +3,7 @@ warnings, the ZeRO-3 registration of parameters a module reads but does not own,
 guard for the one layout where the engine hands a bare torch optimizer the gradients.
 
 What the engine is given (the DeepSpeed config derived from our YAML, the optimizer, the schedule)
-is the trainer's: :mod:`parallel_latent.training.engine`.
+is the trainer's: :mod:`parallel_latent.training.engine_setup`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class NonFiniteGuard:
     not finite.
 
     Used only where DeepSpeed hands the bare optimizer the gradients (ZeRO stage 0 in fp32, see
-    :func:`parallel_latent.training.engine.uses_stage0_guard`).  The norm is DeepSpeed's
+    :func:`parallel_latent.training.engine_setup.uses_stage0_guard`).  The norm is DeepSpeed's
     ``clip_grad_norm_`` with our mpu, so a replicated parameter is counted once per tensor-parallel
     group (its ``tensor_model_parallel`` flag) and split ones once per slice, exactly as ZeRO does.
     The engine reads whether it skipped (gradients are zeroed, the schedule does not advance,

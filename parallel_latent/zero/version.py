@@ -2,7 +2,7 @@
 ``pyproject.toml`` pins) and the one gate every part of it goes through.
 
 Every use of DeepSpeed's private classes, methods and checkpoint keys (:mod:`.patches`,
-:mod:`.params`, :mod:`.files`) was written against these releases. What only speeds DeepSpeed up
+:mod:`.params`, :mod:`.checkpoint_files`) was written against these releases. What only speeds DeepSpeed up
 asks :func:`usable` (outside the range: one warning, DeepSpeed's own code runs); what safety depends
 on (the checkpoint engine's patches, DeepSpeed's private checkpoint keys) asks
 :func:`require_supported_deepspeed` (outside the range: one line, exit status 2), which the job runs

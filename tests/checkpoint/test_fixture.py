@@ -46,7 +46,7 @@ def portable_task(tp: int, path: str):
 def training_task(tp: int, checkpoints: str):
     from parallel_latent.model import build_model
     from parallel_latent.parallel import initialize_model_parallel
-    from parallel_latent.training.engine import initialize_engine
+    from parallel_latent.training.engine_setup import initialize_engine
 
     cfg = fixture_config("normal")
     cfg.parallel.tensor_parallel = tp

@@ -70,7 +70,7 @@ def sgd_engine(model: LatentAutoencoder, tp: int, zero_stage: int, lr: float):
     half of the tiny batch; at ZeRO-3 every parameter partitioned (DeepSpeed keeps those of up to 1e5
     elements whole once gathered otherwise)."""
     from parallel_latent.config import Config, OptimizerConfig, ParallelConfig, ScheduleConfig, TrainingConfig
-    from parallel_latent.training.engine import initialize_engine
+    from parallel_latent.training.engine_setup import initialize_engine
 
     cfg = Config(
         model=model.model_cfg,

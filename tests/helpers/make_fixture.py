@@ -82,7 +82,7 @@ def fixture_batch() -> tuple[torch.Tensor, torch.Tensor]:
 def train(head: str):
     from parallel_latent.model import build_model
     from parallel_latent.parallel import initialize_model_parallel
-    from parallel_latent.training.engine import initialize_engine
+    from parallel_latent.training.engine_setup import initialize_engine
 
     cfg = fixture_config(head)
     state = initialize_model_parallel(cfg.parallel.tensor_parallel)

@@ -245,7 +245,7 @@ def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencode
     """configs/tiny.yaml's model shape and optimizer (one block a side, dropout 0, init_std 0.1,
     AdamW at 2.5e-3, clip 1) at ``width``, trained ``steps`` steps on random full rows; returns it and
     the per-position accuracy [T] on 256 other rows."""
-    from parallel_latent.training.engine import parameter_groups
+    from parallel_latent.training.engine_setup import parameter_groups
 
     model_cfg, feature_cfg = tiny_configs(
         dropout=0.0, d_model=width, init_std=0.1, n_encoder_layers=1, n_decoder_layers=1

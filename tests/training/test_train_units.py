@@ -14,7 +14,7 @@ import torch
 
 from parallel_latent.config import ConfigError, config_from_dict, load_config
 from parallel_latent.files import read_jsonl
-from parallel_latent.training.engine import (
+from parallel_latent.training.engine_setup import (
     build_optimizer,
     deepspeed_config,
     lr_factor,
@@ -75,7 +75,7 @@ def test_clipping_goes_to_deepspeed_except_at_stage0_fp32_where_our_guard_clips(
 def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ranks(data_parallel, monkeypatch):
     """On a GPU under bf16: the data-parallel reduction in fp32 unless asked for bf16; ZeRO's overlap
     (which synchronises the device at the end of every backward) only when there is a reduction."""
-    import parallel_latent.training.engine as engine
+    import parallel_latent.training.engine_setup as engine
 
     monkeypatch.setattr(engine, "resolve_device", lambda cfg, *args, **kwargs: "cuda")
     bf16 = {"precision": "bf16", "micro_batch_size": 2}

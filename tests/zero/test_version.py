@@ -15,7 +15,7 @@ import parallel_latent.zero.version as zero_version
 from parallel_latent.cli import main
 from parallel_latent.errors import ExitStatus, exit_status
 from parallel_latent.zero import patches
-from parallel_latent.zero.files import safe_torch_load
+from parallel_latent.zero.checkpoint_files import safe_torch_load
 from parallel_latent.zero.params import gathered
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 

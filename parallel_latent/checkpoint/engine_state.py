@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.coordination import broadcast_value, is_main
-from parallel_latent.zero.files import weights_only_loading
+from parallel_latent.zero.checkpoint_files import weights_only_loading
 from parallel_latent.zero.params import base_optimizer
 
 from . import layout
