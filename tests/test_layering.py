@@ -332,12 +332,16 @@ def test_every_module_reads_in_a_sitting():
             ("_attn_implementation", "pytorch_utils", "rotary_emb", "split_size", "position_embeddings="),
             "model/transformers_api.py",
         ),
+        (
+            ("snapshot_download", "try_to_load_from_cache", "HfApi", "validate_repo_id", "HF_ENDPOINT"),
+            "model/hub.py",
+        ),
     ],
 )
 def test_each_delicate_dependency_is_touched_in_one_module(names, home):
     """One exclusive lock; every use of DeepSpeed's private API where its version range is checked;
     DeepSpeed's private checkpoint keys and ZeRO's parameter attributes in DeepSpeed's room;
-    transformers' internals where its version range is checked."""
+    transformers' internals where its version range is checked; the Hugging Face hub reached from one module."""
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).is_relative_to(home):
             continue

@@ -23,9 +23,10 @@ from parallel_latent.config import Config, ConfigError, FeatureModelConfig
 from parallel_latent.parallel import group_size
 
 from .families import FAMILIES, Family, family_of, held_layers, load_config
+from .hub import from_directory_or_hub
 from .packaged import local_decoder
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
-from .tokenizer import OFFLINE, from_directory_or_hub
+from .tokenizer import OFFLINE
 from .transformers_api import require_supported_transformers, use_sdpa
 
 logger = logging.getLogger(__name__)

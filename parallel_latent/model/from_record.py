@@ -24,10 +24,10 @@ from parallel_latent.errors import BadInput, CheckpointError
 
 from .families import SHAPE_RECORDED
 from .features import decoder_signature
+from .hub import from_directory_or_hub
 from .tokenizer import (
     OFFLINE,
     TOKENIZER_CONFIG_FILE,
-    from_directory_or_hub,
     load_saved_tokenizer,
     load_tokenizer,
     tokenizer_facts,

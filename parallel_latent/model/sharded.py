@@ -44,6 +44,7 @@ from parallel_latent.parallel.projection import Projection, column_parallel_proj
 from parallel_latent.parallel.utils import partition_ranges, set_tensor_parallel_attributes
 
 from .families import COLUMN, Family
+from .hub import cached_snapshot
 from .packaged import local_decoder
 from .transformers_api import Conv1D, rebuild_rotary
 
@@ -179,14 +180,9 @@ def _weights_directory(name_or_path: str) -> Path:
         return Path(name_or_path)
     where = f"feature_model.name_or_path={name_or_path}: {SHARD} reads the weights slice by slice from local "
     where += "safetensors files"
-    try:
-        from huggingface_hub import snapshot_download
-
-        snapshot = Path(snapshot_download(name_or_path, local_files_only=True))
-    except Exception:  # not cached (or not a hub name): the one line below says what to do
-        raise ConfigError(
-            f"{where}, and it is neither a local directory nor in the hub cache: download it first"
-        ) from None
+    snapshot = cached_snapshot(name_or_path)
+    if snapshot is None:
+        raise ConfigError(f"{where}, and it is neither a local directory nor in the hub cache: download it first")
     if not any((snapshot / name).is_file() for name in (WEIGHTS_FILE, WEIGHTS_INDEX)):
         raise ConfigError(
             f"{where}, and its snapshot in the hub cache ({snapshot}) holds no {WEIGHTS_FILE} (or {WEIGHTS_INDEX}): "

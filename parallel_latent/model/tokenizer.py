@@ -15,16 +15,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
-import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
 
 from parallel_latent.config import Config, ConfigError, TokenizerConfig
-from parallel_latent.errors import BadInput, first_line
+from parallel_latent.errors import BadInput
 
+from .hub import from_directory_or_hub
 from .packaged import local_decoder
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "PAD_TOKEN",
     "TOKENIZER_CONFIG_FILE",
     "apply_tokenizer_facts",
-    "from_directory_or_hub",
     "gpt2_bpe_files",
     "load_saved_tokenizer",
     "load_tokenizer",
@@ -45,25 +43,6 @@ PAD_TOKEN = "<|pad|>"
 OFFLINE = "offline"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # what save_pretrained writes beside tokenizer.json
 GPT2_MAX_POSITIONS = 1024
-Loaded = TypeVar("Loaded")
-
-
-def from_directory_or_hub(
-    load: Callable[[], Loaded], name: str, where: str, what: str, error_type: type[BadInput] = ConfigError
-) -> Loaded:
-    """``load()``: transformers reading files of ``name`` (a local directory or a hub name). Its ways
-    of saying it cannot (a name that is no directory and that neither the hub nor, offline, the hub
-    cache has; files that do not parse) are one line: ``where`` (the key and the name), ``what`` (what
-    did not load) and transformers' first line, instead of its multi-line traceback."""
-    try:
-        return load()
-    except BadInput:
-        raise
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        reason = first_line(error)
-        if not os.path.isdir(name):
-            reason = f"no such directory, and as a hub name: {reason}"
-        raise error_type(f"{where}: {what}: {reason}") from None
 
 
 def gpt2_bpe_files() -> tuple[Path, Path]:

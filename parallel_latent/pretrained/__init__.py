@@ -5,14 +5,14 @@
 - :mod:`.record`: how the weights were trained (config, steps, held-out evaluation);
 - :mod:`.card`: the model card;
 - :mod:`.save`: ``save_pretrained`` from any TP degree;
-- :mod:`.hub`: a directory by path or hub repository id, and pushing one.
+- :mod:`.sharing`: a directory by path or hub repository id, and pushing one.
 """
 
 from .card import build_model_card
 from .directory import CARD_FILE, CONFIG_FILE, PRETRAINED_FORMAT, PRETRAINED_FORMAT_VERSION, read_pretrained_config
-from .hub import hub_repo_id, pretrained_directory, push_directory_to_hub, push_to_hub
 from .record import BUNDLED_CORPUS, LATENT_METRICS, METRICS, TrainingRecord, latent_figures, training_record
 from .save import save_pretrained
+from .sharing import hub_repo_id, pretrained_directory, push_directory_to_hub, push_to_hub
 
 __all__ = [
     "BUNDLED_CORPUS",

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
+from ..hub import from_directory_or_hub
 from ..packaged import local_decoder
-from ..tokenizer import from_directory_or_hub
 from .family import COLUMN, ROW, Family
 from .gpt2 import GPT2
 from .gpt_neox import GPTNeoX
