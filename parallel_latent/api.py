@@ -40,7 +40,6 @@ from parallel_latent.evaluation.latent_space import LatentStats
 from parallel_latent.evaluation.records import detokenize
 from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.launching.rendezvous import join_job
-from parallel_latent.launching.reports import report_hang
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
 from parallel_latent.model.features import random_features_unannounced
@@ -312,7 +311,7 @@ def encode_corpus(
             return None
         return Watchdog(
             Progress(), directory, state.rank, state.world_size, training.hang_timeout_s, training.hang_long_phase_s,
-            directory / "stacks", report=report_hang, active=dist.is_initialized,
+            directory / "stacks", active=dist.is_initialized,
         ).start()  # fmt: skip
 
     return export_latents(autoencoder, plan, out, progress=progress, watch=watch)

@@ -81,8 +81,8 @@ def accept_job(cfg, args: argparse.Namespace):
         with bounded_phase("acceptance", watched, "training.hang_long_phase_s", undo):
             from parallel_latent.training.preflight import preflight
 
-            preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
-            _check_local_devices(cfg, args.nproc)
+            device = preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+            _check_local_devices(device, args.nproc)
             if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
                 from parallel_latent.model.weight_files import check_decoder_files
 
@@ -173,13 +173,12 @@ def report_rank_failure(error: Exception, status: ExitStatus) -> int:
     return report_failure(error, status)
 
 
-def _check_local_devices(cfg, nproc: int) -> None:
-    """``--nproc N`` on a GPU host needs N GPUs: refused here, before any worker starts, instead of
-    NCCL's "Duplicate GPU detected" after the whole start-up."""
+def _check_local_devices(device: str, nproc: int) -> None:
+    """``--nproc N`` on a GPU host (``device``: preflight's answer) needs N GPUs: refused here, before
+    any worker starts, instead of NCCL's "Duplicate GPU detected" after the whole start-up."""
     from parallel_latent.parallel.state import check_processes_fit_devices
-    from parallel_latent.training.preflight import resolve_device
 
-    if resolve_device(cfg) == "cuda":
+    if device == "cuda":
         import torch
 
         check_processes_fit_devices(nproc, torch.cuda.device_count())

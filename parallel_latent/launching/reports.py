@@ -8,7 +8,8 @@
   and exits with that rank's status (2 bad input, 3 non-finite, 4 a failed save, 5 a stalled rank
   found by the hang watchdog, 1 anything else) instead of torchrun's ``ChildFailedError`` report;
 - a restarted job says first which restart it is and how the attempt before it ended
-  (:func:`restart_line`); the hang watchdog says why it ends a rank (:func:`report_hang`).
+  (:func:`restart_line`); the hang watchdog (:mod:`parallel_latent.training.watchdog`) says why it
+  ends a rank through the same error file (:func:`write_error_file`).
 
 Under another launcher (torchrun, deepspeed, srun) the launcher's behaviour stays, and every failing
 rank writes the error file whose reason torchrun's report shows as the root cause. An unexpected
@@ -43,8 +44,8 @@ __all__ = [
     "error_file_record",
     "failure_lines",
     "report_failure",
-    "report_hang",
     "restart_line",
+    "write_error_file",
 ]
 
 
@@ -53,7 +54,7 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 
 
-def _write_error_file(reason: str, details: str, exit_code: int, origin: int | None = None) -> None:
+def write_error_file(reason: str, details: str, exit_code: int, origin: int | None = None) -> None:
     """torchrun's error file (the format of ``ErrorHandler.record_exception``, which its
     ``ChildFailedError`` report shows) plus our record: the reason, the exit status, the exact time,
     and the rank the failure comes from when that is another rank (:class:`PeerFailure`)."""
@@ -92,7 +93,7 @@ def report_failure(error: BaseException, exit_code: int) -> int:
     else:
         reason = one_line(error)
     details = traceback.format_exc() if exit_code == ExitStatus.FAILURE else reason
-    _write_error_file(reason, details, exit_code, origin)
+    write_error_file(reason, details, exit_code, origin)
     log_dir = os.environ.get(WORKER_LOGS_ENV)
     if log_dir and "RANK" in os.environ:  # started by train --nproc: the agent says it, once
         if exit_code == ExitStatus.FAILURE:
@@ -125,17 +126,6 @@ def restart_line(before: str | None, resume_step: int | None, env=None) -> str |
     what = before or "the attempt before left no record of how it ended"
     where = f"resuming from step {resume_step}" if resume_step is not None else "no checkpoint yet: starting afresh"
     return f"{head}: {what}; {where}"
-
-
-def report_hang(line: str, detected_here: bool) -> None:
-    """Say that the hang watchdog ends this rank (from its thread, before ``os._exit``): the error
-    file for the launcher on every rank; on the terminal, the rank that found the stall says it (the
-    stalled rank may be rank 0), unless the agent of ``train --nproc`` says it once for all."""
-    _write_error_file(line, line, ExitStatus.HANG)
-    under_agent = os.environ.get(WORKER_LOGS_ENV) and "RANK" in os.environ
-    if detected_here and not under_agent:
-        print(error_line(line), file=sys.stderr, flush=True)
-    sys.stdout.flush()
 
 
 # --------------------------------------------------------------------------- #

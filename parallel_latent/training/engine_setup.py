@@ -80,8 +80,9 @@ def merge_overrides(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None) -> dict:
-    """The DeepSpeed config dict for ``cfg`` on ``world_size`` processes.
+def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None, device: str | None = None) -> dict:
+    """The DeepSpeed config dict for ``cfg`` on ``world_size`` processes of ``device`` kind (start-up
+    resolves it once; None: :func:`.preflight.resolve_device` of ``cfg``).
 
     Batch sizes: DeepSpeed checks ``train_batch_size == micro * grad_accum * dp`` itself, where
     dp is the mpu's data-parallel size, so the value must be the global batch over data-parallel
@@ -116,7 +117,7 @@ def deepspeed_config(cfg: Config, world_size: int, overrides: dict | None = None
         # adds copies.
         overlap = parallel.zero_overlap_comm == "on" or (
             parallel.zero_overlap_comm == "auto"
-            and resolve_device(cfg, check_precision=False) == "cuda"
+            and (device or resolve_device(cfg, check_precision=False)) == "cuda"
             and data_parallel > 1
         )
         config["zero_optimization"].update(
@@ -220,16 +221,17 @@ class EngineBundle:
 
 
 def initialize_engine(
-    model: torch.nn.Module, cfg: Config, world_size: int, overrides: dict | None = None, mpu=None
+    model: torch.nn.Module, cfg: Config, world_size: int, overrides: dict | None = None, mpu=None, device=None
 ) -> EngineBundle:
     """``deepspeed.initialize`` with the trainable parameters only, our AdamW and schedule, the
     config derived from ``cfg`` and the tensor/data-parallel ``mpu``
     (:func:`parallel_latent.zero.engine.initialize`).
 
     Process groups must exist first (:func:`parallel_latent.parallel.init_distributed`):
-    DeepSpeed then adopts the default group instead of creating its own.
+    DeepSpeed then adopts the default group instead of creating its own. ``device``: the kind
+    start-up resolved (None: resolved here from ``cfg``).
     """
-    device = resolve_device(cfg)
+    device = device or resolve_device(cfg)
     mpu = mpu or ModelParallelUnit()
     if cfg.training.precision == "fp64":
         model.double()  # DeepSpeed leaves the dtype of an fp32-configured model as it finds it
@@ -240,7 +242,7 @@ def initialize_engine(
     )
     optimizer = build_optimizer(trainable, cfg, device, mpu)
     scheduler = build_lr_scheduler(optimizer, cfg)
-    ds_config = deepspeed_config(cfg, world_size, overrides)
+    ds_config = deepspeed_config(cfg, world_size, overrides, device)
     bulk = cfg.parallel.zero_gradients == "bulk"
     engine, ds_optimizer, ds_scheduler = initialize(
         model, trainable, optimizer, scheduler, ds_config, mpu, device=device, bulk_gradients=bulk

@@ -55,14 +55,15 @@ def preflight(
     source: str = "<config>",
     processes_per_node: int | None = None,
     read_checkpoint_whole: bool = True,
-) -> None:
+) -> str:
     """Everything about ``cfg`` that can be checked without building anything: the world size
     against TP and the batch sizes, the device, the data path, the checkpoint to resume (read whole,
     unless ``read_checkpoint_whole`` is False: the ranks of a job whose launcher read it).
-    Raises ConfigError / DataError with one line; writes nothing."""
+    Raises ConfigError / DataError with one line; writes nothing. Returns the device kind
+    (:func:`resolve_device`), which start-up then hands on instead of resolving it again."""
     require_supported_deepspeed()  # before any work: checkpoints patch DeepSpeed's checkpoint engine
     validate_world(cfg, world_size, source, processes_per_node)
-    resolve_device(cfg, source)
+    device = resolve_device(cfg, source)
     check_source(cfg.data)  # DataError if missing or empty; the contents are checked when prepared
     run_dir = Path(cfg.logging.run_dir)
     blocking = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
@@ -90,6 +91,7 @@ def preflight(
     require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
     planned_resume(cfg, world_size, resume_path)
     require_room_for_a_checkpoint(cfg, resume_path, source)
+    return device
 
 
 def checkpoint_to_resume(cfg: Config, contents: bool = True) -> Path | None:

@@ -30,7 +30,7 @@ from parallel_latent.data import build_datasets
 from parallel_latent.errors import CheckpointError
 from parallel_latent.launching.cluster import launcher_environment
 from parallel_latent.launching.rendezvous import StartupTimeout, join_job
-from parallel_latent.launching.reports import report_hang, restart_line
+from parallel_latent.launching.reports import restart_line
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model, eval_mode
 from parallel_latent.model.features import check_feature_model, random_features_unannounced
@@ -40,7 +40,7 @@ from parallel_latent.model.weight_files import check_decoder_files
 from parallel_latent.parallel import ParallelState
 
 from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine
-from .preflight import checkpoint_to_resume, planned_resume, preflight, require_same_model, resolve_device
+from .preflight import checkpoint_to_resume, planned_resume, preflight, require_same_model
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from .watchdog import Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
 
@@ -190,7 +190,7 @@ def start_watchdog(cfg: Config, state: ParallelState, progress: Progress) -> Wat
     stacks = Path(launch_logs) if launch_logs else run_dir / "logs" / time.strftime("stacks-%Y%m%d-%H%M%S")
     watchdog = Watchdog(
         progress, run_dir, state.rank, state.world_size, training.hang_timeout_s, training.hang_long_phase_s,
-        stacks, report=report_hang, active=dist.is_initialized,
+        stacks, active=dist.is_initialized,
     )  # fmt: skip
     return watchdog.start()
 
@@ -224,6 +224,7 @@ class Accepted:
     train_set: Any
     eval_set: Any
     bundle: EngineBundle
+    device_kind: str  # preflight's, resolved once
 
 
 def start_run(
@@ -239,7 +240,9 @@ def start_run(
     # Every rank checks alike (no process group yet to share a verdict); the launcher's acceptance
     # read the checkpoint whole already, which N ranks need not each do again.
     accepted = accepted_by_launcher(Path(cfg.logging.run_dir))
-    preflight(cfg, launcher["world_size"], source, launcher["local_world_size"], read_checkpoint_whole=not accepted)
+    device = preflight(
+        cfg, launcher["world_size"], source, launcher["local_world_size"], read_checkpoint_whole=not accepted
+    )
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
     try:
@@ -252,7 +255,7 @@ def start_run(
     run_dir_existed = run_dir.exists()
     run_lock = take_run_directory(run_dir, wait_for_lock_s)
     try:
-        accepted = _accept(cfg, deepspeed_overrides, source, state)
+        accepted = _accept(cfg, deepspeed_overrides, source, state, device)
         return _commit(accepted, source, state, started, run_lock)
     except BaseException:
         if run_lock is not None:
@@ -275,7 +278,7 @@ def require_same_decoder(cfg: Config, path: Path | None) -> None:
         raise CheckpointError(f"{path}: config mismatch: {problem}")
 
 
-def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
+def _accept(cfg, deepspeed_overrides, source, state, device: str) -> Accepted:
     """Every check of the job and what it is built of: the tokenizer, the checkpoint to resume and
     whether it is this model, the data, the model and the engine. Writes nothing in the run
     directory (the data's prepared copy goes to its cache)."""
@@ -293,10 +296,10 @@ def _accept(cfg, deepspeed_overrides, source, state) -> Accepted:
     cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)
-    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides)
+    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides, device=device)
     if resume_path is None:  # a resume reads the statistics from its checkpoint
         measure_feature_norm(bundle.engine.module, cfg, train_set, state)
-    return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle)
+    return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle, device)
 
 
 def _commit(accepted: Accepted, source: str, state, started: float, run_lock: RunLock | None) -> Run:
@@ -321,7 +324,7 @@ def _commit(accepted: Accepted, source: str, state, started: float, run_lock: Ru
     progress = Progress()
     run = Run(
         cfg, source, state, accepted.tokenizer, accepted.facts, resume_path, accepted.batch_note,
-        accepted.train_set, accepted.eval_set, accepted.bundle, resolve_device(cfg), started, progress,
+        accepted.train_set, accepted.eval_set, accepted.bundle, accepted.device_kind, started, progress,
         start_watchdog(cfg, state, progress), run_lock,
     )  # fmt: skip
     return run

@@ -42,6 +42,8 @@ from pathlib import Path
 
 from parallel_latent.errors import ExitStatus, error_line
 from parallel_latent.files import replace_file
+from parallel_latent.launching.reports import write_error_file
+from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 
 __all__ = [
     "LONG_PHASES",
@@ -205,6 +207,17 @@ def _number(value: object) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
+def report_hang(line: str, detected_here: bool) -> None:
+    """Say that the hang watchdog ends this rank (from its thread, before ``os._exit``): the error
+    file for the launcher on every rank; on the terminal, the rank that found the stall says it (the
+    stalled rank may be rank 0), unless the agent of ``train --nproc`` says it once for all."""
+    write_error_file(line, line, ExitStatus.HANG)
+    under_agent = os.environ.get(WORKER_LOGS_ENV) and "RANK" in os.environ
+    if detected_here and not under_agent:
+        print(error_line(line), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+
+
 class Watchdog:
     """This rank's reporter, and on the first and last rank the watcher (see the module).
 
@@ -222,7 +235,7 @@ class Watchdog:
         hang_timeout_s: float,
         hang_long_phase_s: float,
         stacks_dir: Path,
-        report: Callable[[str, bool], None],
+        report: Callable[[str, bool], None] = report_hang,
         exit: Callable[[int], None] = os._exit,
         active: Callable[[], bool] = lambda: True,
     ) -> None:

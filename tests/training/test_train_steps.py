@@ -94,3 +94,31 @@ def test_a_training_step_builds_nothing_from_python_data_and_copies_only_the_bat
     assert ours == [], f"tensors built from Python data inside a step: {ours}"
     batch = (trainer.micro_batch, trainer.cfg.model.max_length)
     assert transfers == [("trainer.py", True, batch)] * 4  # ids and mask of 2 micro-batches, non-blocking
+
+
+def test_start_up_resolves_the_device_once(tmp_path, monkeypatch):
+    """Preflight resolves training.device; the engine, its DeepSpeed config and the run take that
+    answer instead of asking again."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    import parallel_latent.training.engine_setup as engine_setup
+    import parallel_latent.training.preflight as preflight
+    from parallel_latent.config import load_config
+    from parallel_latent.parallel import destroy_distributed
+    from parallel_latent.training.startup import start_run
+
+    calls = []
+    resolve = preflight.resolve_device
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return resolve(*args, **kwargs)
+
+    for module in (preflight, engine_setup):
+        monkeypatch.setattr(module, "resolve_device", counted)
+    overrides = [*TINY, "parallel.tensor_parallel=1", f"logging.run_dir={tmp_path / 'run'}", "training.max_steps=1"]
+    run = start_run(load_config(TINY_CONFIG, overrides))
+    try:
+        assert run.device_kind == "cpu" and len(calls) == 1, calls
+    finally:
+        run.release()
+        destroy_distributed()

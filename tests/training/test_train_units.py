@@ -72,19 +72,18 @@ def test_clipping_goes_to_deepspeed_except_at_stage0_fp32_where_our_guard_clips(
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
-def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ranks(data_parallel, monkeypatch):
+def test_bf16_reduces_gradients_in_fp32_and_overlaps_only_with_data_parallel_ranks(data_parallel):
     """On a GPU under bf16: the data-parallel reduction in fp32 unless asked for bf16; ZeRO's overlap
     (which synchronises the device at the end of every backward) only when there is a reduction."""
-    import parallel_latent.training.engine_setup as engine
-
-    monkeypatch.setattr(engine, "resolve_device", lambda cfg, *args, **kwargs: "cuda")
     bf16 = {"precision": "bf16", "micro_batch_size": 2}
-    ds = deepspeed_config(cfg_with(training=bf16), world_size=data_parallel)
+    ds = deepspeed_config(cfg_with(training=bf16), world_size=data_parallel, device="cuda")
     assert ds["communication_data_type"] == "fp32"
     assert ds["zero_optimization"]["overlap_comm"] is (data_parallel > 1)
-    halved = deepspeed_config(cfg_with(training=bf16, parallel={"grad_reduce_dtype": "bf16"}), data_parallel)
+    halved = deepspeed_config(
+        cfg_with(training=bf16, parallel={"grad_reduce_dtype": "bf16"}), data_parallel, device="cuda"
+    )
     assert halved["communication_data_type"] == "bf16"
-    fp32 = deepspeed_config(cfg_with(), world_size=data_parallel)
+    fp32 = deepspeed_config(cfg_with(), world_size=data_parallel, device="cuda")
     assert "communication_data_type" not in fp32  # DeepSpeed's default is the training dtype: fp32
 
 
