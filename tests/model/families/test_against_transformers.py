@@ -20,9 +20,16 @@ from tests.helpers.tp_compare import order_bound, terms_scale
 VOCAB, LAYERS, HEADS, KV_HEADS, WIDTH, POSITIONS, LENGTH, TP = 300, 4, 4, 2, 32, 64, 12, 2
 INDICES = (1, -3, -1)
 VARIANTS = [(family.name, model_type) for family in FAMILIES.values() for model_type in family.model_types]
+# Config options that change a family's computation and that its layers (transformers' own) carry out.
+OPTIONS = {
+    "gpt2": {"scale_attn_by_inverse_layer_idx": True, "reorder_and_upcast_attn": True, "n_inner": 48},
+    "gpt_neox": {"use_parallel_residual": False, "rotary_pct": 0.5, "attention_bias": False},
+    "llama": {"attention_bias": True, "mlp_bias": True, "head_dim": 16},
+}
+CASES = [(name, model_type, {}) for name, model_type in VARIANTS] + [(name, name, OPTIONS[name]) for name in FAMILIES]
 
 
-def save_variant(directory, family_name: str, model_type: str):
+def save_variant(directory, family_name: str, model_type: str, options: dict):
     """A random base decoder of ``model_type`` in ``family_name``'s shape keys, saved with safetensors.
     A model type other than the family's own takes the family's config keys (transformers' defaults
     for the rest: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's window)."""
@@ -79,12 +86,17 @@ def against_transformers_task(tp: int, directory: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("variants")
-    return {model_type: str(save_variant(root / model_type, name, model_type)) for name, model_type in VARIANTS}
+    return {
+        (model_type, bool(options)): str(save_variant(root / f"{model_type}-{len(options)}", name, model_type, options))
+        for name, model_type, options in CASES
+    }
 
 
-@pytest.mark.parametrize(("family", "model_type"), VARIANTS)
-def test_features_replicated_and_sharded_are_transformers_hidden_states(pool4, saved, family, model_type):
-    for rank, rows in enumerate(pool4.run(against_transformers_task, TP, saved[model_type])):
+@pytest.mark.parametrize(
+    ("family", "model_type", "options"), CASES, ids=[f"{t}{'-options' if o else ''}" for _, t, o in CASES]
+)
+def test_features_replicated_and_sharded_are_transformers_hidden_states(pool4, saved, family, model_type, options):
+    for rank, rows in enumerate(pool4.run(against_transformers_task, TP, saved[model_type, bool(options)])):
         assert [row["sharded"] for row in rows] == [False, True] * len(INDICES), f"{model_type}: layouts"
         for row in rows:
             where = f"{family} ({model_type}) rank {rank}, {row['where']}"
