@@ -20,8 +20,8 @@
 
 Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
 min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides.
-Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
-       python benchmarks/bench_model.py --quick     # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
+       python -m benchmarks.bench_model --quick     # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
@@ -34,11 +34,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.harness import (
+    GPT2,
+    Report,
+    add_common_arguments,
+    add_repeat_arguments,
+    interleaved,
+    peak_extra_bytes,
+    run,
+)
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_decoder
-
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -219,8 +226,6 @@ def model_vs_plain(args, report: Report) -> None:
 
 
 def features_vs_full(args, report: Report) -> None:
-    from tests.helpers.tp_compare import gpt2_reduction_length, order_bound, terms_scale
-
     cfg = FeatureModelConfig(n_layer=args.feature_layers_full, n_head=12, n_embd=args.feature_width)
     torch.manual_seed(0)
     full = load_decoder(cfg, GPT2_VOCAB).decoder.eval()  # a random build is whole: not cut
@@ -229,12 +234,8 @@ def features_vs_full(args, report: Report) -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50257, (args.feature_batch, args.seq), generator=gen)
     mask = torch.ones_like(ids)
-    with torch.no_grad():
-        want = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
-        # The same function (the fused tanh GELU, causal attention without a mask): equal up to rounding.
-        n = gpt2_reduction_length(cfg.n_embd, cfg.n_head, args.seq, cfg.n_layer - 2)
-        bound = order_bound(n, terms_scale(want.abs().max().item(), n))
-        assert (truncated(ids, mask) - want).abs().max().item() <= bound
+    # The same function (the fused tanh GELU, causal attention without a mask), equal up to rounding:
+    # tests/model/test_features.py holds it to the bound of that rounding.
 
     def run_full():
         with torch.no_grad():
@@ -260,15 +261,15 @@ def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
     """configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape (shrunk when quick)."""
     shrink = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
               "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
-    cfg = load_config(REPO / "configs" / "gpt2.yaml", [*(shrink if quick else []), f"model.dropout={dropout}"])
+    cfg = load_config(GPT2, [*(shrink if quick else []), f"model.dropout={dropout}"])
     feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
     return LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
 
 
 def step_ops(args, report: Report) -> None:
+    from benchmarks.op_counter import OpCounter
     from parallel_latent.parallel import DropoutRNG, ParallelDropout
-    from parallel_latent.parallel.dropout import _threshold, keep_mask_core, layer_key
-    from tests.helpers.op_counter import OpCounter
+    from parallel_latent.parallel.dropout import drop_threshold, keep_mask_core, layer_key
 
     gen = torch.Generator().manual_seed(0)
     for dropout in (0.1, 0.0):
@@ -299,31 +300,10 @@ def step_ops(args, report: Report) -> None:
         site(x)
     row_index, columns = rng.indices(tuple(x.shape), (0, 0, 0), tuple(x.shape), x.device)
     with OpCounter() as hash_only:
-        keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), _threshold(0.1))
+        keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), drop_threshold(0.1))
     outside = whole.total - hash_only.total
     print(f"one dropout site: {whole.total} operators, {hash_only.total} of them the mask hash (eager, CPU)")
     report.figure("operators per dropout site outside the mask hash", outside, at_most=3)
-
-
-def _resident(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def peak_extra_bytes(fn) -> int:
-    """Peak resident memory over ``fn()`` above what was resident before (Linux: resets the high-water
-    mark through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _resident("VmRSS:")
-    fn()
-    return _resident("VmHWM:") - before
 
 
 def loss_memory(args, report: Report) -> None:

@@ -18,23 +18,29 @@
 Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
 min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides. Two
 processes timing together agree on when to stop repeating (an all-reduce of their verdicts).
-Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 16]
-       python benchmarks/bench_parallel.py --quick    # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --repeats 16]
+       python -m benchmarks.bench_parallel --quick    # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 from torch import nn
 
+from benchmarks.harness import (
+    GPT2,
+    Report,
+    add_common_arguments,
+    add_repeat_arguments,
+    interleaved,
+    on_ranks,
+    run,
+)
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
-
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
@@ -158,31 +164,14 @@ def _batch(batch: int, t: int, vocab: int):
     return torch.randint(0, vocab - 2, (batch, t), generator=gen), torch.ones(batch, t, dtype=torch.long)
 
 
-def _pool_task(rank: int, port: int, world: int, tasks, args, results) -> None:
+def _tasks(tasks: list, args) -> list:
+    """Each of ``tasks`` in turn on this rank, in one gloo group (harness.on_ranks starts the ranks once)."""
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     out = [task(args) for task in tasks]
-    if rank == 0:
-        results.put(out)
     dist.destroy_process_group()
-
-
-def _run(world: int, tasks: list, args) -> list:
-    """Each of ``tasks`` in turn, on ``world`` gloo processes started once; rank 0's results."""
-    import torch.multiprocessing as mp
-
-    from tests.helpers.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    mp.spawn(_pool_task, args=(free_port(), world, tasks, args, results), nprocs=world, join=True)
-    return results.get()
+    return out
 
 
 def _frozen_flops(args) -> list[tuple[int, float, float]]:
@@ -212,7 +201,7 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
     from parallel_latent.config import load_config
     from parallel_latent.training.flops import model_flops_per_sample
 
-    flops = model_flops_per_sample(load_config(REPO / "configs" / "gpt2.yaml"))
+    flops = model_flops_per_sample(load_config(GPT2))
     frozen, trainable = flops["frozen_forward"], flops["train"] - flops["frozen_forward"]
     for tp in (2, 4, 8):
         share = frozen / (frozen + trainable / tp)
@@ -365,7 +354,7 @@ def body(args, report: Report) -> None:
         chosen = [(name, task, show) for name, (w, task, show) in sections.items() if w == world and
                   args.only in (None, name)]  # fmt: skip
         if chosen:
-            results = _run(world, [task for _, task, _ in chosen], args)
+            results = on_ranks(world, _tasks, [task for _, task, _ in chosen], args)
             for (_, _, show), result in zip(chosen, results, strict=True):
                 show(result, args, report)
 
