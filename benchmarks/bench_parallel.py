@@ -36,21 +36,14 @@ from benchmarks.harness import (
     Report,
     add_common_arguments,
     add_repeat_arguments,
+    all_ranks_agree,
     interleaved,
     on_ranks,
     run,
 )
+from benchmarks.performance import block_activation_bytes
+from benchmarks.plain_twins import plain_mlp
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
-
-
-def plain_mlp(hidden: int, dropout: float) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(hidden, 4 * hidden),
-        nn.GELU(),
-        nn.Dropout(dropout),
-        nn.Linear(4 * hidden, hidden),
-        nn.Dropout(dropout),
-    )
 
 
 def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
@@ -59,15 +52,6 @@ def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
     start = time.perf_counter()
     module(x).sum().backward()
     return time.perf_counter() - start
-
-
-def all_ranks_agree(settled: bool) -> bool:
-    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(settled)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def tp1_overhead(args, report: Report) -> None:
@@ -84,27 +68,16 @@ def tp1_overhead(args, report: Report) -> None:
         def advance(rng=rng):
             rng.step += 1
 
-        samples = interleaved(
-            {
-                "ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
-                "plain": lambda plain=plain: step_time(plain, x),
-            },
-            args.repeats,
-            ratios=[("ours", "plain")],
-            most=args.most_repeats,
-        )
+        variants = {"ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
+                    "plain": lambda plain=plain: step_time(plain, x)}  # fmt: skip
+        samples = interleaved(variants, args.repeats, ratios=[("ours", "plain")], most=args.most_repeats)
         spread = samples.spread("ours", "plain")
         print(
             f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
             f"{samples.median('plain') * 1e3:.2f} ms"
         )
-        report.figure(
-            f"TP=1 MLP ours / nn.Sequential, dropout {dropout}",
-            spread.median,
-            "x",
-            at_most=1.02 if dropout == 0.0 else None,
-            spread=spread,
-        )
+        name, goal = f"TP=1 MLP ours / nn.Sequential, dropout {dropout}", 1.02 if dropout == 0.0 else None
+        report.figure(name, spread.median, "x", at_most=goal, spread=spread)
 
 
 def _tp2_task(args) -> dict:
@@ -216,24 +189,6 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
         )
 
 
-def _predicted_block_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: bool) -> int:
-    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor:
-    the three LayerNorms' inputs and statistics (stream, context, MLP), the region entries'
-    (gathered) inputs, q/k/v with the log-sum-exp and the key mask, the output projection's input,
-    GELU's input, the hidden dropout mask and output, the two output dropout masks (bool).
-    Sequence parallelism divides what lives between the regions (LayerNorm inputs and statistics,
-    output dropout masks) by t; the region entries keep the gathered input (Megatron all-gathers it
-    again in backward instead, which would save that too at the price of a second all-gather)."""
-    between = 1 / t if sp else 1
-    lns = 4 * b * (s + c + s) * h * between + 8 * b * (s + c + s) * between  # inputs + mean/rstd
-    entries = 4 * b * (c + s) * h + 4 * b * s * h  # attention's cat(context, stream), the MLP's input
-    attention = 4 * b * (s + 2 * (c + s)) * h / t + 4 * b * (a // t) * s + 4 * b * (c + s)  # q, k, v; lse; mask
-    projection_in = 4 * b * s * h / t
-    mlp = 4 * b * s * 4 * h / t + b * s * 4 * h / t + 4 * b * s * 4 * h / t  # GELU in, mask, dropout out
-    masks = 2 * b * s * h * between  # attention and MLP output dropout (bool)
-    return int(lns + entries + attention + projection_in + mlp + masks)
-
-
 def _saved_bytes(args) -> list[tuple]:
     from parallel_latent.config import ModelConfig
     from parallel_latent.model.perceiver import PerceiverStack
@@ -264,7 +219,7 @@ def _saved_bytes(args) -> list[tuple]:
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 stack(x, context, mask)
-            predicted = layers * _predicted_block_bytes(b, s, s, h, a, tp, sp)
+            predicted = layers * block_activation_bytes(b, s, s, h, a, tp, sp)
             rows.append((tp, sp, sum(seen.values()), predicted))
     return rows
 

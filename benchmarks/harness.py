@@ -293,6 +293,16 @@ def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argpars
     return 0
 
 
+def all_ranks_agree(settled: bool) -> bool:
+    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(settled)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 # --------------------------------------------------------------------------- #
 # Other processes: their environment, their memory, ranks and the port of their store.
 # --------------------------------------------------------------------------- #

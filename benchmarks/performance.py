@@ -304,6 +304,24 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
     return [(label, totals[label] * 1e3, counts[label]) for label in ranked]
 
 
+def block_activation_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: bool) -> int:
+    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor:
+    the three LayerNorms' inputs and statistics (stream, context, MLP), the region entries'
+    (gathered) inputs, q/k/v with the log-sum-exp and the key mask, the output projection's input,
+    GELU's input, the hidden dropout mask and output, the two output dropout masks (bool).
+    Sequence parallelism divides what lives between the regions (LayerNorm inputs and statistics,
+    output dropout masks) by t; the region entries keep the gathered input (Megatron all-gathers it
+    again in backward instead, which would save that too at the price of a second all-gather)."""
+    between = 1 / t if sp else 1
+    lns = 4 * b * (s + c + s) * h * between + 8 * b * (s + c + s) * between  # inputs + mean/rstd
+    entries = 4 * b * (c + s) * h + 4 * b * s * h  # attention's cat(context, stream), the MLP's input
+    attention = 4 * b * (s + 2 * (c + s)) * h / t + 4 * b * (a // t) * s + 4 * b * (c + s)  # q, k, v; lse; mask
+    projection_in = 4 * b * s * h / t
+    mlp = 4 * b * s * 4 * h / t + b * s * 4 * h / t + 4 * b * s * 4 * h / t  # GELU in, mask, dropout out
+    masks = 2 * b * s * h * between  # attention and MLP output dropout (bool)
+    return int(lns + entries + attention + projection_in + mlp + masks)
+
+
 # --------------------------------------------------------------------------- #
 # The frozen feature model at realistic sizes, on meta.
 # --------------------------------------------------------------------------- #
