@@ -24,8 +24,8 @@ Repeats are interleaved (portable, baseline, portable, ...) so drifting machine 
 alike; the medians are reported. Files are read from the page cache (both were just written);
 dropping the cache would need root and disturb other users of the machine.
 
-    python benchmarks/bench_checkpoint.py [--repeats 5] [--dir /tmp/x] [--json out.json]
-    python benchmarks/bench_checkpoint.py --quick     # seconds: configs/tiny.yaml's model, 2 repeats
+    python -m benchmarks.bench_checkpoint [--repeats 5] [--dir /tmp/x] [--json out.json]
+    python -m benchmarks.bench_checkpoint --quick     # seconds: configs/tiny.yaml's model, 2 repeats
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, add_common_arguments, run
 
 
 def build_model(config: str = "gpt2.yaml"):

@@ -15,9 +15,9 @@
    the first step (process start to its metrics line) and the process's peak RSS. Goals: each
    <= the bundled run's + 100 MB and + 3 s.
 
-    python benchmarks/bench_data.py                       # everything (~15-25 min on 2 cores)
-    python benchmarks/bench_data.py --lines-large 2000000 --work-dir /scratch/bench
-    python benchmarks/bench_data.py --quick               # under a minute: 5k and 10k lines, one round,
+    python -m benchmarks.bench_data                       # everything (~15-25 min on 2 cores)
+    python -m benchmarks.bench_data --lines-large 2000000 --work-dir /scratch/bench
+    python -m benchmarks.bench_data --quick               # under a minute: 5k and 10k lines, one round,
                                                           # no training start on the 5k-line corpus
 """
 
@@ -36,10 +36,17 @@ from pathlib import Path
 
 import numpy as np
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import (
+    BUNDLED,
+    REPO,
+    TINY,
+    Report,
+    add_common_arguments,
+    child_environment,
+    peak_rss_while,
+    run,
+)
 
-TINY = REPO / "configs" / "tiny.yaml"
-BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
 TRAIN_OVERRIDES = [
     "parallel.tensor_parallel=1",
     "training.max_steps=1",
@@ -174,43 +181,30 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
 # --------------------------------------------------------------------------- #
 
 
-def _peak_rss_mb(pid: int) -> float | None:
-    """VmHWM of a running process: the peak resident set of its current program. (ru_maxrss from
-    wait4 would not do: it keeps the high-water mark of the image before exec, i.e. of this
-    benchmark process, which forked the child.)"""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, float]:
     """(seconds from process start to its first metrics line, peak RSS in MB) of one training run."""
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY), *TRAIN_OVERRIDES]
     command += [f"data.path={corpus}", f"data.cache_dir={cache}", f"logging.run_dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    env = child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false")
     metrics = run_dir / "metrics.jsonl"
     first_step: list[float] = []
-    peak = 0.0
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output: list[bytes] = []
     reader = threading.Thread(target=lambda: output.append(process.stdout.read()), daemon=True)
     reader.start()
-    while process.poll() is None:
-        rss = _peak_rss_mb(process.pid)
-        peak = max(peak, rss or 0.0)
+
+    def note_first_step() -> bool:  # when the first metrics line appears; the process runs on
         if not first_step:
             try:
                 if any(json.loads(line).get("kind") == "train" for line in metrics.read_text().splitlines()):
                     first_step.append(time.perf_counter() - started)
             except (OSError, ValueError):
                 pass
-        time.sleep(0.01)
+        return False
+
+    peak = peak_rss_while(process, note_first_step)
     reader.join()
     if process.returncode != 0 or not first_step:
         raise RuntimeError(f"training on {corpus} failed:\n{b''.join(output).decode()[-3000:]}")

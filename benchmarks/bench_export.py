@@ -23,9 +23,9 @@ benchmarks/gpu.sh's encode-corpus row runs).
    one more rerun, which finds the export complete (the fixed cost: start-up, checks, exit), and
    the ratio net of it.
 
-    python benchmarks/bench_export.py                 # 200k lines (minutes on 2 cores)
-    python benchmarks/bench_export.py --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
-    python benchmarks/bench_export.py --quick         # a minute: 1k lines, one round
+    python -m benchmarks.bench_export                 # 200k lines (minutes on 2 cores)
+    python -m benchmarks.bench_export --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
+    python -m benchmarks.bench_export --quick         # a minute: 1k lines, one round
 """
 
 from __future__ import annotations
@@ -40,12 +40,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_data import _peak_rss_mb, write_corpus
+from benchmarks.bench_data import write_corpus
+from benchmarks.harness import (
+    BUNDLED,
+    REPO,
+    TINY,
+    Report,
+    add_common_arguments,
+    child_environment,
+    peak_rss_while,
+    run,
+)
 
-from common import REPO, Report, add_common_arguments, run
-
-TINY = REPO / "configs" / "tiny.yaml"
-BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
 SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
 
 
@@ -157,25 +163,26 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
     """One run of the command: seconds, peak RSS in MB; with ``kill_at_shards``, SIGKILLed once that
     many shards are published."""
     out = Path(args[args.index("--out") + 1])
-    env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 1), "TOKENIZERS_PARALLELISM": "false"}
+    env = child_environment(os.cpu_count() or 1, TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
     # Its messages to a file: a pipe nobody reads while it runs could fill and stop it.
     with tempfile.TemporaryFile() as messages:
         process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=messages)
-        peak, killed = 0.0, False
-        while process.poll() is None:
-            peak = max(peak, _peak_rss_mb(process.pid) or 0.0)
+        killed = []
+
+        def kill_when_published() -> bool:
             if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
                 process.send_signal(signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.01)
+                killed.append(True)
+            return bool(killed)
+
+        peak = peak_rss_while(process, kill_when_published)
         process.wait()
         elapsed = time.perf_counter() - started
         if not killed and process.returncode != 0:
             messages.seek(0)
             raise RuntimeError(f"{' '.join(args)} failed: {messages.read().decode()[-2000:]}")
-    return {"seconds": elapsed, "rss": peak, "killed": killed}
+    return {"seconds": elapsed, "rss": peak, "killed": bool(killed)}
 
 
 def body(args, report: Report) -> None:

@@ -8,9 +8,9 @@ sampler leaves), the share of texts whose length is predicted exactly. Its check
 evaluated on an out-of-domain corpus (benchmarks/data/out_of_domain.txt: modern English sentences,
 nothing from the novel), whose BLEU must stay within 5 points of the held-out one at every point.
 
-    python benchmarks/bench_frontier.py                        # every point, seeds 1 2 1234 (~2.5 h)
-    python benchmarks/bench_frontier.py --points 16 8          # some points (by floats per token, or N x k)
-    python benchmarks/bench_frontier.py --quick                # a few seconds of training per point
+    python -m benchmarks.bench_frontier                        # every point, seeds 1 2 1234 (~2.5 h)
+    python -m benchmarks.bench_frontier --points 16 8          # some points (by floats per token, or N x k)
+    python -m benchmarks.bench_frontier --quick                # a few seconds of training per point
 
 One table, min / median / max over the seeds, with LD4LG's two points (a pretrained BART encoder on
 ROCStories: BLEU 97.6 at 32 floats per token, 92.4 at 16) beside; with --json PATH also the plot,
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,8 +28,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_quality import QUICK, train_once
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.bench_quality import QUICK, train_once
+from benchmarks.harness import REPO, Report, add_common_arguments, child_environment, run
 
 CONFIG = "configs/compressed.yaml"
 OUT_OF_DOMAIN = REPO / "benchmarks" / "data" / "out_of_domain.txt"
@@ -70,7 +69,7 @@ def out_of_domain_bleu(run_dir: Path) -> float:
     """BLEU of the run's final checkpoint on the out-of-domain corpus (``parallel-latent evaluate``)."""
     command = [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir),
                "--data", str(OUT_OF_DOMAIN)]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = child_environment(TOKENIZERS_PARALLELISM="false")
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{run_dir}: out-of-domain evaluation failed: {result.stderr.strip()[-2000:]}")

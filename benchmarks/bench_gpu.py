@@ -49,7 +49,8 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import GPT2, REPO, Report, add_common_arguments, child_environment, run
+from benchmarks.performance import MFU_GOALS, matrix, setting_label
 
 # A model small enough for a CPU test of the whole script.
 QUICK_OVERRIDES = [
@@ -57,18 +58,11 @@ QUICK_OVERRIDES = [
     "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
     "data.max_samples=400",
 ]  # fmt: skip
-# name -> (setting, timeout s on a GPU, on a CPU with --quick). "B" / "S": the big and small
-# micro-batch (256 / 32; quick: 8 / 4). On a GPU the timeouts (350 s) leave the deadline's other
+# name -> (timeout s on a GPU, on a CPU with --quick): the performance model's rows (its matrix, their
+# settings and goals), then the export. On a GPU the timeouts (350 s) leave the deadline's other
 # 130 s to an install (60 s) and the GPU tests (GPU_TESTS_S, 60 s); a CPU compiles slowly.
-ROWS = {
-    "default": ({"model.dropout": "0.1", "training.micro_batch_size": "B"}, 55, 120),
-    "compile": ({"model.dropout": "0.1", "training.micro_batch_size": "B", "training.compile": "true"}, 120, 300),
-    "micro32": ({"model.dropout": "0.1", "training.micro_batch_size": "S"}, 40, 120),
-    "dropout0": ({"model.dropout": "0.0", "training.micro_batch_size": "B"}, 40, 120),
-    "dropout0 micro32": ({"model.dropout": "0.0", "training.micro_batch_size": "S"}, 35, 120),
-    "encode-corpus": ({}, 60, 120),
-}  # fmt: skip
-MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}  # one H200, TP=1, bf16 (the projection's)
+ROWS = {"default": (55, 120), "compile": (120, 300), "micro32": (40, 120), "dropout0": (40, 120),
+        "dropout0 micro32": (35, 120), "encode-corpus": (60, 120)}  # fmt: skip
 EXPORT_GOAL = 0.9  # export / bare encode loop samples/s
 DROPOUT_TEST = "test_on_cuda_the_compiled_mask_kernel_gives_the_eager_bits"
 PROFILE_STEP = 2  # in the first window: the profiler's overhead stays out of the steady ones
@@ -118,12 +112,12 @@ def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, flo
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise SystemExit(f"bench_gpu: ROWS names {', '.join(unknown)}: expected some of {', '.join(ROWS)}")
-    big, small = ("8", "4") if quick else ("256", "32")
+    settings = {name: setting for name, setting, _ in matrix(quick)}
     rows = []
     for name in names:
-        setting, on_gpu, on_cpu = ROWS[name]
+        on_gpu, on_cpu = ROWS[name]
         timeout = on_cpu if quick else on_gpu
-        setting = {k: {"B": big, "S": small}.get(v, v) for k, v in setting.items()}
+        setting = dict(settings.get(name, {}))
         if not compile_dropout and name != "encode-corpus":
             setting["training.compile_dropout"] = "false"
         rows.append((name, setting, timeout))
@@ -161,7 +155,7 @@ def fallbacks(log_text: str) -> dict[str, str]:
 
 def run_process(command: list[str], log: Path, timeout: float, cwd: Path = REPO) -> int | None:
     """Exit status of ``command`` in its own session (a timeout takes down its ranks too); None: timed out."""
-    env = dict(os.environ)
+    env = child_environment()
     if os.environ.get("PRETRAINED", "false") != "true":
         env.setdefault("HF_HUB_OFFLINE", "1")
     with open(log, "w") as out:
@@ -230,7 +224,7 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     lines, shard = ("500", "64") if context["quick"] else ("20000", "2048")
     size = ["--lines", lines, "--shard-size", shard]
     config = "configs/tiny.yaml" if context["quick"] else "configs/gpt2.yaml"
-    command = [sys.executable, "benchmarks/bench_export.py", "--throughput-only", "--device", device,
+    command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device,
                "--config", config, *size, "--repeats", "1", "--json", str(figures)]  # fmt: skip
     status = run_process(command, run_dir.with_suffix(".log"), timeout)
     if status is None:
@@ -241,10 +235,6 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     ratio = values["export / bare encode loop, samples per second"]
     return {"export samples/s": values["export samples/s"], "bare samples/s": values["bare encode samples/s"],
             "ratio": ratio}  # fmt: skip
-
-
-def label(setting: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items() if k != "training.compile_dropout")
 
 
 def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
@@ -274,12 +264,12 @@ def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
                   f"{r['bare samples/s']:,.0f} samples/s: {r['ratio']:.3f}x")  # fmt: skip
     for _, setting, r in rows:
         for cause in r.get("fallbacks", {}).values():
-            print(f"fell back to eager in {label(setting)}: {cause}")
+            print(f"fell back to eager in {setting_label(setting)}: {cause}")
 
 
 PROJECT_ROWS = (
     "import json, sys\n"
-    "from bench_projection import project_row\n"
+    "from benchmarks.performance import project_row\n"
     "rows = {name: project_row(setting, quick=sys.argv[2] == '1') for name, setting in json.loads(sys.argv[1])}\n"
     "print(json.dumps(rows))\n"
 )
@@ -288,17 +278,17 @@ PROJECT_ROWS = (
 def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: float) -> dict:
     """name -> projected step and MFU of each training row, computed now (the GPU runs are over) in a
     process that sees no GPU, within ``seconds``; {} where it cannot be."""
-    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("bench_projection") is None:
+    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("benchmarks.performance") is None:
         return {}
     if seconds < 30:
-        print(f"projection: skipped ({seconds:.0f} s left; python benchmarks/bench_projection.py on any CPU)")
+        print(f"projection: skipped ({seconds:.0f} s left; python -m benchmarks.bench_projection on any CPU)")
         return {}
     settings = [(name, {k: v for k, v in s.items() if k != "training.compile_dropout"})
                 for name, s, _ in rows if name != "encode-corpus"]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    env = child_environment(cpu=True, CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-c", PROJECT_ROWS, json.dumps(settings), "1" if quick else "0"]
     try:
-        done = subprocess.run(command, cwd=Path(__file__).resolve().parent, env=env, capture_output=True, text=True,
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=seconds, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         print(f"projection: not finished in the {seconds:.0f} s left; measured columns only")
@@ -314,7 +304,7 @@ def positions_per_sample(extra: list[str]) -> int:
     """T, the positions of one sample: every one is computed (and counted by MFU), padding or not."""
     from parallel_latent.config import load_config
 
-    return load_config(REPO / "configs" / "gpt2.yaml", extra).model.max_length
+    return load_config(GPT2, extra).model.max_length
 
 
 def run_rows(planned, extra, deadline: float, context: dict):
@@ -344,8 +334,8 @@ def run_rows(planned, extra, deadline: float, context: dict):
                 print(f"{name}: FAILED; its last lines:\n" + "\n".join(f"    {line}" for line in result["error"]))
             else:
                 rows.append((name, setting, result))
-                print(f"{name} ({label(setting)}): {json.dumps({k: v for k, v in result.items() if k != 'fallbacks'})}",
-                      flush=True)  # fmt: skip
+                shown = {k: v for k, v in result.items() if k != "fallbacks"}
+                print(f"{name} ({setting_label(setting)}): {json.dumps(shown)}", flush=True)
     return rows, unfinished
 
 

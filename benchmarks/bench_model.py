@@ -20,8 +20,8 @@
 
 Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
 min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides.
-Usage: python benchmarks/bench_model.py [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
-       python benchmarks/bench_model.py --quick     # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
+       python -m benchmarks.bench_model --quick     # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
@@ -32,134 +32,22 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from benchmarks.harness import (
+    GPT2,
+    Report,
+    add_common_arguments,
+    add_repeat_arguments,
+    interleaved,
+    peak_extra_bytes,
+    run,
+)
+from benchmarks.plain_twins import plain_twin
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_decoder
 
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
-
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
-
-
-# --------------------------------------------------------------------------- #
-# The plain implementation. Module names mirror ours so one state_dict loads into both.
-# --------------------------------------------------------------------------- #
-
-
-class PlainAttention(nn.Module):
-    def __init__(self, d: int, heads: int, dropout: float):
-        super().__init__()
-        self.heads, self.dropout = heads, dropout
-        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d, bias=False), nn.Linear(d, d)
-        self.dense = nn.Linear(d, d)
-
-    def forward(self, x, context, context_mask=None):
-        kv = torch.cat([context, x], dim=1)
-        split = lambda t: t.view(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.query(x)), split(self.key(kv)), split(self.value(kv))
-        mask = None
-        if context_mask is not None:
-            mask = torch.cat([context_mask.bool(), context_mask.new_ones(x.shape[:2], dtype=torch.bool)], dim=1)
-            mask = mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
-        return F.dropout(self.dense(out), self.dropout, self.training)
-
-
-class PlainMLP(nn.Module):
-    def __init__(self, d: int, hidden: int, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-        self.dense_h_to_4h, self.dense_4h_to_h = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x):
-        hidden = F.dropout(F.gelu(self.dense_h_to_4h(x)), self.dropout, self.training)
-        return F.dropout(self.dense_4h_to_h(hidden), self.dropout, self.training)
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.ln_query, self.ln_context, self.ln_mlp = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = PlainAttention(d, cfg.n_heads, cfg.dropout)
-        self.mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
-
-    def forward(self, x, context, context_mask=None):
-        x = x + self.attn(self.ln_query(x), self.ln_context(context), context_mask)
-        return x + self.mlp(self.ln_mlp(x))
-
-
-class PlainStack(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(PlainBlock(cfg) for _ in range(layers))
-
-    def forward(self, x, context, context_mask=None):
-        for block in self.blocks:
-            x = block(x, context, context_mask)
-        return x
-
-
-class PlainEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.latents = nn.Parameter(torch.empty(cfg.max_length, cfg.d_model))
-        self.positions = nn.Parameter(torch.empty(cfg.max_length, cfg.d_model))
-        self.stack, self.ln_f = PlainStack(cfg, cfg.n_encoder_layers), nn.LayerNorm(cfg.d_model)
-
-    def forward(self, features, mask):
-        x = (self.latents + self.positions).expand(features.shape[0], -1, -1)
-        return self.ln_f(self.stack(x, features, mask))
-
-
-class PlainDecoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.positions = nn.Parameter(torch.empty(cfg.max_length, d))
-        self.register_buffer("mask_vector", torch.empty(d))
-        self.query_mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
-        self.query_scale = nn.Parameter(torch.ones(1))
-        self.stack, self.ln_f = PlainStack(cfg, cfg.n_decoder_layers), nn.LayerNorm(d)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
-
-    def forward(self, latents):
-        b, t, d = latents.shape
-        if self.training and self.query_mlp.dropout > 0:
-            queries = self.query_mlp(self.mask_vector.expand(b, t, d))
-        else:
-            queries = self.query_mlp(self.mask_vector.view(1, 1, d)).expand(b, t, d)
-        queries = queries * self.query_scale + self.positions
-        return self.head(self.ln_f(self.stack(queries, latents + self.positions)))
-
-
-class PlainAutoencoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, feature_model: FeatureModel):
-        super().__init__()
-        self.feature_model = feature_model  # the very same frozen module as ours
-        self.encoder, self.decoder = PlainEncoder(cfg), PlainDecoder(cfg)
-
-    def forward(self, ids, mask):
-        with torch.no_grad():
-            features = self.feature_model.gpt2(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        logits = self.decoder(self.encoder(features, mask))
-        return F.cross_entropy(logits.flatten(0, 1), ids.masked_fill(mask == 0, -100).flatten())
-
-
-def plain_twin(ours: LatentAutoencoder) -> PlainAutoencoder:
-    plain = PlainAutoencoder(ours.model_cfg, ours.feature_model)
-    state = {k: v for k, v in ours.state_dict().items() if not k.startswith("feature_model.")}
-    state["decoder.head.weight"] = state["decoder.head.weight"][: ours.model_cfg.vocab_size]  # drop padding
-    missing, unexpected = plain.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.startswith("feature_model.") for k in missing), (missing, unexpected)
-    return plain
-
-
-# --------------------------------------------------------------------------- #
-# Timing.
-# --------------------------------------------------------------------------- #
 
 
 def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +107,6 @@ def model_vs_plain(args, report: Report) -> None:
 
 
 def features_vs_full(args, report: Report) -> None:
-    from tests.helpers.tp_compare import gpt2_reduction_length, order_bound, terms_scale
-
     cfg = FeatureModelConfig(n_layer=args.feature_layers_full, n_head=12, n_embd=args.feature_width)
     torch.manual_seed(0)
     full = load_decoder(cfg, GPT2_VOCAB).decoder.eval()  # a random build is whole: not cut
@@ -229,12 +115,8 @@ def features_vs_full(args, report: Report) -> None:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50257, (args.feature_batch, args.seq), generator=gen)
     mask = torch.ones_like(ids)
-    with torch.no_grad():
-        want = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-3]
-        # The same function (the fused tanh GELU, causal attention without a mask): equal up to rounding.
-        n = gpt2_reduction_length(cfg.n_embd, cfg.n_head, args.seq, cfg.n_layer - 2)
-        bound = order_bound(n, terms_scale(want.abs().max().item(), n))
-        assert (truncated(ids, mask) - want).abs().max().item() <= bound
+    # The same function (the fused tanh GELU, causal attention without a mask), equal up to rounding:
+    # tests/model/test_features.py holds it to the bound of that rounding.
 
     def run_full():
         with torch.no_grad():
@@ -260,15 +142,15 @@ def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
     """configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape (shrunk when quick)."""
     shrink = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
               "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
-    cfg = load_config(REPO / "configs" / "gpt2.yaml", [*(shrink if quick else []), f"model.dropout={dropout}"])
+    cfg = load_config(GPT2, [*(shrink if quick else []), f"model.dropout={dropout}"])
     feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
     return LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
 
 
 def step_ops(args, report: Report) -> None:
+    from benchmarks.op_counter import OpCounter
     from parallel_latent.parallel import DropoutRNG, ParallelDropout
-    from parallel_latent.parallel.dropout import _threshold, keep_mask_core, layer_key
-    from tests.helpers.op_counter import OpCounter
+    from parallel_latent.parallel.dropout import drop_threshold, keep_mask_core, layer_key
 
     gen = torch.Generator().manual_seed(0)
     for dropout in (0.1, 0.0):
@@ -299,31 +181,10 @@ def step_ops(args, report: Report) -> None:
         site(x)
     row_index, columns = rng.indices(tuple(x.shape), (0, 0, 0), tuple(x.shape), x.device)
     with OpCounter() as hash_only:
-        keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), _threshold(0.1))
+        keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), drop_threshold(0.1))
     outside = whole.total - hash_only.total
     print(f"one dropout site: {whole.total} operators, {hash_only.total} of them the mask hash (eager, CPU)")
     report.figure("operators per dropout site outside the mask hash", outside, at_most=3)
-
-
-def _resident(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def peak_extra_bytes(fn) -> int:
-    """Peak resident memory over ``fn()`` above what was resident before (Linux: resets the high-water
-    mark through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _resident("VmRSS:")
-    fn()
-    return _resident("VmHWM:") - before
 
 
 def loss_memory(args, report: Report) -> None:

@@ -18,33 +18,32 @@
 Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
 min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides. Two
 processes timing together agree on when to stop repeating (an all-reduce of their verdicts).
-Usage: python benchmarks/bench_parallel.py [--batch 16 --seq 128 --hidden 512 --repeats 16]
-       python benchmarks/bench_parallel.py --quick    # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --repeats 16]
+       python -m benchmarks.bench_parallel --quick    # seconds: tiny shapes, 3 repeats
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 from torch import nn
 
+from benchmarks.harness import (
+    GPT2,
+    Report,
+    add_common_arguments,
+    add_repeat_arguments,
+    all_ranks_agree,
+    interleaved,
+    on_ranks,
+    run,
+)
+from benchmarks.performance import block_activation_bytes
+from benchmarks.plain_twins import plain_mlp
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
-
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run
-
-
-def plain_mlp(hidden: int, dropout: float) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(hidden, 4 * hidden),
-        nn.GELU(),
-        nn.Dropout(dropout),
-        nn.Linear(4 * hidden, hidden),
-        nn.Dropout(dropout),
-    )
 
 
 def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
@@ -53,15 +52,6 @@ def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
     start = time.perf_counter()
     module(x).sum().backward()
     return time.perf_counter() - start
-
-
-def all_ranks_agree(settled: bool) -> bool:
-    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(settled)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def tp1_overhead(args, report: Report) -> None:
@@ -78,27 +68,16 @@ def tp1_overhead(args, report: Report) -> None:
         def advance(rng=rng):
             rng.step += 1
 
-        samples = interleaved(
-            {
-                "ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
-                "plain": lambda plain=plain: step_time(plain, x),
-            },
-            args.repeats,
-            ratios=[("ours", "plain")],
-            most=args.most_repeats,
-        )
+        variants = {"ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
+                    "plain": lambda plain=plain: step_time(plain, x)}  # fmt: skip
+        samples = interleaved(variants, args.repeats, ratios=[("ours", "plain")], most=args.most_repeats)
         spread = samples.spread("ours", "plain")
         print(
             f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
             f"{samples.median('plain') * 1e3:.2f} ms"
         )
-        report.figure(
-            f"TP=1 MLP ours / nn.Sequential, dropout {dropout}",
-            spread.median,
-            "x",
-            at_most=1.02 if dropout == 0.0 else None,
-            spread=spread,
-        )
+        name, goal = f"TP=1 MLP ours / nn.Sequential, dropout {dropout}", 1.02 if dropout == 0.0 else None
+        report.figure(name, spread.median, "x", at_most=goal, spread=spread)
 
 
 def _tp2_task(args) -> dict:
@@ -158,31 +137,14 @@ def _batch(batch: int, t: int, vocab: int):
     return torch.randint(0, vocab - 2, (batch, t), generator=gen), torch.ones(batch, t, dtype=torch.long)
 
 
-def _pool_task(rank: int, port: int, world: int, tasks, args, results) -> None:
+def _tasks(tasks: list, args) -> list:
+    """Each of ``tasks`` in turn on this rank, in one gloo group (harness.on_ranks starts the ranks once)."""
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     out = [task(args) for task in tasks]
-    if rank == 0:
-        results.put(out)
     dist.destroy_process_group()
-
-
-def _run(world: int, tasks: list, args) -> list:
-    """Each of ``tasks`` in turn, on ``world`` gloo processes started once; rank 0's results."""
-    import torch.multiprocessing as mp
-
-    from tests.helpers.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    mp.spawn(_pool_task, args=(free_port(), world, tasks, args, results), nprocs=world, join=True)
-    return results.get()
+    return out
 
 
 def _frozen_flops(args) -> list[tuple[int, float, float]]:
@@ -212,7 +174,7 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
     from parallel_latent.config import load_config
     from parallel_latent.training.flops import model_flops_per_sample
 
-    flops = model_flops_per_sample(load_config(REPO / "configs" / "gpt2.yaml"))
+    flops = model_flops_per_sample(load_config(GPT2))
     frozen, trainable = flops["frozen_forward"], flops["train"] - flops["frozen_forward"]
     for tp in (2, 4, 8):
         share = frozen / (frozen + trainable / tp)
@@ -225,24 +187,6 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
         report.figure(
             f"frozen pass FLOPs per rank split / replicated, TP={tp}", split / replicated, "x", at_most=1 / tp
         )
-
-
-def _predicted_block_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: bool) -> int:
-    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor:
-    the three LayerNorms' inputs and statistics (stream, context, MLP), the region entries'
-    (gathered) inputs, q/k/v with the log-sum-exp and the key mask, the output projection's input,
-    GELU's input, the hidden dropout mask and output, the two output dropout masks (bool).
-    Sequence parallelism divides what lives between the regions (LayerNorm inputs and statistics,
-    output dropout masks) by t; the region entries keep the gathered input (Megatron all-gathers it
-    again in backward instead, which would save that too at the price of a second all-gather)."""
-    between = 1 / t if sp else 1
-    lns = 4 * b * (s + c + s) * h * between + 8 * b * (s + c + s) * between  # inputs + mean/rstd
-    entries = 4 * b * (c + s) * h + 4 * b * s * h  # attention's cat(context, stream), the MLP's input
-    attention = 4 * b * (s + 2 * (c + s)) * h / t + 4 * b * (a // t) * s + 4 * b * (c + s)  # q, k, v; lse; mask
-    projection_in = 4 * b * s * h / t
-    mlp = 4 * b * s * 4 * h / t + b * s * 4 * h / t + 4 * b * s * 4 * h / t  # GELU in, mask, dropout out
-    masks = 2 * b * s * h * between  # attention and MLP output dropout (bool)
-    return int(lns + entries + attention + projection_in + mlp + masks)
 
 
 def _saved_bytes(args) -> list[tuple]:
@@ -275,7 +219,7 @@ def _saved_bytes(args) -> list[tuple]:
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 stack(x, context, mask)
-            predicted = layers * _predicted_block_bytes(b, s, s, h, a, tp, sp)
+            predicted = layers * block_activation_bytes(b, s, s, h, a, tp, sp)
             rows.append((tp, sp, sum(seen.values()), predicted))
     return rows
 
@@ -365,7 +309,7 @@ def body(args, report: Report) -> None:
         chosen = [(name, task, show) for name, (w, task, show) in sections.items() if w == world and
                   args.only in (None, name)]  # fmt: skip
         if chosen:
-            results = _run(world, [task for _, task, _ in chosen], args)
+            results = on_ranks(world, _tasks, [task for _, task, _ in chosen], args)
             for (_, _, show), result in zip(chosen, results, strict=True):
                 show(result, args, report)
 

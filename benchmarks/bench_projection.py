@@ -2,32 +2,8 @@
 traced (benchmarks/step_trace.py: the model's forward and backward on the meta device at the row's
 batch, the rest of the step, DeepSpeed's backward work and optimizer step included, from a real step
 on the CPU), every operator charged with the kernels CUDA launches for it, then a roofline with
-pinned constants for each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch
+pinned constants (benchmarks/performance.py) for each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch
 256 / 32, and ``training.compile`` at dropout 0.1, micro-batch 256).
-
-Pinned rules, so that figures stay comparable from change to change:
-
-* MFU against 989 TFLOP/s dense bf16, with ``training/flops.py``'s model FLOPs (the traced matmul FLOPs
-  equal them within 1%: a test);
-* a matmul takes max(FLOPs / 700 TFLOP/s above 20 GFLOP, or / 593 TFLOP/s below; bytes / 4.0 TB/s);
-  every other kernel bytes / 4.0 TB/s; no kernel less than 2 us of device time (a kernel's launch
-  to retirement on the device, however little it touches); 5 us of host time per launch (eager;
-  none inside a CUDA graph);
-* the kernels an operator launches on CUDA: one, except where :data:`CUDA_KERNELS` says (an
-  operator whose CUDA implementation is several kernels), a multi-tensor operator (``_foreach_*``,
-  fused AdamW) as many as torch's ``multi_tensor_apply`` launches for its tensors
-  (:func:`multi_tensor_launches`), a ``cat`` one per 128 inputs, and none for an operator that
-  only makes a host scalar;
-* a region compiled with torch.compile is one kernel per run of consecutive non-matmul,
-  non-collective operators between matmuls and collectives, whose bytes are the run's external
-  inputs and outputs only; a scatter (an indexed write) and an operator of several CUDA kernels
-  end the run (inductor materialises around them);
-* per row: device + launch time summed, and the overlapped max of the two; the top ten costs.
-
-What the CPU trace cannot show, and is added here (:func:`cuda_only`): the micro-batch's
-host-to-device copies (on a CPU the batch is already where the model is). What is left out: the
-CUDA caching allocator (no kernels), NCCL's internal work at DP=1 (there is no collective), cuBLAS
-split-K reductions (none at these shapes is assumed) and the compiled regions' autotuning.
 
 What runs is what the code does on CUDA: the dropout mask is one compiled region per site where
 ``training.compile_dropout`` is on, the loss's per-chunk work is compiled where the model's
@@ -43,401 +19,49 @@ The rest of the step is a real ``Trainer.train_step`` on the CPU at gpt2.yaml's 
 and its Python hook calls are reported. DeepSpeed's kernels per step (its backward work and its
 step) are counted at DP=1 and, over two real gloo ranks, at DP=2.
 
-``--feature-model NAME`` (a decoder of benchmarks/bench_feature_models.py, e.g. llama-3.2-1b or
+``--feature-model NAME`` (a decoder of benchmarks/performance.py's MODELS, e.g. llama-3.2-1b or
 pythia-1.4b): the rows' model with that decoder as its frozen feature model (rebuilt on the meta
 device from its whole transformers config, its own MLP width and kv heads, as a checkpoint's record
 rebuilds it; ``model.d_model`` its width, heads of 128 features), the model alone (the rest of the
 step is measured at gpt2.yaml's size only); that decoder's frozen pass per rank at TP 1/2/4/8,
-replicated and sharded (bench_feature_models.py's roofline); then, per TP degree and layout, one
+replicated and sharded (the performance model's roofline); then, per TP degree and layout, one
 rank's whole step (forward and backward): the Perceiver traced at that degree over a fake process
 group of one process (its slices, and what it does not split at whole size; its collectives at
 their real sizes, as the model's code issues them), its TP collectives at NVLink's rate, and the
 frozen pass, one after the other (no overlap), with tokens/s and MFU per rank.
 
-Usage: python benchmarks/bench_projection.py [--quick] [--feature-model NAME] [--json PATH]
+Usage: python -m benchmarks.bench_projection [--quick] [--feature-model NAME] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
-import math
 import sys
-import tempfile
-from collections import Counter, defaultdict
-from pathlib import Path
+from collections import defaultdict
 
-from step_trace import (  # noqa: F401 (the tracer's names, for the tests)
-    REPO,
-    Op,
-    StepTracer,
-    fake_tp_group,
-    real_step,
-    real_step_on_ranks,
-    real_step_overrides,
-    row_config,
-    trace_model,
+from benchmarks.harness import Report, add_common_arguments, run
+from benchmarks.performance import (
+    ASSUMPTIONS,
+    DEEPSPEED_KERNEL_GOALS,
+    HOOK_CALL_GOAL,
+    PINNED,
+    TP_DEGREES,
+    deepspeed_ops,
+    feature_model_record,
+    feature_model_setting,
+    frozen_bytes,
+    frozen_seconds,
+    held_on_meta,
+    kernels_of,
+    matrix,
+    project,
+    projection,
+    rest_of_step,
+    setting_label,
+    shard_refusal,
+    whole_steps,
 )
-
-from common import Report, add_common_arguments, run
-
-PEAK_FLOPS = 989e12  # H200 dense bf16, the MFU denominator
-BIG_MATMUL_FLOPS = 20e9  # a matmul above this many FLOPs runs at the big rate
-
-
-@dataclasses.dataclass(frozen=True)
-class Roofline:
-    """What one H200 is taken to do: matmul rates above and below BIG_MATMUL_FLOPS, memory bandwidth
-    (bytes/s), host time per eager kernel launch (the project captures no CUDA graph: every kernel is
-    launched), device time of the smallest kernel."""
-
-    big_matmul_rate: float
-    small_matmul_rate: float
-    bandwidth: float
-    launch_s: float
-    min_kernel_s: float
-
-
-# The pinned figures (comparable from change to change), and the low end of what H100/H200 reports
-# show for each assumption: cuBLAS at K or N = 768 (550 / 450 TFLOP/s), 3.3 TB/s of HBM, 10 us per
-# eager launch. The smallest kernel's time is the same in both.
-PINNED = Roofline(big_matmul_rate=700e12, small_matmul_rate=593e12, bandwidth=4.0e12, launch_s=5e-6, min_kernel_s=2e-6)
-PESSIMISTIC = Roofline(big_matmul_rate=550e12, small_matmul_rate=450e12, bandwidth=3.3e12, launch_s=10e-6,
-                       min_kernel_s=2e-6)  # fmt: skip
-# Each assumption of the range: the constants it moves from PINNED to PESSIMISTIC.
-ASSUMPTIONS = {"matmul rate": ("big_matmul_rate", "small_matmul_rate"), "bandwidth": ("bandwidth",),
-               "launch cost": ("launch_s",)}  # fmt: skip
-
-
-def pessimistic_in(assumption: str) -> Roofline:
-    """PINNED with one assumption's constants at their pessimistic values."""
-    return dataclasses.replace(PINNED, **{name: getattr(PESSIMISTIC, name) for name in ASSUMPTIONS[assumption]})
-
-
-MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}  # overlapped figure, dropout 0.1
-DEEPSPEED_KERNEL_GOALS = {1: 250, 2: 300}  # DeepSpeed's backward work + its step, per DP size
-HOOK_CALL_GOAL = 20
-
-# Operators whose CUDA implementation launches more than one kernel, and what they are.
-CUDA_KERNELS = {
-    "aten.native_layer_norm_backward.default": (2, "the input gradient, then the weight and bias gradients' "
-                                                "reduction over rows"),
-    "aten._scaled_dot_product_efficient_attention_backward.default": (2, "the row sums of dO * O (delta), then "
-                                                                      "the backward kernel"),
-    "aten.embedding_dense_backward.default": (6, "a sort of the indices, the segment offsets and sizes, partial "
-                                              "sums per segment, their reduction into the table"),
-    "aten._foreach_norm.Scalar": (None, "multi_tensor_apply's launches, then one cleanup kernel"),
-}  # fmt: skip
-SCATTERS = ("aten.index_put", "aten._index_put_impl_", "aten.index_add", "aten.scatter", "aten.index_copy")
-# torch's multi_tensor_apply: per launch at most this many tensors (by the number of tensor lists
-# the operator takes) and 320 blocks of 65536 elements.
-MULTI_TENSOR_LISTS = {"aten._foreach_copy_": 2, "aten._foreach_norm": 1, "aten._foreach_zero_": 1,
-                      "aten._foreach_add_": 1, "aten._foreach_mul_": 1, "aten._fused_adamw_": 4}  # fmt: skip
-MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
-MAX_BLOCKS, CHUNK = 320, 65536
-
-
-# --------------------------------------------------------------------------- #
-# Kernels of an operator.
-# --------------------------------------------------------------------------- #
-
-
-def multi_tensor_launches(numels: list[int], lists: int) -> int:
-    """Kernel launches of torch's CUDA ``multi_tensor_apply`` over tensors of ``numels`` elements
-    with ``lists`` tensor lists: a launch whenever its tensor or block table fills, and at the end."""
-    launches, tensors, blocks = 0, 0, 0
-    live = [n for n in numels if n > 0]
-    for index, numel in enumerate(live):
-        tensors += 1
-        chunks = math.ceil(numel / CHUNK)
-        for chunk in range(chunks):
-            blocks += 1
-            last = index == len(live) - 1 and chunk == chunks - 1
-            if blocks == MAX_BLOCKS or tensors == MAX_TENSORS[lists] or last:
-                launches += 1
-                blocks = 0
-                tensors = 0 if chunk == chunks - 1 else 1  # a tensor split over launches starts the next
-    return launches
-
-
-def kernels_per_op(op: Op) -> int:
-    """The kernels CUDA launches for one traced operator."""
-    if op.host:
-        return 0
-    base = op.name.rsplit(".", 1)[0]
-    if base in MULTI_TENSOR_LISTS:
-        extra = 1 if base == "aten._foreach_norm" else 0
-        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + extra
-    if base == "aten.cat":
-        return max(1, math.ceil(len(op.reads) / 128))
-    if op.name.startswith("aten._local_scalar_dense"):
-        return 0  # a device-to-host copy: a synchronisation, reported apart
-    return CUDA_KERNELS.get(op.name, (1, ""))[0] or 1
-
-
-# --------------------------------------------------------------------------- #
-# The roofline.
-# --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass
-class Kernel:
-    label: str  # what it is, for the top ten
-    device_s: float
-    flops: float
-    part: str = "model"
-    collective: bool = False  # a TP collective of a trace at TP > 1 (the whole step times it over NVLink)
-
-
-def matmul_seconds(flops: float, nbytes: int, roofline: Roofline = PINNED) -> float:
-    rate = roofline.big_matmul_rate if flops > BIG_MATMUL_FLOPS else roofline.small_matmul_rate
-    return max(flops / rate, nbytes / roofline.bandwidth)
-
-
-def _distinct_bytes(accesses) -> int:
-    """Bytes of the views ``accesses`` touch, each element once: per tensor, the union of the
-    views' element ranges (no more than their elements)."""
-    by_storage = defaultdict(list)
-    for storage, view, nbytes in accesses:
-        by_storage[storage].append((view, nbytes))
-    total = 0
-    for views in by_storage.values():
-        ranges = sorted((first, first + span) for (first, span, _), _ in views)
-        covered, end = 0, None
-        for start, stop in ranges:
-            start = start if end is None else max(start, end)
-            covered += max(0, stop - start)
-            end = stop if end is None else max(end, stop)
-        element = views[0][0][2]
-        total += min(covered * element, sum(nbytes for _, nbytes in views))
-    return total
-
-
-def _fused_run(run: list[Op], later_reads: set[int]) -> int:
-    """Bytes of one fused kernel: what it reads of the tensors it did not write, and what it writes
-    of the tensors that someone after it reads."""
-    written = {storage for op in run for storage, *_ in op.writes}
-    inputs = [access for op in run for access in op.reads if access[0] not in written]
-    outputs = [access for op in run for access in op.writes if access[0] in later_reads]
-    return _distinct_bytes(inputs) + _distinct_bytes(outputs)
-
-
-def _fusible(op: Op) -> bool:
-    """Whether a compiled region's inductor code can fuse ``op`` with its neighbours."""
-    return (
-        op.region is not None
-        and op.kind == "other"
-        and not op.name.startswith(SCATTERS)
-        and kernels_per_op(op) == 1
-        and not op.host
-    )
-
-
-# Operators that read only the rows or elements their indices name, not the whole of their source.
-GATHERS = ("aten.gather", "aten.index_select", "aten.embedding.", "aten.index.Tensor")
-
-
-def op_bytes(op: Op) -> int:
-    """Bytes an eager kernel moves: every operand read and written, except a gather's source, of which
-    it reads as many elements as it writes."""
-    if not op.name.startswith(GATHERS):
-        return op.bytes
-    source, *others = op.reads
-    written = sum(b for *_, b in op.writes)
-    return min(source[2], written) + sum(b for *_, b in others) + written
-
-
-def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
-    """The kernels a traced op list launches under the pinned rules, timed by ``roofline``."""
-    reads_after: list[set[int]] = [set() for _ in ops]  # storage keys read by ops after index i
-    seen: set[int] = set()
-    for i in range(len(ops) - 1, -1, -1):
-        reads_after[i] = set(seen)
-        seen.update(storage for storage, *_ in ops[i].reads)
-    kernels, run, run_region = [], [], None
-
-    def close_run(end: int) -> None:
-        if run:
-            nbytes = _fused_run(run, reads_after[end])
-            seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
-            kernels.append(Kernel(f"{run_region[0]} (fused)", seconds, 0.0, run[0].part))
-            run.clear()
-
-    for i, op in enumerate(ops):
-        fusible = _fusible(op)
-        if run and (not fusible or op.region != run_region):
-            close_run(i - 1)
-        if fusible:
-            run_region = op.region
-            run.append(op)
-            continue
-        count = kernels_per_op(op)
-        if count == 0:
-            continue
-        if op.kind == "matmul":
-            seconds = matmul_seconds(op.flops, op.bytes, roofline)
-        else:
-            seconds = op_bytes(op) / roofline.bandwidth
-        label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
-        # The bytes spread over the kernels, each no shorter than the minimum.
-        kernel = Kernel(label, max(seconds / count, roofline.min_kernel_s), op.flops / count, op.part)
-        kernel.collective = op.kind == "collective"
-        kernels += [kernel] * count
-    close_run(len(ops) - 1)
-    return kernels
-
-
-def cuda_only(cfg, roofline: Roofline = PINNED) -> list[Kernel]:
-    """What CUDA runs that a CPU trace cannot show: the micro-batch's ids and mask copied to the
-    device (pinned host memory, one copy each)."""
-    nbytes = cfg.training.micro_batch_size * cfg.model.max_length * 8  # int64
-    seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
-    copy = Kernel("host-to-device copy of the batch [step]", seconds, 0.0, "trainer")
-    return [copy] * 2
-
-
-def projection(kernels: list[Kernel], model_flops: float, roofline: Roofline = PINNED) -> dict:
-    device = sum(k.device_s for k in kernels)
-    launch = roofline.launch_s * len(kernels)
-    overlapped, summed = max(device, launch), device + launch
-    return {
-        "step_ms_overlapped": overlapped * 1e3,
-        "step_ms_summed": summed * 1e3,
-        "mfu_overlapped": model_flops / overlapped / PEAK_FLOPS if overlapped else 0.0,
-        "mfu_summed": model_flops / summed / PEAK_FLOPS if summed else 0.0,
-        "device_ms": device * 1e3,
-        "launch_ms": launch * 1e3,
-        "kernels": len(kernels),
-    }
-
-
-def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]]:
-    """(label, device + launch ms, kernels) of the ``n`` biggest kinds of kernel."""
-    totals, counts = defaultdict(float), Counter()
-    for k in kernels:
-        totals[k.label] += k.device_s + PINNED.launch_s
-        counts[k.label] += 1
-    ranked = sorted(totals, key=totals.get, reverse=True)[:n]
-    return [(label, totals[label] * 1e3, counts[label]) for label in ranked]
-
-
-def model_flops(cfg, recorded: dict | None = None) -> float:
-    """The step's model FLOPs, the feature model's from the layers it holds (built on meta; from
-    ``recorded``, a whole transformers config, if given)."""
-    import torch
-
-    from parallel_latent.model import FeatureModel
-    from parallel_latent.model.features import random_features_unannounced
-    from parallel_latent.training.flops import model_flops_per_sample
-
-    vocab = cfg.model.vocab_size
-    with torch.device("meta"), random_features_unannounced():
-        features = FeatureModel(cfg.feature_model, vocab, recorded and {**recorded, "vocab_size": vocab})
-    counts = (features.blocks, features.width, features.matmul_weights)
-    return model_flops_per_sample(cfg, *counts)["train"] * cfg.training.micro_batch_size
-
-
-def feature_model_setting(name: str) -> dict:
-    """The overrides that make the rows' model read the features of decoder ``name`` (its shape; the
-    decoder itself is rebuilt from :func:`feature_model_record`)."""
-    from bench_feature_models import MODELS
-
-    family, hidden, layers, heads, kv_heads, _, _, positions = MODELS[name]
-    setting = {
-        "feature_model.architecture": family, "feature_model.n_layer": layers, "feature_model.n_head": heads,
-        "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
-        "model.n_heads": hidden // 128,
-    }  # fmt: skip
-    if family == "llama":
-        setting["feature_model.n_kv_head"] = kv_heads
-    return {key: str(value) for key, value in setting.items()}
-
-
-def feature_model_record(name: str) -> dict:
-    """Decoder ``name``'s whole transformers config from bench_feature_models.py's published figures
-    (its own MLP width: a random build from the few ``feature_model.n_*`` keys has 4x its width), which
-    the trace rebuilds the feature model from as a checkpoint's record does."""
-    from bench_feature_models import MODELS, transformers_config
-
-    return transformers_config(*MODELS[name]).to_dict()
-
-
-# --------------------------------------------------------------------------- #
-# The rest of the step, from real CPU steps (cached: one per size and DP).
-# --------------------------------------------------------------------------- #
-
-
-@functools.cache
-def rest_of_step(quick: bool, data_parallel: int = 1):
-    """The real step's operators outside the model's forward and backward, and its hook calls."""
-    if data_parallel > 1:
-        traced = real_step_on_ranks(data_parallel, quick)
-    else:
-        with tempfile.TemporaryDirectory(prefix="bench-projection.") as scratch:
-            traced = real_step(real_step_overrides(Path(scratch), quick))
-    return traced.rest, traced.hook_calls
-
-
-def deepspeed_ops(rest: list[Op]) -> list[Op]:
-    return [op for op in rest if op.part in ("deepspeed backward", "optimizer")]
-
-
-def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline: Roofline) -> list[Kernel]:
-    """The kernels of one step: the traced model's, and with ``rest`` the rest of the step's."""
-    kernels = kernels_of(ops, roofline)
-    if rest:
-        kernels += kernels_of(rest_of_step(quick, 1)[0], roofline) + cuda_only(cfg, roofline)
-    return kernels
-
-
-def project(setting: dict, quick: bool = False, rest: bool = True, recorded: dict | None = None) -> dict:
-    """The projection of one gpu.sh setting, with its kernels and traced FLOPs; under ``ranges`` the
-    same trace timed by the pessimistic roofline and by PINNED with each assumption made pessimistic
-    alone. ``recorded``: the feature model's whole transformers config (:func:`feature_model_record`)."""
-    cfg = row_config(setting, quick)
-    ops = trace_model(cfg, "cuda", recorded=recorded)
-    kernels = step_kernels(cfg, ops, quick, rest, PINNED)
-    flops = model_flops(cfg, recorded)
-    rooflines = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
-    ranges = {name: projection(step_kernels(cfg, ops, quick, rest, roofline), flops, roofline)
-              for name, roofline in rooflines.items()}  # fmt: skip
-    return {
-        **projection(kernels, flops),
-        "ranges": ranges,
-        "model_flops": flops,
-        "traced_flops": sum(op.flops for op in ops),
-        "top": top_costs(kernels),
-        "ops": ops,
-        "kernel_list": kernels,
-    }
-
-
-def project_row(setting: dict, *, quick: bool = False) -> dict | None:
-    """Projected H200 step time and MFU of a gpu.sh setting (``model.dropout``,
-    ``training.micro_batch_size``, ``training.compile``...), or None if it cannot be projected.
-    The first call runs DeepSpeed steps on the CPU (tens of seconds at gpt2.yaml's size; later
-    calls reuse them): call it before CUDA is initialised, or where DS_ACCELERATOR=cpu."""
-    try:
-        result = project(setting, quick)
-    except Exception as error:  # a projection must never stop the measured table
-        print(f"projection of {setting}: failed: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)
-        return None
-    return {key: result[key] for key in ("step_ms_overlapped", "step_ms_summed", "mfu_overlapped", "mfu_summed")}
-
-
-def matrix(quick: bool) -> list[tuple[str, dict, float | None]]:
-    """(name, setting, MFU goal) of gpu.sh's rows (its micro-batches when quick)."""
-    big, small = ("8", "4") if quick else ("256", "32")
-    rows = [
-        ("default", {"model.dropout": "0.1", "training.micro_batch_size": big}, MFU_GOALS["default"]),
-        ("compile", {"model.dropout": "0.1", "training.micro_batch_size": big, "training.compile": "true"},
-         MFU_GOALS["compile"]),
-        ("micro32", {"model.dropout": "0.1", "training.micro_batch_size": small}, MFU_GOALS["micro32"]),
-        ("dropout0", {"model.dropout": "0.0", "training.micro_batch_size": big}, None),
-        ("dropout0 micro32", {"model.dropout": "0.0", "training.micro_batch_size": small}, None),
-    ]  # fmt: skip
-    return rows
+from benchmarks.step_trace import row_config
 
 
 def phase_split(result: dict) -> str:
@@ -446,10 +70,6 @@ def phase_split(result: dict) -> str:
         kind = "matmul" if k.flops else "memory-bound"
         parts[kind] += k.device_s * 1e3
     return ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in sorted(parts.items()))
-
-
-def label(setting: dict) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items())
 
 
 def report_deepspeed(args, report: Report) -> None:
@@ -503,96 +123,10 @@ def largest_uncertainty(result: dict) -> str:
     return max(ASSUMPTIONS, key=lambda a: result["mfu_overlapped"] - result["ranges"][a]["mfu_overlapped"])
 
 
-# --------------------------------------------------------------------------- #
-# --feature-model: the whole step per rank at TP 1/2/4/8.
-# --------------------------------------------------------------------------- #
-
-# The collectives a trace at TP > 1 holds (the model's own, dispatched on a fake group): what each
-# does, and which of the operands it reads is its whole tensor.
-COLLECTIVES = {
-    "c10d.allreduce_": ("all_reduce", sum),  # the tensors it reduces in place
-    "c10d._allgather_base_": ("all_gather", max),  # the gathered output (the input is 1/tp of it)
-    "c10d._reduce_scatter_base_": ("reduce_scatter", max),  # the scattered input
-    "c10d.allgather_": ("all_gather", lambda sizes: sum(sizes[:-1])),  # one output per rank, then the input
-}
-
-
-def collective_of(op: Op) -> tuple[str, int]:
-    """(what a traced collective does, the bytes of its whole tensor)."""
-    base = op.name.rsplit(".", 1)[0]
-    if base not in COLLECTIVES:
-        raise ValueError(f"{op.name}: a collective whose time the projection does not model")
-    kind, whole = COLLECTIVES[base]
-    return kind, whole([nbytes for *_, nbytes in op.reads])
-
-
-def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
-    """One rank's part of the model's forward and backward at TP=``tp`` with decoder ``name`` as its
-    frozen feature model, the frozen pass left out (it is timed apart, per layout): the model built
-    at that degree on meta (step_trace.fake_tp_group: this rank's slices, and every collective the
-    model's code issues at its real size), its kernels timed as the TP=1 rows' are (what is split
-    runs at its local shape, what is not, e.g. the norms without sequence parallelism, whole), its
-    TP collectives at NVLink's rate (bench_feature_models.collective_seconds), none overlapped."""
-    from bench_feature_models import collective_seconds
-
-    recorded = feature_model_record(name)
-    cfg = row_config({**setting, **feature_model_setting(name), "parallel.tensor_parallel": str(tp)}, quick)
-    with fake_tp_group(tp) as group:
-        ops = trace_model(cfg, "cuda", tp_group=group, recorded=recorded)
-    ours = [op for op in ops if op.part != "features"]
-    kernels = [k for k in kernels_of(ops) if k.part != "features" and not k.collective]
-    collectives = [collective_of(op) for op in ours if op.kind == "collective"]
-    return {
-        "compute": projection(kernels, 0.0),
-        "kernels": kernels,
-        "matmul_flops": sum(op.flops for op in ours),
-        "matmul_ms": sum(k.device_s for k in kernels if k.flops) * 1e3,
-        "collectives": collectives,
-        "collective_ms": sum(collective_seconds(kind, nbytes, tp) for kind, nbytes in collectives) * 1e3,
-        "ops": ops,
-    }
-
-
-def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | None = None) -> list[dict]:
-    """Per TP degree (``tps``, by default bench_feature_models.py's) and layout, one rank's whole step (the model's
-    forward and backward; the optimizer and DeepSpeed's work are measured at gpt2.yaml's size only):
-    the Perceiver's compute and its TP collectives (:func:`perceiver_at`, the same in both layouts)
-    and the frozen pass (bench_feature_models.frozen_seconds), one after the other. Per rank: the TP
-    group shares one micro-batch, so a rank's tokens per second and model FLOPs are 1/tp of the
-    group's. A degree that the layout (model/sharded.py's check) or the Perceiver's config refuses
-    says why."""
-    from bench_feature_models import TP_DEGREES, frozen_seconds, held_on_meta, shard_refusal
-
-    from parallel_latent.config import ConfigError
-
-    held, cfg = held_on_meta(name), row_config({**setting, **feature_model_setting(name)}, quick)
-    batch, length = cfg.training.micro_batch_size, cfg.model.max_length
-    flops = model_flops(cfg, feature_model_record(name))
-    rows = []
-    for tp in tps or TP_DEGREES:
-        try:
-            ours = perceiver_at(name, setting, quick, tp)
-        except ConfigError as refusal:
-            rows += [{"tp": tp, "layout": layout, "refused": str(refusal)} for layout in ("replicate", "shard")]
-            continue
-        for layout in ("replicate", "shard"):
-            refusal = shard_refusal(held, tp) if layout == "shard" else None
-            if refusal:
-                rows.append({"tp": tp, "layout": layout, "refused": refusal})
-                continue
-            frozen_ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
-            step_ms = ours["compute"]["step_ms_overlapped"] + ours["collective_ms"] + frozen_ms
-            rows.append({
-                "tp": tp, "layout": layout, "perceiver": ours, "frozen_ms": frozen_ms, "step_ms": step_ms,
-                "tokens_per_s": batch * length / tp / (step_ms / 1e3), "mfu": flops / tp / (step_ms / 1e3) / PEAK_FLOPS,
-            })  # fmt: skip
-    return rows
-
-
 def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], report: Report) -> None:
     """The table of :func:`whole_steps`, and its figures."""
-    print(f"\n{name}, {label(setting)}: the whole step per rank (forward and backward, the optimizer left out): "
-          "the Perceiver, its TP collectives and the frozen pass, one after the other")  # fmt: skip
+    print(f"\n{name}, {setting_label(setting)}: the whole step per rank (forward and backward, the optimizer left "
+          "out): the Perceiver, its TP collectives and the frozen pass, one after the other")  # fmt: skip
     print(f"{'TP':>3} {'layout':>9} {'Perceiver ms':>12} {'matmul ms':>9} {'collectives':>24} {'frozen ms':>9} "
           f"{'step ms':>8} {'tokens/s per rank':>17} {'MFU per rank':>12}")  # fmt: skip
     for step in steps:
@@ -623,8 +157,6 @@ def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], re
 def feature_model_body(args, report: Report) -> None:
     """``--feature-model``: the model's step with that decoder at TP=1, its frozen pass per TP degree,
     then the whole step per rank at each TP degree and layout."""
-    from bench_feature_models import TP_DEGREES, frozen_bytes, frozen_seconds, held_on_meta, shard_refusal
-
     name = args.feature_model
     extra, recorded = feature_model_setting(name), feature_model_record(name)
     rows = [(row, setting) for row, setting, _ in matrix(args.quick) if row in ("default", "micro32")]
@@ -633,7 +165,7 @@ def feature_model_body(args, report: Report) -> None:
         result = project({**setting, **extra}, args.quick, rest=False, recorded=recorded)
         traced = sum(k.device_s for k in result["kernel_list"] if k.part == "features") * 1e3
         roofline = frozen_seconds(held, 1, "replicate", int(setting["training.micro_batch_size"]), length) * 1e3
-        print(f"{name}, {label(setting)}: model alone {result['step_ms_overlapped']:.1f} ms, MFU "
+        print(f"{name}, {setting_label(setting)}: model alone {result['step_ms_overlapped']:.1f} ms, MFU "
               f"{result['mfu_overlapped'] * 100:.1f}%; traced / model FLOPs "
               f"{result['traced_flops'] / result['model_flops']:.4f}; its frozen pass as traced {traced:.1f} ms "
               f"of device time (bench_feature_models' roofline, no elementwise work: {roofline:.1f} ms)")  # fmt: skip
@@ -665,7 +197,7 @@ def body(args, report: Report) -> None:
         loss = [k for k in result["kernel_list"] if k.part == "loss"]
         loss_ms = sum(k.device_s + PINNED.launch_s for k in loss) * 1e3
         print(
-            f"\n{label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
+            f"\n{setting_label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
             f"(overlapped-summed), MFU {result['mfu_overlapped'] * 100:.1f}-{result['mfu_summed'] * 100:.1f}%; "
             f"{result['kernels']:,} kernels, device {result['device_ms']:.1f} ms ({phase_split(result)}), launches "
             f"{result['launch_ms']:.1f} ms; traced / model FLOPs {result['traced_flops'] / result['model_flops']:.4f}; "
@@ -692,7 +224,7 @@ def body(args, report: Report) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--feature-model", default=None, help="a decoder of bench_feature_models.py (see above)")
+    parser.add_argument("--feature-model", default=None, help="a decoder of the performance model's MODELS (see above)")
     add_common_arguments(parser)
     return run("bench_projection", parser, body)
 

@@ -3,15 +3,15 @@
 BLEU) per seed, with the minimum, median and maximum. A quality claim holds across seeds or not at
 all: the goals are checked on the minimum.
 
-    python benchmarks/bench_quality.py                                      # configs/tiny.yaml, seeds 1-20
-    python benchmarks/bench_quality.py --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
-    python benchmarks/bench_quality.py --config configs/compressed.yaml --seeds 1 2 1234
-    python benchmarks/bench_quality.py --config configs/smollm2.yaml --seeds 1 2 3        # ~13 min a seed
-    python benchmarks/bench_quality.py --quick                              # a few seconds of training
-    python benchmarks/bench_quality.py --tiny-decoder llama --seeds 1 2 3   # over a tiny saved Llama
+    python -m benchmarks.bench_quality                                      # configs/tiny.yaml, seeds 1-20
+    python -m benchmarks.bench_quality --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
+    python -m benchmarks.bench_quality --config configs/compressed.yaml --seeds 1 2 1234
+    python -m benchmarks.bench_quality --config configs/smollm2.yaml --seeds 1 2 3        # ~13 min a seed
+    python -m benchmarks.bench_quality --quick                              # a few seconds of training
+    python -m benchmarks.bench_quality --tiny-decoder llama --seeds 1 2 3   # over a tiny saved Llama
 
 ``--tiny-decoder gpt2|gpt_neox|llama``: the feature model is a tiny decoder of that family saved as the
-hub ships one, with its own small tokenizer (tests/helpers/decoders.py), loaded by path.
+hub ships one, with its own small tokenizer (benchmarks/tiny_decoders.py), loaded by path.
 
 Each run gets a fresh temporary run directory; wall time is the whole command, start-up included.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, add_common_arguments, child_environment, run
 
 # The goals the README states, on the worst seed: the first command's run, and the quality config.
 GOALS = {
@@ -64,7 +63,7 @@ def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch
         "logging.tensorboard=false", "logging.print_samples=0", "checkpoint.export_portable=false",
         "checkpoint.resume=never", *overrides,
     ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = child_environment(TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
@@ -105,7 +104,7 @@ def unseen_token_share(config: str, overrides: list[str]) -> float:
 
 
 def tiny_decoder_overrides(family: str, directory: Path) -> list[str]:
-    from tests.helpers.decoders import save_tiny_decoder, small_tokenizer
+    from benchmarks.tiny_decoders import save_tiny_decoder, small_tokenizer
 
     save_tiny_decoder(directory, family, small_tokenizer())
     return [

@@ -3,8 +3,8 @@ token can be read back over the whole vocabulary, by the tied head's inner produ
 head's nearest normalised code, and how much of a token a k-dimensional linear map of the frozen
 GPT-2's features holds, where the features of a token carry its predecessors too.
 
-    python benchmarks/bench_readout.py            # configs/compressed.yaml's GPT-2, 3,000 corpus lines
-    python benchmarks/bench_readout.py --quick    # 300 lines
+    python -m benchmarks.bench_readout            # configs/compressed.yaml's GPT-2, 3,000 corpus lines
+    python -m benchmarks.bench_readout --quick    # 300 lines
 
 1. Reading a code back. Every token v gets the code c_v = P t_v (t_v its row of the GPT-2 token table,
    P a random k x d matrix). The tied head scores a state carrying c_x by inner products c_x . c_v:
@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, add_common_arguments, run
 
 CONFIG = "configs/compressed.yaml"
 RANKS = (8, 12, 16, 32)

@@ -4,8 +4,8 @@ training step after it (the restart: torchrun's teardown, the new ranks' start-u
 the newest checkpoint, one step). The baseline, in the same invocation: the same command's cold
 start, from its launch to its first step.
 
-    python benchmarks/bench_restart.py [--json out.json]
-    python benchmarks/bench_restart.py --quick    # the same, tiny.yaml at width 32
+    python -m benchmarks.bench_restart [--json out.json]
+    python -m benchmarks.bench_restart --quick    # the same, tiny.yaml at width 32
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, TINY, Report, add_common_arguments, child_environment, run
 
 KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint (or a later one), at step 30 or after
 # --quick: the same path in fewer steps (the kill after the step-5 checkpoint or a later one).
@@ -80,8 +80,8 @@ def body(args, report: Report) -> None:
     if args.quick:
         overrides += ["model.d_model=32", "feature_model.n_embd=32", "feature_model.n_layer=3"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    env = child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY)]
     run_dir, log = scratch / "run", scratch / "job.log"
     launched = time.monotonic()
     with log.open("w") as out:  # a file: a pipe nobody reads while the job trains would fill and stop it

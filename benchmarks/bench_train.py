@@ -15,9 +15,9 @@
    ZeRO-2 against TP=1 x DP=1 (the same engine).  Ranks are real processes (torchrun).
    Goal: ratio <= 0.30.
 
-    python benchmarks/bench_train.py                 # both, the tiny model, fp32 and bf16 memory
-    python benchmarks/bench_train.py --part step --repeats 16 model.d_model=128
-    python benchmarks/bench_train.py --quick         # seconds: fewer steps, fp32 memory only (its TP1xDP1
+    python -m benchmarks.bench_train                 # both, the tiny model, fp32 and bf16 memory
+    python -m benchmarks.bench_train --part step --repeats 16 model.d_model=128
+    python -m benchmarks.bench_train --quick         # seconds: fewer steps, fp32 memory only (its TP1xDP1
                                                      # side read on part 1's trainer, no torchrun of its own)
 """
 
@@ -33,7 +33,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, Report, add_common_arguments, add_repeat_arguments, interleaved, run, started_trainer
+from benchmarks.harness import (
+    REPO,
+    TINY,
+    Report,
+    add_common_arguments,
+    add_repeat_arguments,
+    child_environment,
+    interleaved,
+    run,
+    started_trainer,
+)
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = [
@@ -59,7 +69,7 @@ def load(overrides: list[str], run_dir: str):
     from parallel_latent.config import load_config
 
     return load_config(
-        REPO / "configs" / "tiny.yaml",
+        TINY,
         [*DEFAULT_OVERRIDES, *overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=never"],
     )
 
@@ -217,16 +227,15 @@ def _has_cuda() -> bool:
 def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "memory.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        if not _has_cuda():
-            env["DS_ACCELERATOR"] = "cpu"
+        env = child_environment(1, cpu=not _has_cuda(), PYTHONUNBUFFERED="1")
         command = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={nproc}",
-            str(Path(__file__).resolve()),
+            "-m",
+            "benchmarks.bench_train",
             "--memory-worker",
             str(output),
             "--run-dir",

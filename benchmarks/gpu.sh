@@ -94,4 +94,4 @@ if [[ -n "$check_only" ]]; then  # a wheelhouse tried on the node before the min
     exit 0
 fi
 gpu_tests
-"$PYTHON" benchmarks/bench_gpu.py ${args[@]+"${args[@]}"}
+"$PYTHON" -m benchmarks.bench_gpu ${args[@]+"${args[@]}"}

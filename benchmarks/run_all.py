@@ -1,10 +1,10 @@
 """Run every CPU benchmark at full size, one after another, and write the page of figures the README
 quotes (docs/benchmarks.md), from the JSON each script leaves in docs/benchmarks/.
 
-    python benchmarks/run_all.py                          # everything (a few hours on 2 cores)
-    python benchmarks/run_all.py --only bench_model bench_parallel   # re-run these, keep the others
-    python benchmarks/run_all.py --render                 # only rewrite the page from the JSON files
-    python benchmarks/run_all.py --quick --results /tmp/r --page /tmp/r/page.md   # a smoke run
+    python -m benchmarks.run_all                          # everything (a few hours on 2 cores)
+    python -m benchmarks.run_all --only bench_model bench_parallel   # re-run these, keep the others
+    python -m benchmarks.run_all --render                 # only rewrite the page from the JSON files
+    python -m benchmarks.run_all --quick --results /tmp/r --page /tmp/r/page.md   # a smoke run
 
 Each script runs in its own process; one that fails is named on the page (its previous figures,
 if any, are kept and marked with their date) and makes this script exit non-zero at the end. The
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, Spread, format_value
+from benchmarks.harness import REPO, Spread, format_value
 
 RESULTS = REPO / "docs" / "benchmarks"
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -38,62 +38,63 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
     "bench_model": (
         "The autoencoder at TP=1 against a plain PyTorch twin, the truncated GPT-2 against the full one, and "
         "the host work of one training step",
-        ["benchmarks/bench_model.py"],
+        ["-m", "benchmarks.bench_model"],
     ),
     "bench_parallel": (
         "The tensor-parallel core: TP=1 overhead, TP=2 against torch's DTensor, the frozen pass split over TP, "
         "sequence parallelism's activation memory, the TP switches' step time",
-        ["benchmarks/bench_parallel.py"],
+        ["-m", "benchmarks.bench_parallel"],
     ),
     "bench_train": (
         "The trainer's step against a plain PyTorch loop; trainable-part memory per rank at TP2 x DP2 ZeRO-2",
-        ["benchmarks/bench_train.py"],
+        ["-m", "benchmarks.bench_train"],
     ),
     "bench_checkpoint": (
         "Portable safetensors checkpoints against torch.save, and the training loop's stall per training "
         "checkpoint written in the background against a synchronous one, configs/gpt2.yaml's model",
-        ["benchmarks/bench_checkpoint.py"],
+        ["-m", "benchmarks.bench_checkpoint"],
     ),
     "bench_restart": (
         "A job that heals itself: configs/tiny.yaml under train --nproc 2 --max-restarts 1, one rank killed "
         "mid-run, the time from the kill to the first step after it",
-        ["benchmarks/bench_restart.py"],
+        ["-m", "benchmarks.bench_restart"],
     ),
     "bench_data": (
         "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",
-        ["benchmarks/bench_data.py"],
+        ["-m", "benchmarks.bench_data"],
     ),
     "bench_export": (
         "encode-corpus on configs/tiny.yaml's model: export / bare encode throughput, peak RSS against the "
         "corpus size, a rerun after a kill at 50%",
-        ["benchmarks/bench_export.py"],
+        ["-m", "benchmarks.bench_export"],
     ),
     "bench_projection": (
         "configs/gpt2.yaml's whole step on one H200, projected (the model traced on the meta device, the rest "
         "of the step, DeepSpeed's included, from a real CPU step; pinned roofline: 989 TFLOP/s MFU peak, "
         "matmuls at 700/593 TFLOP/s, 4.0 TB/s, at least 2 us per kernel, 5 us per eager launch); goals on the "
         "overlapped MFU at dropout 0.1 and on DeepSpeed's kernels and the hook calls per step",
-        ["benchmarks/bench_projection.py"],
+        ["-m", "benchmarks.bench_projection"],
     ),
     "bench_feature_models": (
         "The frozen feature model at realistic sizes (GPT-2, Pythia, Llama, Mistral, Qwen; built on the meta "
         "device from their published configs): bytes per rank and the frozen pass's projected time per rank, "
         "replicated against sharded over the TP group, at TP 1/2/4/8",
-        ["benchmarks/bench_feature_models.py"],
+        ["-m", "benchmarks.bench_feature_models"],
     ),
     "quality_tiny": (
         "Held-out reconstruction of configs/tiny.yaml (the README's first command) over seeds 1-20",
-        ["benchmarks/bench_quality.py", "--config", "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))],
+        ["-m", "benchmarks.bench_quality", "--config", "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))],
     ),
     "quality_small": (
         "Held-out reconstruction of configs/small.yaml over three seeds",
-        ["benchmarks/bench_quality.py", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
+        ["-m", "benchmarks.bench_quality", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
     ),
     "quality_tiny_compressed": (
         "configs/tiny.yaml with 8 latents of 32 features for its 16 tokens (16 floats per token), one process, "
         "over seeds 1-10, with the per-position accuracy: the lookup start with fewer latents than positions",
         [
-            "benchmarks/bench_quality.py",
+            "-m",
+            "benchmarks.bench_quality",
             "--config",
             "configs/tiny.yaml",
             "--nproc",
@@ -107,13 +108,13 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
         "What limits narrow latents, without training: a k-dimensional code of a token read back over the whole "
         "vocabulary by the tied head's inner product and by the nearest head's nearest normalised code, and how "
         "much of a token a k-dimensional linear map of the frozen GPT-2's features holds",
-        ["benchmarks/bench_readout.py"],
+        ["-m", "benchmarks.bench_readout"],
     ),
     "quality_frontier": (
         "The compression frontier: configs/compressed.yaml and its points (N latents x k features for T = 32 "
         "tokens), each over the seeds its command names: held-out BLEU, exact match, BLEU under noise, length "
         "accuracy, out-of-domain BLEU, wall time",
-        ["benchmarks/bench_frontier.py"],
+        ["-m", "benchmarks.bench_frontier"],
     ),
 }
 GPU = "gpu"
@@ -138,7 +139,7 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|")
 
 
-def _value(figure: dict) -> str:
+def value_cell(figure: dict) -> str:
     value = f"{format_value(figure['value'])} {figure['unit']}".strip()
     return f"{value} ({Spread(**figure['spread']).words()})" if figure.get("spread") else value
 
@@ -160,7 +161,7 @@ def render_section(title: str, record: dict | None, failed: bool, missing_reason
     lines += ["| figure | value | goal | met |", "| --- | --- | --- | --- |"]
     for figure in record["figures"]:
         met = "" if figure["met"] is None else ("yes" if figure["met"] else "**no**")
-        lines.append(f"| {_cell(figure['name'])} | {_value(figure)} | {_cell(figure['goal'])} | {met} |")
+        lines.append(f"| {_cell(figure['name'])} | {value_cell(figure)} | {_cell(figure['goal'])} | {met} |")
     return [*lines, ""]
 
 
@@ -173,7 +174,7 @@ def render_page(results: Path, failed: set[str] = frozenset()) -> str:
     lines = [
         "# Benchmark figures",
         "",
-        "Written by `python benchmarks/run_all.py` from the JSON files in `docs/benchmarks/` (one per script; "
+        "Written by `python -m benchmarks.run_all` from the JSON files in `docs/benchmarks/` (one per script; "
         "`--only NAME` re-runs one, `--render` rewrites this page). A timing is a ratio against a baseline run in "
         "the same process, one repeat of each in turn: the median of the per-repeat ratios, then in brackets their "
         "min-max, the ratio of CPU time (steadier than wall time on a shared machine), the load average while it "

@@ -1,4 +1,4 @@
-"""The operators of one training step, for benchmarks/bench_projection.py: every dispatched operator
+"""The operators of one training step, for the performance model (benchmarks/performance.py): every dispatched operator
 that launches a kernel, with its FLOPs, the bytes it reads and writes, the compiled region it runs
 in, and which part of the step asked for it.
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from common import REPO, started_trainer
+from benchmarks.harness import GPT2, on_ranks, started_trainer
 
 # Operators that launch nothing: allocation, metadata, aliasing.
 NO_KERNEL = {
@@ -332,7 +332,7 @@ def _feature_model_from(recorded: dict | None):
 # --------------------------------------------------------------------------- #
 
 
-def row_config(setting: dict, quick: bool, config: Path = REPO / "configs" / "gpt2.yaml"):
+def row_config(setting: dict, quick: bool, config: Path = GPT2):
     from parallel_latent.config import load_config
 
     overrides = [*(SHRINK if quick else []), "feature_model.pretrained=false", "training.precision=bf16"]
@@ -501,7 +501,7 @@ def traced_train_step(trainer) -> RealStep:
     return RealStep(tracer.ops, hooks.calls)
 
 
-def real_step(overrides: list[str], config: Path = REPO / "configs" / "gpt2.yaml") -> RealStep:
+def real_step(overrides: list[str], config: Path = GPT2) -> RealStep:
     """:func:`traced_train_step` of a trainer of ``config`` with ``overrides``, in this process."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
@@ -510,44 +510,12 @@ def real_step(overrides: list[str], config: Path = REPO / "configs" / "gpt2.yaml
         return traced_train_step(trainer)
 
 
-def _rank_task(rank: int, world: int, port: int, scratch: str, quick: bool, results) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})  # fmt: skip
-    torch.set_num_threads(1)
-    traced = real_step([*real_step_overrides(Path(scratch), quick), "parallel.tensor_parallel=1"])
-    if rank == 0:
-        results.put(traced)
+def _traced_rank(scratch: str, quick: bool) -> RealStep:
+    return real_step([*real_step_overrides(Path(scratch), quick), "parallel.tensor_parallel=1"])
 
 
 def real_step_on_ranks(world: int, quick: bool) -> RealStep:
     """Rank 0's :func:`real_step` with ``world`` data-parallel gloo ranks (spawned processes)."""
-    import queue
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="bench-projection-ranks.") as scratch:
         real_step_overrides(Path(scratch), quick)  # the corpus, before any rank reads it
-        processes = [context.Process(target=_rank_task, args=(r, world, port, scratch, quick, results))
-                     for r in range(world)]  # fmt: skip
-        for process in processes:
-            process.start()
-        while True:
-            try:
-                traced = results.get(timeout=5)
-                break
-            except queue.Empty:
-                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                if failed:
-                    for process in processes:
-                        process.kill()
-                    raise RuntimeError(f"a traced rank exited with status {failed[0]}") from None
-        for process in processes:
-            process.join()
-    return traced
+        return on_ranks(world, _traced_rank, scratch, quick)

@@ -393,3 +393,59 @@ def test_no_test_module_imports_another():
                 names = [a.name for a in node.names]
             bad = [n for n in names if n.startswith("tests.") and n.split(".")[-1].startswith("test_")]
             assert not bad, f"{path.relative_to(tests.parent)} imports {bad}"
+
+
+# --------------------------------------------------------------------------- #
+# benchmarks/: a package of its own beside parallel_latent, which the tests may import and which
+# imports no test.
+# --------------------------------------------------------------------------- #
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def benchmark_trees() -> dict[str, ast.Module]:
+    return {path.stem: ast.parse(path.read_text()) for path in sorted(BENCHMARKS.glob("*.py"))}
+
+
+def imports_of(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of a module, deferred ones (inside a function) included."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_the_benchmarks_import_no_tests_and_edit_no_sys_path():
+    siblings = set(benchmark_trees())
+    for name, tree in benchmark_trees().items():
+        for node in imports_of(tree):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            bad = [m for m in modules if m.split(".")[0] in ("tests", *siblings) or getattr(node, "level", 0)]
+            assert not bad, f"benchmarks/{name}.py imports {bad}: a test, or a sibling not as benchmarks.NAME"
+        edits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "path"
+                 and isinstance(n.value, ast.Name) and n.value.id == "sys"]  # fmt: skip
+        assert not edits, (
+            f"benchmarks/{name}.py touches sys.path (line {edits[0]}): run it as python -m benchmarks.{name}"
+        )
+
+
+def test_the_benchmarks_import_one_another_without_a_circle():
+    graph = {
+        name: {m.split(".")[1] for node in imports_of(tree) if isinstance(node, ast.ImportFrom)
+               for m in [node.module or ""] if m.startswith("benchmarks.")}
+        for name, tree in benchmark_trees().items()
+    }  # fmt: skip
+
+    def circle_from(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name) :] + [name]
+        return next((c for n in sorted(graph.get(name, ())) if (c := circle_from(n, [*path, name]))), None)
+
+    for name in graph:
+        circle = circle_from(name, [])
+        assert circle is None, f"benchmarks import in a circle: {' -> '.join(circle)}"
+
+
+def test_the_benchmarks_import_no_private_name():
+    for name, tree in benchmark_trees().items():
+        for node in imports_of(tree):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith(("benchmarks", "parallel_latent")):
+                private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
+                assert not private, f"benchmarks/{name}.py imports {private} from {node.module}: make them public"

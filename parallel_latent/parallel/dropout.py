@@ -254,10 +254,10 @@ def keep_mask(
     seed, step, layer_id = key
     step_key_tensor = torch.tensor(_as_int64(step_key(seed, step)), device=device)
     layer_keys = device_layer_key(step_key_tensor, torch.tensor(_as_int64(layer_id), device=device))
-    return keep_mask_core(*index_tensors(shape, offsets, full_shape, device), *layer_keys, _threshold(p))
+    return keep_mask_core(*index_tensors(shape, offsets, full_shape, device), *layer_keys, drop_threshold(p))
 
 
-def _threshold(p: float) -> int:
+def drop_threshold(p: float) -> int:
     """Drop iff the uint32 hash is below p * 2**32; as the int32 the comparison is made in."""
     return round(p * 2**32) + _INT32_MIN
 
@@ -364,7 +364,7 @@ class ParallelDropout(_KeyedSite):
         # The id as a device tensor for the kernel (every block then shares one compiled graph); a
         # buffer so that it moves with the model, not persistent: checkpoints stay as they are.
         self.register_buffer("layer_index", torch.tensor(self.layer_id, dtype=torch.int64), persistent=False)
-        self.threshold, self.scale = _threshold(p), 1.0 / (1.0 - p)
+        self.threshold, self.scale = drop_threshold(p), 1.0 / (1.0 - p)
 
     def forward(self, x: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """Dropout of ``x``, or with ``gelu`` of the exact GELU of ``x`` (one kernel with the mask

@@ -12,12 +12,13 @@ import sys
 
 import pytest
 
-from tests.helpers.benchmarks import BENCHMARKS, REPO, load_benchmark, run_quick
+from benchmarks import run_all
+from tests.helpers.benchmarks import REPO, run_quick
 
-# script -> the figures its quick mode must produce (by name prefix; each once or more)
+# benchmark -> the figures its quick mode must produce (by name prefix; each once or more)
 QUICK_FIGURES = {
-    "bench_model.py": ["model fwd+bwd ours / plain PyTorch, dropout 0.0", "features truncated / full GPT-2"],
-    "bench_parallel.py": [
+    "bench_model": ["model fwd+bwd ours / plain PyTorch, dropout 0.0", "features truncated / full GPT-2"],
+    "bench_parallel": [
         "TP=1 MLP ours / nn.Sequential",
         "TP=2 MLP ours / torch.distributed.tensor.parallel",
         "gpt2.yaml replicated frozen pass, share of a rank's model FLOPs, TP=8",
@@ -25,33 +26,33 @@ QUICK_FIGURES = {
         "saved activations sequence parallel / not, TP=4",
         "TP=2 step split feature pass / replicated",
     ],
-    "bench_train.py": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
-    "bench_checkpoint.py": [
+    "bench_train": ["trainer / plain step time", "fp32 memory per rank TP2xDP2 / TP1xDP1"],
+    "bench_checkpoint": [
         "portable load (checksums verified) / torch.load",
         "portable bytes / torch.save bytes",
         "training loop stall per save, background / synchronous",
     ],
-    "bench_restart.py": ["restart: kill to the first step after it", "restart / cold start"],
-    "bench_data.py": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
-    "bench_export.py": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
-    "bench_frontier.py": [
+    "bench_restart": ["restart: kill to the first step after it", "restart / cold start"],
+    "bench_data": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
+    "bench_export": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
+    "bench_frontier": [
         "4 x 16 (8 floats per token) worst seed bleu",
         "4 x 16 (8 floats per token) median bleu noise 0.5",
         "4 x 16 (8 floats per token) worst seed out of domain bleu",
         "4 x 16 (8 floats per token) held-out - out-of-domain BLEU",
         "4 x 16 (8 floats per token) slowest seed wall time",
     ],
-    "bench_readout.py": [
+    "bench_readout": [
         "random code, k=16: tokens read back by inner product",
         "random code, k=16: tokens read back by nearest normalised code",
         "features explained linearly by the token and its position",
         "linear code of the features, k=8, the least mixed subspace",
     ],
-    "bench_feature_models.py": [
+    "bench_feature_models": [
         "llama-3.2-1b: frozen bytes per rank, shard / replicate at TP=8",
         "pythia-1.4b: frozen pass time per rank, shard / replicate at TP=8",
     ],
-    "bench_quality.py": [
+    "bench_quality": [
         "tiny.yaml seed 1: token accuracy",
         "tiny.yaml worst seed bleu",
         "tiny.yaml slowest seed",
@@ -80,38 +81,30 @@ def test_benchmark_quick_mode_produces_its_figures(script, tmp_path):
 
 def test_benchmark_fails_without_figures(tmp_path):
     """A script that produced nothing exits non-zero and says so in its last line."""
-    script = tmp_path / "bench_nothing.py"
-    script.write_text(
+    script = (
         "import argparse, sys\n"
-        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
-        "from common import add_common_arguments, run\n"
+        "from benchmarks.harness import add_common_arguments, run\n"
         "parser = argparse.ArgumentParser(); add_common_arguments(parser)\n"
         "sys.exit(run('bench_nothing', parser, lambda args, report: None))\n"
     )
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == "bench_nothing: FAILED: no figures produced"
-
-
-def _run_all():
-    return load_benchmark("run_all")
 
 
 def test_page_of_figures_is_rendered_from_the_committed_results():
     """docs/benchmarks.md must be exactly what run_all.py renders from docs/benchmarks/*.json: a figure
     edited by hand on the page, or a JSON file updated without re-rendering, fails here."""
-    run_all = _run_all()
     assert (REPO / "docs" / "benchmarks.md").read_text() == run_all.render_page(run_all.RESULTS)
 
 
 def test_page_marks_goals_missing_runs_and_failures(tmp_path):
-    run_all = _run_all()
     figures = [
         {"name": "a / b", "value": 0.9, "unit": "x", "goal": "<= 1", "met": True},
         {"name": "c / d", "value": 1.3, "unit": "x", "goal": "<= 1.1", "met": False},
         {"name": "e", "value": 12.5, "unit": "ms", "goal": "", "met": None},
     ]
-    record = {"benchmark": "bench_model", "quick": False, "command": "python benchmarks/bench_model.py",
+    record = {"benchmark": "bench_model", "quick": False, "command": "python -m benchmarks.bench_model",
               "date": "2026-01-01 00:00 UTC", "machine": {"cpu": "X", "cores": 2}, "figures": figures}  # fmt: skip
     (tmp_path / "bench_model.json").write_text(json.dumps(record))
     page = run_all.render_page(tmp_path, failed={"bench_train"})

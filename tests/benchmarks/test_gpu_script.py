@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.helpers.benchmarks import BENCHMARKS, load_benchmark, run_in_repo
+from benchmarks import bench_gpu
+from tests.helpers.benchmarks import BENCHMARKS, run_in_repo
 
 
 def run_gpu_script(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -71,7 +72,7 @@ def test_gpu_script_runs_every_row_on_cpu_when_allowed(tmp_path, monkeypatch, ca
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its scratch directory goes
         monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--json", str(tmp_path / "gpu.json")])
-        status = load_benchmark("bench_gpu").main()
+        status = bench_gpu.main()
         stdout, stderr = capsys.readouterr()
         assert status == 0, stdout + stderr
         lines = stdout.strip().splitlines()
@@ -108,7 +109,6 @@ def test_gpu_script_stops_at_its_deadline_with_a_partial_table(tmp_path, monkeyp
 
     deadline, started_ago = 90, 80
     left = deadline - started_ago
-    bench_gpu = load_benchmark("bench_gpu")
     for name, value in {"ALLOW_CPU": "1", "STEPS": "100000", "LOG_EVERY": "1000", "DEADLINE_S": str(deadline),
                         "GPU_SH_STARTED_AT": str(time.time() - started_ago)}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
@@ -133,7 +133,6 @@ def test_gpu_rows_put_the_goals_first_and_their_timeouts_fit_the_deadline(monkey
     """The default row, then compile (the 50% claim), then micro-batch 32, the dropout-0 rows and
     encode-corpus; their timeouts add up inside the default deadline with room for the install and
     the GPU tests; a failed dropout-kernel test makes the training rows eager."""
-    bench_gpu = load_benchmark("bench_gpu")
     monkeypatch.delenv("ROWS", raising=False)
     rows = bench_gpu.chosen_rows(quick=False, compile_dropout=True)
     assert [name for name, *_ in rows] == ["default", "compile", "micro32", "dropout0", "dropout0 micro32",
@@ -148,7 +147,6 @@ def test_gpu_rows_put_the_goals_first_and_their_timeouts_fit_the_deadline(monkey
 
 
 def test_the_gpu_tests_verdict_on_the_dropout_kernel_is_read_from_their_junit_file(tmp_path):
-    bench_gpu = load_benchmark("bench_gpu")
     junit = tmp_path / "gpu-tests.xml"
     for body, verdict in (("", True), ("<failure message='x'/>", False), ("<skipped message='no CUDA'/>", None)):
         junit.write_text(f"<testsuites><testsuite><testcase name='{bench_gpu.DROPOUT_TEST}'>{body}</testcase>"
@@ -170,7 +168,6 @@ def test_gpu_table_names_what_fell_back_the_attention_kernel_and_the_projection(
 
     with caplog.at_level("WARNING"):
         assert CompiledWithFallback(breaks_the_graph, "the Perceiver blocks")(torch.ones(2)).tolist() == [2.0, 2.0]
-    bench_gpu = load_benchmark("bench_gpu")
     fell_back = bench_gpu.fallbacks(caplog.text)
     assert list(fell_back) == ["blocks"] and fell_back["blocks"].startswith("the Perceiver blocks: ")
     names = {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 22, "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": 24}

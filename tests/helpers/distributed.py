@@ -13,7 +13,6 @@ import datetime
 import gc
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -21,27 +20,10 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks.harness import free_port
 from parallel_latent.cli import GC_THRESHOLD
 
 TASK_TIMEOUT_S = float(os.environ.get("PL_TEST_TASK_TIMEOUT", "300"))
-
-
-def free_port() -> int:
-    """A port for a store that a process started later will host, kept from every other taker
-    meanwhile: a port merely bound and closed is free for the next ``bind(0)`` (a gloo listener of
-    a test running beside) before that process, seconds of imports later, binds it, and then the
-    job's rank 0 cannot host its store and the others wait out their bound. Here the port is left
-    in TIME_WAIT (about 60 s), which the kernel never hands to ``bind(0)`` or ``connect()``, while
-    the store's own bind (``SO_REUSEADDR``, as every TCPStore binds) still takes it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = listener.accept()
-            accepted.close()  # the side that closes first holds the TIME_WAIT, on this port
-    return port
 
 
 def limit_threads() -> None:

@@ -1,8 +1,6 @@
-"""Counting what a piece of code asks the device to do, with a dispatch mode (used by the step tests
-and benchmarks/bench_model.py): operators dispatched, and tensors built from Python data
-(``torch.tensor([...])`` and friends dispatch ``aten.lift_fresh``; on a GPU each such tensor is a
-copy from pageable host memory that waits for the device), with the frame of the package that
-asked for them.
+"""Counting what a piece of code asks the device to do: benchmarks/op_counter.py's :class:`OpCounter`
+(operators dispatched, tensors built from Python data and the package's frame that asked for them),
+for the step tests.
 
 :class:`HostSyncCounter` adds the reads that would make the host wait for a GPU. On a CPU every
 tensor is a host tensor, so it classifies by what the read would do on CUDA: every tensor is taken
@@ -18,10 +16,9 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-PACKAGE = str(Path(__file__).resolve().parents[2] / "parallel_latent")
-FROM_PYTHON_DATA = ("aten.lift_fresh", "aten.lift_fresh_copy")
+from benchmarks.op_counter import FROM_PYTHON_DATA, OpCounter
+
 # Operators whose result the host must wait for: a device scalar read (item(), bool(), float(),
 # int() of a tensor), and outputs whose shape depends on the data.
 SYNCING_OPS = (
@@ -43,16 +40,6 @@ MASK_INDEXING_OPS = ("aten.index.Tensor", "aten.index_put", "aten._index_put_imp
 HOST_COPIES = ("cpu", "tolist", "numpy")
 
 
-def package_caller(package: str = PACKAGE) -> str | None:
-    """``file:line`` of the code that asked, if it is ``package``'s: the innermost frame outside
-    torch itself and this module (None when that frame is a third party's, e.g. DeepSpeed's)."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if "/torch/" in frame.filename or frame.filename == __file__:
-            continue
-        return f"{Path(frame.filename).name}:{frame.lineno}" if frame.filename.startswith(package) else None
-    return None
-
-
 def any_caller() -> str:
     """``file:line`` of the innermost frame outside torch and this module, whoever's it is
     (``deepspeed/runtime/utils.py:887``, ``train.py:415``)."""
@@ -62,24 +49,6 @@ def any_caller() -> str:
         parts = Path(frame.filename).parts
         return f"{'/'.join(parts[-3:])}:{frame.lineno}"
     return "?"
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.from_python_data: list[str | None] = []  # the package's frame for each such tensor
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        self.ops[name] += 1
-        if name.startswith(FROM_PYTHON_DATA):
-            self.from_python_data.append(package_caller())
-        return func(*args, **(kwargs or {}))
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -110,6 +79,8 @@ class HostSyncCounter(OpCounter):
     """An :class:`OpCounter` that also records, with their callers, the host synchronisations the
     code would cost on CUDA (:data:`SYNCING_OPS` and copies to the host of a device tensor) and every
     tensor built from Python data, whoever asked (``from_python_callers``)."""
+
+    instruments = (*OpCounter.instruments, __file__)
 
     def __init__(self, host_tensors: Iterable[torch.Tensor] = ()):
         super().__init__()

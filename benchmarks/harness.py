@@ -1,5 +1,5 @@
-"""What every benchmark script shares: ``--quick`` and ``--json``, one line per figure, and an exit
-status that says whether the figures were produced.
+"""What every benchmark script shares: its arguments and report, how it starts other processes
+(one environment builder, rank processes, a port for their store), and what memory it reads.
 
 A figure is a number with its unit and, where the project states one, its goal. Each is printed as
 one line starting ``figure:`` (what ``tests/benchmarks/test_benchmarks.py`` and ``benchmarks/run_all.py``
@@ -23,6 +23,8 @@ import json
 import math
 import os
 import platform
+import queue
+import socket
 import statistics
 import sys
 import time
@@ -32,8 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # scripts are run as files: make the repository importable
-    sys.path.insert(0, str(REPO))
+TINY = REPO / "configs" / "tiny.yaml"
+GPT2 = REPO / "configs" / "gpt2.yaml"
+BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
 
 
 # The halves' medians of a stable ratio differ by at most this fraction: half of the 5% within which
@@ -228,7 +231,7 @@ class Report:
         record = {
             "benchmark": self.benchmark,
             "quick": self.quick,
-            "command": " ".join(["python", f"benchmarks/{self.benchmark}.py", *argv]),
+            "command": " ".join(["python", "-m", f"benchmarks.{self.benchmark}", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": machine(),
             "figures": [asdict(f) for f in self.figures],
@@ -288,3 +291,135 @@ def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argpars
         return 1
     report.write()
     return 0
+
+
+def all_ranks_agree(settled: bool) -> bool:
+    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(settled)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# --------------------------------------------------------------------------- #
+# Other processes: their environment, their memory, ranks and the port of their store.
+# --------------------------------------------------------------------------- #
+
+
+def child_environment(threads: int | None = None, *, cpu: bool = False, **variables: str) -> dict[str, str]:
+    """This process's environment for a child: ``threads`` compute threads (OMP_NUM_THREADS; None:
+    as inherited), DeepSpeed on the CPU with ``cpu``, and ``variables`` (TOKENIZERS_PARALLELISM="false"
+    where the child forks after tokenising: the tokenizers' warning, not their speed, is the point)."""
+    env = {**os.environ, **variables}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """VmHWM of a running process: the peak resident set of its current program. (ru_maxrss from
+    wait4 would not do: it keeps the high-water mark of the image before exec, i.e. of this
+    benchmark process, which forked the child.)"""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss_while(process, stop: Callable[[], bool] = lambda: False) -> float:
+    """The peak resident set (MB) of a running ``process``, sampled every 10 ms until it exits or
+    ``stop()`` (asked after each sample) says to stop watching."""
+    peak = 0.0
+    while process.poll() is None:
+        peak = max(peak, peak_rss_mb(process.pid) or 0.0)
+        if stop():
+            break
+        time.sleep(0.01)
+    return peak
+
+
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak resident memory over ``fn()`` above what was resident before (Linux: resets the high-water
+    mark through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _resident("VmRSS:")
+    fn()
+    return _resident("VmHWM:") - before
+
+
+def free_port() -> int:
+    """A port for a store that a process started later will host, kept from every other taker
+    meanwhile: a port merely bound and closed is free for the next ``bind(0)`` (a gloo listener of
+    a test running beside) before that process, seconds of imports later, binds it, and then the
+    job's rank 0 cannot host its store and the others wait out their bound. Here the port is left
+    in TIME_WAIT (about 60 s), which the kernel never hands to ``bind(0)`` or ``connect()``, while
+    the store's own bind (``SO_REUSEADDR``, as every TCPStore binds) still takes it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the side that closes first holds the TIME_WAIT, on this port
+    return port
+
+
+def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
+    """What a launcher tells rank ``rank`` of a job of ``world`` processes on this machine."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
+    import torch
+
+    os.environ.update({**rank_environment(rank, world, port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)  # several ranks on few cores: one thread each, or they fight over the cores
+    value = task(*args)
+    if rank == 0:
+        results.put(value)
+
+
+def on_ranks(world: int, task, *args):
+    """Rank 0's ``task(*args)``, run on each of ``world`` spawned processes (the ranks of a job on
+    this machine, told so by their environment); a rank that fails ends them all."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results, port = context.Queue(), free_port()
+    processes = [context.Process(target=_rank, args=(r, world, port, task, args, results)) for r in range(world)]
+    for process in processes:
+        process.start()
+    while True:
+        try:
+            value = results.get(timeout=5)
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"a rank exited with status {failed[0]}") from None
+    for process in processes:
+        process.join()
+    return value
