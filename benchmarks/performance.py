@@ -345,17 +345,10 @@ QUICK_MODELS = ("gpt2 (124M)", "pythia-1.4b", "llama-3.2-1b")
 
 
 def transformers_config(family: str, hidden, layers, heads, kv_heads, mlp, vocab, positions):
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+    """The published shape as its family's own config mapping builds it."""
+    from parallel_latent.model.families import FAMILIES
 
-    if family == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=mlp, vocab_size=vocab,
-                          n_positions=positions)  # fmt: skip
-    if family == "gpt_neox":
-        return GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                             intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=positions)  # fmt: skip
-    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, intermediate_size=mlp, vocab_size=vocab,
-                       max_position_embeddings=positions)  # fmt: skip
+    return FAMILIES[family].random_config(vocab, layers, heads, hidden, positions, kv_heads, mlp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,7 +455,7 @@ def feature_model_setting(name: str) -> dict:
         "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
         "model.n_heads": hidden // 128,
     }  # fmt: skip
-    if family == "llama":
+    if kv_heads != heads:  # grouped-query attention
         setting["feature_model.n_kv_head"] = kv_heads
     return {key: str(value) for key, value in setting.items()}
 

@@ -61,9 +61,17 @@ class Family:
     records_shape_alone: ClassVar[bool] = False
 
     def random_config(
-        self, vocab_size: int, n_layer: int, n_head: int, n_embd: int, n_positions: int, n_kv_head: int
+        self,
+        vocab_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        n_positions: int,
+        n_kv_head: int,
+        mlp_width: int = 0,
     ) -> PretrainedConfig:
-        """The transformers config of a random build from ``feature_model``'s ``n_*`` keys."""
+        """The transformers config of a random build from ``feature_model``'s ``n_*`` keys (``n_kv_head``
+        0: one per head; ``mlp_width`` 0: 4x the width)."""
         raise NotImplementedError
 
     def depth(self, config: PretrainedConfig) -> int:

@@ -33,11 +33,11 @@ class GPT2(Family):
     uses_gpt2_bpe = True
     records_shape_alone = True
 
-    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head) -> GPT2Config:
+    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head, mlp_width=0) -> GPT2Config:
         eos = END_OF_TEXT if vocab_size > END_OF_TEXT else None  # keeps transformers' checks quiet
         return GPT2Config(
             vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions,
-            bos_token_id=eos, eos_token_id=eos,
+            n_inner=mlp_width or None, bos_token_id=eos, eos_token_id=eos,
         )  # fmt: skip
 
     def mlp_width(self, config: PretrainedConfig) -> int:

@@ -27,8 +27,9 @@ class GPTNeoX(Family):
         "mlp.dense_4h_to_h": ROW,
     }
 
-    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head) -> GPTNeoXConfig:
+    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head, mlp_width=0) -> GPTNeoXConfig:
         return GPTNeoXConfig(
             vocab_size=vocab_size, num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=n_embd,
-            intermediate_size=4 * n_embd, max_position_embeddings=n_positions, bos_token_id=None, eos_token_id=None,
+            intermediate_size=mlp_width or 4 * n_embd, max_position_embeddings=n_positions, bos_token_id=None,
+            eos_token_id=None,
         )  # fmt: skip

@@ -31,11 +31,11 @@ class Llama(Family):
         "mlp.down_proj": ROW,
     }
 
-    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head) -> LlamaConfig:
+    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head, mlp_width=0) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=vocab_size, num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=n_embd,
-            num_key_value_heads=n_kv_head or n_head, intermediate_size=4 * n_embd, max_position_embeddings=n_positions,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            num_key_value_heads=n_kv_head or n_head, intermediate_size=mlp_width or 4 * n_embd,
+            max_position_embeddings=n_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )  # fmt: skip
 
     def split_counts(self, config: PretrainedConfig) -> dict[str, int]:
