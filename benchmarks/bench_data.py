@@ -1,63 +1,32 @@
-"""Data benchmarks: preparing a corpus once, reading it at random, and training from it at scale.
-
-1. **Preparation throughput**: ``prepare`` (load_dataset, .map(num_proc) tokenising to
-   model.max_length, writing the memory-mapped copy) on a 1,000,000-line corpus against one plain
-   batched ``GPT2TokenizerFast`` call over the same lines, in this process, alternated
-   ``--repeats`` times (best of each). Goal: ratio >= 0.8.
-
-2. **Random-access batches** (why training reads a flat token matrix): batches of 16 random rows
-   of the prepared 1M copy, from its numpy memmap (what training reads) against the same rows as a
-   ``datasets`` Arrow dataset (``save_to_disk`` / ``load_from_disk``, numpy format).
-
-3. **Training start at scale**: ``parallel-latent train`` (1 process, TP=1, training.max_steps=1)
-   on the bundled corpus (4,874 lines), on the prepared 1M-line corpus and on a prepared 10M-line
-   corpus (both written and prepared by this benchmark; preparation is not timed here): time to
-   the first step (process start to its metrics line) and the process's peak RSS. Goals: each
-   <= the bundled run's + 100 MB and + 3 s.
+"""Data benchmarks: 1. ``prepare`` (tokenising with .map(num_proc), writing the memory-mapped copy) of a
+1,000,000-line corpus against one plain batched ``GPT2TokenizerFast`` call over the same lines, best of
+``--repeats`` alternated rounds (goal >= 0.8); 2. batches of 16 random rows of the prepared copy from its
+numpy memmap (what training reads) against the same rows from a ``datasets`` Arrow dataset; 3. time to
+the first step and peak RSS of ``parallel-latent train`` (TP=1, one step) on the bundled corpus and on
+prepared 1M- and 10M-line corpora (goals: the bundled run's + 3 s and + 100 MB).
 
     python -m benchmarks.bench_data                       # everything (~15-25 min on 2 cores)
-    python -m benchmarks.bench_data --lines-large 2000000 --work-dir /scratch/bench
-    python -m benchmarks.bench_data --quick               # under a minute: 5k and 10k lines, one round,
-                                                          # no training start on the 5k-line corpus
+    python -m benchmarks.bench_data --quick               # under a minute: 5k and 10k lines, one round
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import (
-    BUNDLED,
-    REPO,
-    TINY,
-    Report,
-    add_common_arguments,
-    child_environment,
-    peak_rss_while,
-    run,
-)
+from benchmarks.harness import BUNDLED, QUIET_RUN, TINY, Report, add_common_arguments, config_with_tokenizer, run
+from benchmarks.processes import child_environment, watched_run
 
-TRAIN_OVERRIDES = [
-    "parallel.tensor_parallel=1",
-    "training.max_steps=1",
-    "training.eval_every=0",
-    "training.log_every=1",
-    "checkpoint.save_every=0",
-    "checkpoint.export_portable=false",
-    "checkpoint.resume=never",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-]
+TRAIN_OVERRIDES = ["parallel.tensor_parallel=1", "training.max_steps=1", "training.log_every=1", *QUIET_RUN]
 
 
 def write_corpus(path: Path, lines: int) -> None:
@@ -71,18 +40,8 @@ def write_corpus(path: Path, lines: int) -> None:
         handle.write("".join(line + "\n" for line in sentences[:rest]))
 
 
-def config(cache: Path, corpus: Path, *overrides: str):
-    from parallel_latent.config import load_config
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
-
-    cfg = load_config(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}", *overrides])
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    return apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer)), tokenizer
-
-
-# --------------------------------------------------------------------------- #
-# 1. Preparation throughput.
-# --------------------------------------------------------------------------- #
+def config(cache: Path, corpus: Path):
+    return config_with_tokenizer(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}"])
 
 
 def bench_prepare(corpus: Path, cache: Path, repeats: int) -> dict:
@@ -103,30 +62,16 @@ def bench_prepare(corpus: Path, cache: Path, repeats: int) -> dict:
         data, created = prepare(spec)
         prepare_times.append(time.perf_counter() - started)
         assert created
-        print(
-            f"  round {round_index + 1}: plain call {plain_times[-1]:.1f} s, prepare {prepare_times[-1]:.1f} s",
-            flush=True,
-        )
+        print(f"  round {round_index + 1}: plain call {plain_times[-1]:.1f} s, prepare {prepare_times[-1]:.1f} s",
+              flush=True)  # fmt: skip
     cache.mkdir(parents=True, exist_ok=True)
     keep = cache / data.path.name
     shutil.move(str(data.path), keep)
     for round_index in range(repeats):
         shutil.rmtree(cache.parent / f"round{round_index}", ignore_errors=True)
     plain, prepared = min(plain_times), min(prepare_times)
-    return {
-        "lines": len(lines),
-        "plain_lines_per_s": len(lines) / plain,
-        "prepare_lines_per_s": len(lines) / prepared,
-        "ratio": plain / prepared,
-        "samples": len(data),
-        "truncated": data.num_truncated,
-        "copy": keep,
-    }
-
-
-# --------------------------------------------------------------------------- #
-# 2. Random-access batches: memmap vs Arrow.
-# --------------------------------------------------------------------------- #
+    return {"plain_lines_per_s": len(lines) / plain, "prepare_lines_per_s": len(lines) / prepared,
+            "ratio": plain / prepared, "samples": len(data), "truncated": data.num_truncated, "copy": keep}  # fmt: skip
 
 
 def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: int = 16) -> dict:
@@ -138,12 +83,8 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
     datasets.disable_progress_bars()
     data = PreparedDataset(copy)
     n, length = data.num_samples, data.max_length
-    table = pa.table(
-        {
-            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(data.input_ids).reshape(-1)), length),
-            "length": pa.array(np.asarray(data.lengths)),
-        }
-    )
+    ids = pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(data.input_ids).reshape(-1)), length)
+    table = pa.table({"input_ids": ids, "length": pa.array(np.asarray(data.lengths))})
     arrow_dir = work / "arrow-copy"
     datasets.Dataset(table).save_to_disk(str(arrow_dir))
     del table
@@ -176,38 +117,24 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
     return {"memmap_us": timings["memmap"] * 1e6, "arrow_us": timings["arrow"] * 1e6, "batch": batch_size}
 
 
-# --------------------------------------------------------------------------- #
-# 3. Training start.
-# --------------------------------------------------------------------------- #
-
-
 def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, float]:
     """(seconds from process start to its first metrics line, peak RSS in MB) of one training run."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY), *TRAIN_OVERRIDES]
-    command += [f"data.path={corpus}", f"data.cache_dir={cache}", f"logging.run_dir={run_dir}"]
-    env = child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false")
-    metrics = run_dir / "metrics.jsonl"
-    first_step: list[float] = []
-    started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    output: list[bytes] = []
-    reader = threading.Thread(target=lambda: output.append(process.stdout.read()), daemon=True)
-    reader.start()
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY), *TRAIN_OVERRIDES,
+               f"data.path={corpus}", f"data.cache_dir={cache}", f"logging.run_dir={run_dir}"]  # fmt: skip
+    metrics, first_step, started = run_dir / "metrics.jsonl", [], time.perf_counter()
 
-    def note_first_step() -> bool:  # when the first metrics line appears; the process runs on
+    def note_first_step(_) -> bool:  # when the first metrics line appears; the process runs on
         if not first_step:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if any(json.loads(line).get("kind") == "train" for line in metrics.read_text().splitlines()):
                     first_step.append(time.perf_counter() - started)
-            except (OSError, ValueError):
-                pass
         return False
 
-    peak = peak_rss_while(process, note_first_step)
-    reader.join()
-    if process.returncode != 0 or not first_step:
-        raise RuntimeError(f"training on {corpus} failed:\n{b''.join(output).decode()[-3000:]}")
+    peak, status, output = watched_run(command, child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false"),
+                                       note_first_step)  # fmt: skip
+    if status != 0 or not first_step:
+        raise RuntimeError(f"training on {corpus} failed:\n{output}")
     return first_step[0], peak
 
 
@@ -228,31 +155,24 @@ def bench_training_start(
 def body(args, report: Report) -> None:
     if args.quick:
         args.lines, args.lines_large, args.repeats, args.train_repeats = 5_000, 10_000, 1, 1
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-data-"))
-    work.mkdir(parents=True, exist_ok=True)
-    cache = work / "cache"
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as scratch:
+        work = Path(scratch)
+        cache = work / "cache"
         print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
         small = work / f"corpus-{args.lines}.txt"
         write_corpus(small, args.lines)
 
         print(f"\n1. preparation throughput, {args.lines:,} lines ({small.stat().st_size / 1e6:.0f} MB):", flush=True)
         prepared = bench_prepare(small, cache, args.repeats)
-        print(
-            f"plain batched GPT2TokenizerFast call: {prepared['plain_lines_per_s']:,.0f} lines/s; "
-            f"prepare: {prepared['prepare_lines_per_s']:,.0f} lines/s ({prepared['samples']:,} samples, "
-            f"{prepared['truncated']:,} truncated)",
-            flush=True,
-        )
+        print(f"plain batched GPT2TokenizerFast call: {prepared['plain_lines_per_s']:,.0f} lines/s; "
+              f"prepare: {prepared['prepare_lines_per_s']:,.0f} lines/s ({prepared['samples']:,} samples, "
+              f"{prepared['truncated']:,} truncated)", flush=True)  # fmt: skip
         report.figure("prepare / plain tokenizer call, lines per second", prepared["ratio"], "x", at_least=0.8)
 
         print(f"\n2. random-access batches of 16 rows from the prepared {args.lines:,}-line copy:", flush=True)
         access = bench_random_access(prepared["copy"], work)
-        print(
-            f"numpy memmap (what training reads) {access['memmap_us']:.0f} us/batch; datasets Arrow "
-            f"(load_from_disk, numpy format) {access['arrow_us']:.0f} us/batch",
-            flush=True,
-        )
+        print(f"numpy memmap (what training reads) {access['memmap_us']:.0f} us/batch; datasets Arrow "
+              f"(load_from_disk, numpy format) {access['arrow_us']:.0f} us/batch", flush=True)  # fmt: skip
         report.figure("random batch from Arrow / from the memmap", access["arrow_us"] / access["memmap_us"], "x")
 
         from parallel_latent.data import make_spec, prepare
@@ -274,19 +194,14 @@ def body(args, report: Report) -> None:
             f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | {'vs bundled':>10}"
         )
         for name, result in start.items():
-            print(
-                f"{name:>20} | {result['time']:14.2f} | {result['time'] - base['time']:+10.2f} | "
-                f"{result['rss']:13.0f} | {result['rss'] - base['rss']:+10.0f}"
-            )
+            print(f"{name:>20} | {result['time']:14.2f} | {result['time'] - base['time']:+10.2f} | "
+                  f"{result['rss']:13.0f} | {result['rss'] - base['rss']:+10.0f}")  # fmt: skip
         larger = [r for r in start.values() if r is not base]
         worst_time = max(r["time"] - base["time"] for r in larger)
         worst_rss = max(r["rss"] - base["rss"] for r in larger)
         # The largest corpus is the one the goal is about; the worse of the two larger ones is reported.
         report.figure("time to first step, larger corpus - bundled (worst)", worst_time, "s", at_most=3)
         report.figure("peak RSS, larger corpus - bundled (worst)", worst_rss, "MB", at_most=100)
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
@@ -295,7 +210,6 @@ def main() -> int:
     parser.add_argument("--lines-large", type=int, default=10_000_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of the throughput part")
     parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
-    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
     add_common_arguments(parser)
     return run("bench_data", parser, body)
 

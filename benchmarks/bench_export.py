@@ -1,30 +1,13 @@
 """Corpus export benchmarks (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1
-(``--config`` another; ``--device cuda`` part 1 on a GPU, ``--throughput-only`` part 1 alone: what
-benchmarks/gpu.sh's encode-corpus row runs).
-
-1. **Throughput**: :func:`parallel_latent.latents.export_latents` (encode, Arrow shards written on a
-   background thread, checksums, statistics, index) against a bare loop of the model's ``encode``
-   over the same batches of the same prepared copy, in this process, alternated ``--repeats``
-   times (best of each), on the large corpus. Goal: export / bare >= 0.9 samples per second (the
-   writing overlaps the model). The writer's work (Arrow, checksum, statistics, the write) is CPU
-   work: it overlaps a model on an accelerator, but on a CPU whose cores the model's threads
-   already fill it can only take turns with it.
-
-2. **Memory**: ``parallel-latent encode-corpus`` (one process) on the bundled corpus (4,874 lines)
-   and on a ``--lines``-line corpus (the bundled corpus repeated), each prepared beforehand (the
-   preparation's memory is bench_data's subject): the process's peak RSS. Goal: the large corpus's
-   <= the bundled one's + 100 MB. (``--quick``: a quarter of ``--lines`` lines stands in for the
-   bundled corpus.)
-
-3. **Resume**: the same command on the large corpus, killed with SIGKILL as soon as half of its
-   samples are in published shards, then run again: the rerun's time (process start to exit)
-   against the uninterrupted run of part 2 (the same command). Goal: <= 0.6 (the completed half is
-   never encoded again; process start and model loading are paid by both). Beside it, the time of
-   one more rerun, which finds the export complete (the fixed cost: start-up, checks, exit), and
-   the ratio net of it.
+(``--config`` another; ``--device cuda`` part 1 on a GPU; ``--throughput-only`` part 1 alone: gpu.sh's
+encode-corpus row): 1. ``export_latents`` against a bare loop of the model's ``encode`` over the same
+batches of the same prepared copy, best of ``--repeats`` alternated rounds (goal >= 0.9: the writing
+overlaps the model, on a CPU only as far as free cores allow); 2. the command's peak RSS on the bundled
+corpus and on ``--lines`` lines (goal: + 100 MB at most; --quick: a quarter of --lines for the bundled
+corpus); 3. the command killed once half of its samples are in published shards, then rerun, against
+the uninterrupted run (goal <= 0.6), beside the time of a rerun that finds the export complete.
 
     python -m benchmarks.bench_export                 # 200k lines (minutes on 2 cores)
-    python -m benchmarks.bench_export --lines 20000 --shard-size 2048   # what a loaded 2-core machine allows
     python -m benchmarks.bench_export --quick         # a minute: 1k lines, one round
 """
 
@@ -34,23 +17,14 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.bench_data import write_corpus
-from benchmarks.harness import (
-    BUNDLED,
-    REPO,
-    TINY,
-    Report,
-    add_common_arguments,
-    child_environment,
-    peak_rss_while,
-    run,
-)
+from benchmarks.harness import BUNDLED, TINY, Report, add_common_arguments, config_with_tokenizer, run
+from benchmarks.processes import child_environment, watched_run
 
 SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
 
@@ -59,25 +33,16 @@ def make_checkpoint(directory: Path, config: Path = TINY) -> Path:
     """``config``'s model (its initial weights, a random GPT-2 where it has one: the speed does not
     depend on them), saved as a portable checkpoint."""
     from parallel_latent.checkpoint import save_portable
-    from parallel_latent.config import load_config
     from parallel_latent.model import build_model
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+    from parallel_latent.model.tokenizer import tokenizer_facts
 
-    cfg = load_config(config, ["parallel.tensor_parallel=1", "feature_model.pretrained=false"])
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    cfg, tokenizer = config_with_tokenizer(config, ["parallel.tensor_parallel=1", "feature_model.pretrained=false"])
     save_portable(build_model(cfg), directory, cfg, tokenizer_facts(tokenizer))
     return directory
 
 
-# --------------------------------------------------------------------------- #
-# 1. Throughput, in this process.
-# --------------------------------------------------------------------------- #
-
-
 def prepare(checkpoint: Path, corpus: Path, cache: Path, shard_size: int):
-    """The prepared, memory-mapped copy of ``corpus`` that the export reads (made here once, so that
-    no timed or measured run pays for tokenising)."""
+    """The prepared copy of ``corpus`` that the export reads (made once: no measured run pays for tokenising)."""
     from parallel_latent.data import open_for_training
     from parallel_latent.latents import plan_export
     from parallel_latent.model.tokenizer import load_tokenizer
@@ -128,70 +93,42 @@ def bench_throughput(
         times["bare"].append(bare())
         times["export"].append(export())
     best = {name: min(values) for name, values in times.items()}
-    return {
-        "samples": len(data),
-        "bare_per_s": len(data) / best["bare"],
-        "export_per_s": len(data) / best["export"],
-        "ratio": best["bare"] / best["export"],
-    }
-
-
-# --------------------------------------------------------------------------- #
-# 2 and 3. The command, as a process.
-# --------------------------------------------------------------------------- #
+    return {"samples": len(data), "bare_per_s": len(data) / best["bare"], "export_per_s": len(data) / best["export"],
+            "ratio": best["bare"] / best["export"]}  # fmt: skip
 
 
 def command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "parallel_latent",
-        "encode-corpus",
-        "--checkpoint",
-        str(checkpoint),
-        "--data",
-        str(corpus),
-        "--out",
-        str(out),
-        *SETTINGS,
-        f"data.cache_dir={cache}",
-        f"export.shard_size={shard_size}",
-    ]
+    return [sys.executable, "-m", "parallel_latent", "encode-corpus", "--checkpoint", str(checkpoint), "--data",
+            str(corpus), "--out", str(out), *SETTINGS, f"data.cache_dir={cache}",
+            f"export.shard_size={shard_size}"]  # fmt: skip
 
 
 def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
     """One run of the command: seconds, peak RSS in MB; with ``kill_at_shards``, SIGKILLed once that
     many shards are published."""
-    out = Path(args[args.index("--out") + 1])
-    env = child_environment(os.cpu_count() or 1, TOKENIZERS_PARALLELISM="false")
+    out, killed = Path(args[args.index("--out") + 1]), []
+
+    def kill_when_published(process) -> bool:
+        if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
+            process.send_signal(signal.SIGKILL)
+            killed.append(True)
+        return bool(killed)
+
     started = time.perf_counter()
-    # Its messages to a file: a pipe nobody reads while it runs could fill and stop it.
-    with tempfile.TemporaryFile() as messages:
-        process = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=messages)
-        killed = []
-
-        def kill_when_published() -> bool:
-            if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
-                process.send_signal(signal.SIGKILL)
-                killed.append(True)
-            return bool(killed)
-
-        peak = peak_rss_while(process, kill_when_published)
-        process.wait()
-        elapsed = time.perf_counter() - started
-        if not killed and process.returncode != 0:
-            messages.seek(0)
-            raise RuntimeError(f"{' '.join(args)} failed: {messages.read().decode()[-2000:]}")
+    env = child_environment(os.cpu_count() or 1, TOKENIZERS_PARALLELISM="false")
+    peak, status, output = watched_run(args, env, kill_when_published)
+    elapsed = time.perf_counter() - started
+    if not killed and status != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {output[-2000:]}")
     return {"seconds": elapsed, "rss": peak, "killed": bool(killed)}
 
 
 def body(args, report: Report) -> None:
     if args.quick:
         args.lines, args.repeats, args.shard_size = 1_000, 1, 128
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-export-"))
-    work.mkdir(parents=True, exist_ok=True)
-    cache = work / "cache"
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-export-") as scratch:
+        work = Path(scratch)
+        cache = work / "cache"
         print(f"work directory {work}; {os.cpu_count()} CPUs; device {args.device}", flush=True)
         checkpoint = make_checkpoint(work / "checkpoint", Path(args.config))
         large = work / f"corpus-{args.lines}.txt"
@@ -200,11 +137,8 @@ def body(args, report: Report) -> None:
 
         print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
         speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size, args.device)
-        print(
-            f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} samples/s "
-            f"({speed['samples']:,} samples)",
-            flush=True,
-        )
+        print(f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} "
+              f"samples/s ({speed['samples']:,} samples)", flush=True)  # fmt: skip
         report.figure("export / bare encode loop, samples per second", speed["ratio"], "x", at_least=0.9)
         report.figure("export samples/s", speed["export_per_s"], "samples/s")
         report.figure("bare encode samples/s", speed["bare_per_s"], "samples/s")
@@ -241,12 +175,9 @@ def body(args, report: Report) -> None:
         published = len(list(out.glob("data-*.arrow")))
         rerun = run_export(command(checkpoint, large, cache, out, args.shard_size))
         complete = run_export(command(checkpoint, large, cache, out, args.shard_size))
-        print(
-            f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
-            f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s; a rerun of the complete "
-            f"export {complete['seconds']:.1f} s",
-            flush=True,
-        )
+        print(f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
+              f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s; a rerun of the complete "
+              f"export {complete['seconds']:.1f} s", flush=True)  # fmt: skip
         report.figure(
             "rerun after a kill at 50% / uninterrupted run, time", rerun["seconds"] / uninterrupted["seconds"], "x",
             at_most=0.6,
@@ -256,9 +187,6 @@ def body(args, report: Report) -> None:
         report.figure("the same, less the fixed cost of a run", net, "x")
         report.figure("uninterrupted encode-corpus run", uninterrupted["seconds"], "s")
         report.figure("a rerun that finds the export complete (start-up, checks, exit)", fixed, "s")
-    finally:
-        if not args.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> int:
@@ -266,7 +194,6 @@ def main() -> int:
     parser.add_argument("--lines", type=int, default=200_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
     parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
-    parser.add_argument("--work-dir", default=None, help="scratch space (default: a temporary directory)")
     parser.add_argument("--throughput-only", action="store_true", help="part 1 alone (benchmarks/gpu.sh's row)")
     parser.add_argument("--device", default="cpu", help="where the model encodes (part 1): cpu or cuda")
     parser.add_argument("--config", default=str(TINY), help="the model's config (default configs/tiny.yaml)")

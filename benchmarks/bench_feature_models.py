@@ -1,13 +1,7 @@
-"""The frozen feature model at realistic sizes, on the meta device: bytes per rank and the frozen
-pass's projected time on one H200 per rank, replicated (``feature_model.parallel: replicate``, each TP
-rank runs 1/tp of the micro-batch through the whole held decoder, one all-gather of the features)
-against sharded (``shard``: each rank runs the whole micro-batch through 1/tp of each held layer's
-attention and MLP, two all-reduces per layer), at TP 1, 2, 4 and 8.
-
-Nothing is downloaded: each decoder is built from its published ``config.json`` figures
-(benchmarks/performance.py's MODELS, whose roofline times the pass with the pinned constants). A TP
-degree that ``shard`` refuses (one that does not divide the heads, the kv heads or the MLP width:
-model/sharded.py's own check) is shown as refused.
+"""The frozen feature model at realistic sizes (benchmarks/published_decoders.py's MODELS, built on the
+meta device): bytes and the frozen pass's projected H200 time per rank, replicated (each TP rank runs
+1/tp of the micro-batch through the whole decoder) against sharded (the whole micro-batch through 1/tp
+of each layer), at TP 1, 2, 4 and 8; a degree that ``shard`` refuses is shown as refused.
 
 Usage: python -m benchmarks.bench_feature_models [--quick] [--batch 32] [--length 64] [--json PATH]
 """
@@ -18,11 +12,12 @@ import argparse
 import sys
 
 from benchmarks.harness import Report, add_common_arguments, run
-from benchmarks.performance import (
+from benchmarks.published_decoders import (
     MODELS,
     QUICK_MODELS,
     TP_DEGREES,
     frozen_bytes,
+    frozen_rows,
     frozen_seconds,
     held_on_meta,
     shard_refusal,
@@ -35,17 +30,11 @@ def body(args, report: Report) -> None:
     header = " ".join(f"{'TP' + str(tp):>17}" for tp in TP_DEGREES)
     print(f"{'model':>16} {'layout':>9} {header}   (GiB per rank / ms per rank)")
     for name in names:
-        held = held_on_meta(name)
-        for layout in ("replicate", "shard"):
-            cells = []
-            for tp in TP_DEGREES:
-                if layout == "shard" and shard_refusal(held, tp):
-                    cells.append(f"{'refused':>17}")
-                    continue
-                gib = frozen_bytes(held, tp, layout) / 2**30
-                ms = frozen_seconds(held, tp, layout, args.batch, args.length) * 1e3
-                cells.append(f"{gib:>8.2f} / {ms:>6.2f}")
-            print(f"{name:>16} {layout:>9} " + " ".join(cells))
+        held, cells = held_on_meta(name), {}
+        for layout, _, refusal, gib, ms in frozen_rows(held, args.batch, args.length):
+            cells.setdefault(layout, []).append(f"{'refused':>17}" if refusal else f"{gib:>8.2f} / {ms:>6.2f}")
+        for layout, row in cells.items():
+            print(f"{name:>16} {layout:>9} " + " ".join(row))
         tp = max(t for t in TP_DEGREES if not shard_refusal(held, t))
         report.figure(f"{name}: frozen GiB per rank, replicate", frozen_bytes(held, 1, "replicate") / 2**30, "GiB")
         if tp == 1:  # not sharded at all
@@ -53,9 +42,10 @@ def body(args, report: Report) -> None:
         report.figure(f"{name}: frozen GiB per rank, shard at TP={tp}", frozen_bytes(held, tp, "shard") / 2**30, "GiB")
         ratio = frozen_bytes(held, tp, "shard") / frozen_bytes(held, tp, "replicate")
         report.figure(f"{name}: frozen bytes per rank, shard / replicate at TP={tp}", ratio, "x")
-        slower = frozen_seconds(held, tp, "shard", args.batch, args.length) / frozen_seconds(
-            held, tp, "replicate", args.batch, args.length
-        )
+        seconds = {
+            layout: frozen_seconds(held, tp, layout, args.batch, args.length) for layout in ("shard", "replicate")
+        }
+        slower = seconds["shard"] / seconds["replicate"]
         report.figure(f"{name}: frozen pass time per rank, shard / replicate at TP={tp}", slower, "x")
 
 

@@ -1,20 +1,14 @@
-"""The compression frontier: reconstruction against floats per token, and against noise, for each
-point of the curve (configs/compressed.yaml and the overrides below), over seeds.
-
-Each point and seed is trained through the real command (`parallel-latent train --nproc N`, as
-benchmarks/bench_quality.py does), and its final held-out evaluation read: BLEU, exact match, BLEU
-with Gaussian noise of 0.1 / 0.3 / 0.5 times the latents' root-mean-square added (what a diffusion
-sampler leaves), the share of texts whose length is predicted exactly. Its checkpoint is then
-evaluated on an out-of-domain corpus (benchmarks/data/out_of_domain.txt: modern English sentences,
-nothing from the novel), whose BLEU must stay within 5 points of the held-out one at every point.
+"""The compression frontier: for each point of the curve (configs/compressed.yaml and the overrides
+below) over seeds, trained through the real command as bench_quality does, its final held-out BLEU,
+exact match, BLEU under Gaussian noise of 0.1 / 0.3 / 0.5 times the latents' RMS, length accuracy,
+and BLEU on an out-of-domain corpus (benchmarks/data/out_of_domain.txt), which must stay within 5
+points of the held-out one. One table, min / median / max over the seeds, with LD4LG's two points
+(BART-base on ROCStories: BLEU 97.6 at 32 floats per token, 92.4 at 16); with --json PATH also the
+plot, PATH with the suffix .png.
 
     python -m benchmarks.bench_frontier                        # every point, seeds 1 2 1234 (~2.5 h)
     python -m benchmarks.bench_frontier --points 16 8          # some points (by floats per token, or N x k)
     python -m benchmarks.bench_frontier --quick                # a few seconds of training per point
-
-One table, min / median / max over the seeds, with LD4LG's two points (a pretrained BART encoder on
-ROCStories: BLEU 97.6 at 32 floats per token, 92.4 at 16) beside; with --json PATH also the plot,
-PATH with the suffix .png.
 """
 
 from __future__ import annotations
@@ -22,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.bench_quality import QUICK, train_once
-from benchmarks.harness import REPO, Report, add_common_arguments, child_environment, run
+from benchmarks.harness import REPO, Report, add_common_arguments, run
+from benchmarks.processes import child_environment, run_checked
 
 CONFIG = "configs/compressed.yaml"
 OUT_OF_DOMAIN = REPO / "benchmarks" / "data" / "out_of_domain.txt"
@@ -69,10 +63,7 @@ def out_of_domain_bleu(run_dir: Path) -> float:
     """BLEU of the run's final checkpoint on the out-of-domain corpus (``parallel-latent evaluate``)."""
     command = [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir),
                "--data", str(OUT_OF_DOMAIN)]  # fmt: skip
-    env = child_environment(TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"{run_dir}: out-of-domain evaluation failed: {result.stderr.strip()[-2000:]}")
+    result = run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"{run_dir}: evaluation")
     return json.loads(result.stdout.strip().splitlines()[-1])["bleu"]
 
 

@@ -1,27 +1,10 @@
-"""The runs behind benchmarks/gpu.sh: configs/gpt2.yaml in bf16 through the real trainer (so each run
-is also a smoke test of the GPU path: NCCL, bf16, DeepSpeed ZeRO, the compiled dropout kernel), one
-short run per row, then one table. Built to be run blind on a machine lent for minutes:
-
-* first the facts (torch, CUDA, DeepSpeed, Triton, transformers, the device, a C compiler); gpu.sh
-  has run the GPU tests (``pytest -m gpu``) before: if the compiled dropout kernel's test failed
-  (its junit file, GPU_TESTS_XML), the rows run eager dropout and the table says so;
-* NPROC is clamped to the visible GPUs; ZeRO-2 at DP=1, ZeRO-1 beyond (the same optimizer state,
-  no gradient partitioning to pay for);
-* the rows, the goals' first: the default (dropout 0.1, micro-batch 256), ``training.compile``,
-  micro-batch 32, then dropout 0.0 at both micro-batches, then ``encode-corpus`` (export samples/s
-  against the bare encode loop on the same device: benchmarks/bench_export.py);
-* every row has its own timeout (:data:`ROWS`), and they add up inside the deadline (DEADLINE_S,
-  default 480 s from gpu.sh's start, install and GPU tests included): a row gets its timeout or
-  what is left, whichever is less, and the table lists what ran out;
-* a window of steps ends with a device synchronisation (the trainer synchronises at each log line
-  and after the first step), so each time counts what the GPU did; per row: the start-up (process
-  start to the first step), the first step (allocator, kernel selection, compilation), the steady
-  step time, tokens/s and MFU (the windows after the first), peak memory, the host-device
-  synchronisations of one step (``logging.count_syncs_at_step``), and the kernels of one step with
-  the attention kernel torch chose (``logging.profile_kernels_at_step``, in the first window);
-* no run writes a checkpoint (``checkpoint.save_final=false``); a failed run shows its last 20 lines;
-* after the rows, if time is left, the projection of each row (benchmarks/bench_projection.py, in a
-  process that sees no GPU), never beside them: it would take the cores the host-bound rows need.
+"""The runs behind benchmarks/gpu.sh (docs/development.md, On a GPU): configs/gpt2.yaml in bf16 through
+the real trainer, one short run per row of the performance model's matrix (each a smoke test of the GPU
+path too), then ``encode-corpus``, every row within its own timeout inside the deadline, then one table
+and, if time is left, the rows' projection in a process that sees no GPU. NPROC is clamped to the
+visible GPUs; ZeRO-2 at DP=1, ZeRO-1 beyond. If the compiled dropout kernel failed its GPU test (the
+junit file GPU_TESTS_XML), the rows run eager dropout. No run writes a checkpoint; a failed run shows
+its last 20 lines.
 
 Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (480, from gpu.sh's start: its
 GPU_SH_STARTED_AT), ROWS (names of :data:`ROWS`, all by default), PRETRAINED (false: a random GPT-2
@@ -49,15 +32,10 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from benchmarks.harness import GPT2, REPO, Report, add_common_arguments, child_environment, run
+from benchmarks.harness import GPT2, QUIET_RUN, REPO, SMALLEST, Report, add_common_arguments, run
 from benchmarks.performance import MFU_GOALS, matrix, setting_label
+from benchmarks.processes import child_environment
 
-# A model small enough for a CPU test of the whole script.
-QUICK_OVERRIDES = [
-    "model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
-    "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
-    "data.max_samples=400",
-]  # fmt: skip
 # name -> (timeout s on a GPU, on a CPU with --quick): the performance model's rows (its matrix, their
 # settings and goals), then the export. On a GPU the timeouts (350 s) leave the deadline's other
 # 130 s to an install (60 s) and the GPU tests (GPU_TESTS_S, 60 s); a CPU compiles slowly.
@@ -131,9 +109,7 @@ def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, ze
         f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
         f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
         f"logging.count_syncs_at_step={int(log_every) + 1}", f"logging.profile_kernels_at_step={PROFILE_STEP}",
-        "training.eval_every=0", "checkpoint.save_every=0", "checkpoint.save_final=false",
-        "checkpoint.export_portable=false", "checkpoint.resume=never", "logging.print_samples=0",
-        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.progress_bar=false",
+        *QUIET_RUN, "checkpoint.save_final=false", "logging.print_samples=0", f"logging.run_dir={run_dir}",
         *[f"{key}={value}" for key, value in setting.items()], *extra,
     ]  # fmt: skip
 
@@ -370,7 +346,7 @@ def body(args, report: Report) -> None:
         nproc = gpus
     elif not gpus and os.environ.get("ALLOW_CPU") != "1":
         raise RuntimeError("no CUDA device visible (ALLOW_CPU=1 runs on the CPU)")
-    extra = [*(QUICK_OVERRIDES if args.quick else []), *args.overrides]
+    extra = [*(SMALLEST if args.quick else []), *args.overrides]
     tp = next((int(a.split("=", 1)[1]) for a in extra if a.startswith("parallel.tensor_parallel=")), 1)
     verdict = compiled_dropout_passed(os.environ.get("GPU_TESTS_XML"))
     if verdict is False:

@@ -1,26 +1,13 @@
-"""Model benchmarks. Prints ratios against a baseline timed in the same process.
+"""Model benchmarks, against baselines timed in the same process: 1. the autoencoder at TP=1 against a
+plain PyTorch twin (benchmarks/plain_twins.py) with the same weights and loss, forward + backward over
+the same frozen features (goal <= 1.05 at dropout 0); 2. the truncated GPT-2 against the full model's
+``output_hidden_states[-3]`` (goal <= 0.87); 3. counted, not timed: the operators of one training
+forward and backward of the gpt2.yaml-shaped model, the tensors built from Python data in that forward
+(each a blocking copy on a GPU; goal 0 from parallel_latent), the operators of a dropout site outside
+its mask hash (goal <= 3); 4. peak extra memory of the vocabulary-parallel loss (bf16 logits of 8192 x
+50304) against the same loss in one chunk and F.cross_entropy in fp32.
 
-1. The autoencoder at TP=1 vs a plain single-process PyTorch implementation of the same model written
-   here (nn.Linear, SDPA attention, nn.LayerNorm, F.cross_entropy), loaded with the same weights and
-   checked to give the same loss first. Forward + backward + zero_grad per step. Both read the same
-   frozen, truncated GPT-2 features, so the ratio measures the Perceiver and the head.
-   Goal: <= 1.05 with dropout 0. With dropout 0.1 (ours: coordinate-keyed masks; plain: F.dropout's
-   stateful RNG) the ratio is printed for information.
-2. Feature extraction: the truncated GPT-2 (first n_layer - 2 blocks, no final LayerNorm) vs the full
-   model's ``output_hidden_states`` element -3, on a 12-layer, 768-wide GPT-2. Goal: <= 0.87.
-3. The host's share of a training step (what keeps a GPU waiting), counted, not timed: operators
-   dispatched by one training forward and backward of the configs/gpt2.yaml-shaped model (random
-   GPT-2, batch 2 x 64, TP=1) at dropout 0.1 and 0, tensors built from Python data in that forward
-   (each a blocking copy on a GPU; goal 0 from parallel_latent), and the operators one dropout site
-   dispatches outside its mask hash (goal <= 3).
-4. Peak extra memory of the vocabulary-parallel loss, forward + backward, bf16 logits of B*T = 8192
-   rows and V = 50304 (the process's peak resident set over the call, Linux): ours, the same loss in
-   one chunk (the fp32 temporary of the whole logits the loss kept before it was chunked), and
-   torch's F.cross_entropy on the logits cast to fp32.
-
-Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
-min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides.
-Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16 --threads 1]
+Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16]
        python -m benchmarks.bench_model --quick     # seconds: tiny shapes, 3 repeats
 """
 
@@ -33,16 +20,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import (
-    GPT2,
-    Report,
-    add_common_arguments,
-    add_repeat_arguments,
-    interleaved,
-    peak_extra_bytes,
-    run,
-)
+from benchmarks.harness import GPT2, GPT2_SHRUNK, Report, add_common_arguments, add_repeat_arguments, interleaved, run
 from benchmarks.plain_twins import plain_twin
+from benchmarks.processes import peak_extra_bytes
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_decoder
@@ -63,17 +43,10 @@ def model_vs_plain(args, report: Report) -> None:
     feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
     for dropout in args.dropouts:
         model_cfg = ModelConfig(
-            d_model=args.d_model,
-            n_heads=args.heads,
-            n_encoder_layers=args.layers,
-            n_decoder_layers=args.layers,
-            max_length=args.seq,
-            dropout=dropout,
-            vocab_size=args.vocab,
-            mask_token_id=args.vocab - 2,
-            pad_token_id=args.vocab - 1,
-            head="normal",  # the plain twin has a head of its own
-        )
+            d_model=args.d_model, n_heads=args.heads, n_encoder_layers=args.layers, n_decoder_layers=args.layers,
+            max_length=args.seq, dropout=dropout, vocab_size=args.vocab, mask_token_id=args.vocab - 2,
+            pad_token_id=args.vocab - 1, head="normal",  # the plain twin has a head of its own
+        )  # fmt: skip
         ours = LatentAutoencoder(model_cfg, feature_cfg, seed=0).train()
         plain = plain_twin(ours).train()
         if dropout == 0.0:
@@ -92,18 +65,10 @@ def model_vs_plain(args, report: Report) -> None:
 
         samples = interleaved({"ours": ours_step, "plain": plain_step}, args.repeats, ratios=[("ours", "plain")],
                               most=args.most_repeats)  # fmt: skip
-        spread = samples.spread("ours", "plain")
-        print(
-            f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {samples.median('ours') * 1e3:.1f} ms, "
-            f"plain PyTorch {samples.median('plain') * 1e3:.1f} ms"
-        )
-        report.figure(
-            f"model fwd+bwd ours / plain PyTorch, dropout {dropout}",
-            spread.median,
-            "x",
-            at_most=1.05 if dropout == 0.0 else None,
-            spread=spread,
-        )
+        print(f"model fwd+bwd TP=1, vocab {args.vocab}, dropout={dropout}: ours {samples.median('ours') * 1e3:.1f} "
+              f"ms, plain PyTorch {samples.median('plain') * 1e3:.1f} ms")  # fmt: skip
+        goal = 1.05 if dropout == 0.0 else None
+        report.ratio(f"model fwd+bwd ours / plain PyTorch, dropout {dropout}", samples, "ours", "plain", at_most=goal)
 
 
 def features_vs_full(args, report: Report) -> None:
@@ -127,22 +92,16 @@ def features_vs_full(args, report: Report) -> None:
 
     samples = interleaved({"truncated": run_truncated, "full": run_full}, args.repeats,
                           ratios=[("truncated", "full")], most=args.most_repeats)  # fmt: skip
-    spread = samples.spread("truncated", "full")
     held = sum(p.numel() for p in truncated.parameters()) / sum(p.numel() for p in full.parameters())
-    print(
-        f"features, {cfg.n_layer}-layer GPT-2 of width {cfg.n_embd}, batch {args.feature_batch}x{args.seq}: "
-        f"truncated {samples.median('truncated') * 1e3:.1f} ms, full output_hidden_states "
-        f"{samples.median('full') * 1e3:.1f} ms; "
-        f"weights held {held:.3f}x"
-    )
-    report.figure("features truncated / full GPT-2", spread.median, "x", at_most=0.87, spread=spread)
+    print(f"features, {cfg.n_layer}-layer GPT-2 of width {cfg.n_embd}, batch {args.feature_batch}x{args.seq}: "
+          f"truncated {samples.median('truncated') * 1e3:.1f} ms, full output_hidden_states "
+          f"{samples.median('full') * 1e3:.1f} ms; weights held {held:.3f}x")  # fmt: skip
+    report.ratio("features truncated / full GPT-2", samples, "truncated", "full", at_most=0.87)
 
 
 def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
     """configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape (shrunk when quick)."""
-    shrink = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
-              "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
-    cfg = load_config(GPT2, [*(shrink if quick else []), f"model.dropout={dropout}"])
+    cfg = load_config(GPT2, [*(GPT2_SHRUNK if quick else []), f"model.dropout={dropout}"])
     feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
     return LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
 
@@ -163,12 +122,10 @@ def step_ops(args, report: Report) -> None:
         with OpCounter() as backward:
             loss.backward()
         ours = [caller for caller in forward.from_python_data if caller is not None]
-        print(
-            f"one training forward + backward, gpt2.yaml-shaped{' (shrunk)' if args.quick else ''}, batch 2 x "
-            f"{ids.shape[1]}, dropout {dropout}: {forward.total:,} + {backward.total:,} operators; "
-            f"{len(forward.from_python_data)} tensors from Python data in the forward, {len(ours)} from "
-            f"parallel_latent {sorted(set(ours))}"
-        )
+        print(f"one training forward + backward, gpt2.yaml-shaped{' (shrunk)' if args.quick else ''}, batch 2 x "
+              f"{ids.shape[1]}, dropout {dropout}: {forward.total:,} + {backward.total:,} operators; "
+              f"{len(forward.from_python_data)} tensors from Python data in the forward, {len(ours)} from "
+              f"parallel_latent {sorted(set(ours))}")  # fmt: skip
         report.figure(f"operators per training forward, dropout {dropout}", forward.total)
         report.figure(f"operators per training backward, dropout {dropout}", backward.total)
         report.figure(f"tensors built from Python data by parallel_latent per forward, dropout {dropout}", len(ours),
@@ -205,16 +162,11 @@ def loss_memory(args, report: Report) -> None:
         logits.grad = None
 
     ours()  # warm-up
-    measured = {
-        "ours": peak_extra_bytes(ours),
-        "one chunk": peak_extra_bytes(lambda: ours(rows)),
-        "F.cross_entropy in fp32": peak_extra_bytes(plain),
-    }
+    measured = {"ours": peak_extra_bytes(ours), "one chunk": peak_extra_bytes(lambda: ours(rows)),
+                "F.cross_entropy in fp32": peak_extra_bytes(plain)}  # fmt: skip
     size = logits.numel() * logits.element_size()
-    print(
-        f"loss forward + backward, bf16 logits [{rows}, {vocab}] ({size / 2**20:.0f} MiB; the bf16 gradient is as "
-        "large): peak extra " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in measured.items())
-    )
+    print(f"loss forward + backward, bf16 logits [{rows}, {vocab}] ({size / 2**20:.0f} MiB; the bf16 gradient is as "
+          "large): peak extra " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in measured.items()))  # fmt: skip
     for name, value in measured.items():
         report.figure(f"loss peak extra memory, B*T={rows}, V={vocab}, bf16: {name}", value / 2**20, "MiB")
     report.figure("loss peak extra memory, ours / one chunk", measured["ours"] / measured["one chunk"], "x",
@@ -229,14 +181,9 @@ def body(args, report: Report) -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
-    if args.only in (None, "model"):
-        model_vs_plain(args, report)
-    if args.only in (None, "features"):
-        features_vs_full(args, report)
-    if args.only in (None, "ops"):
-        step_ops(args, report)
-    if args.only in (None, "loss"):
-        loss_memory(args, report)
+    for part in (model_vs_plain, features_vs_full, step_ops, loss_memory):
+        if args.only in (None, part.__name__):
+            part(args, report)
 
 
 def main() -> int:
@@ -245,12 +192,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument(
-        "--vocab",
-        type=int,
-        default=GPT2_VOCAB,
-        help="50304 (a multiple of 128) gives the plain head the shape of our padded one",
-    )
+    parser.add_argument("--vocab", type=int, default=GPT2_VOCAB, help="50304 (a multiple of 128): our padded head's")
     parser.add_argument("--layers", type=int, default=2, help="Perceiver blocks in the encoder and in the decoder")
     parser.add_argument("--feature-layers", type=int, default=4)
     parser.add_argument("--feature-batch", type=int, default=8)
@@ -259,7 +201,7 @@ def main() -> int:
     add_repeat_arguments(parser, repeats=16, most=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
-    parser.add_argument("--only", choices=["model", "features", "ops", "loss"], default=None)
+    parser.add_argument("--only", choices=["model_vs_plain", "features_vs_full", "step_ops", "loss_memory"])
     add_common_arguments(parser)
     return run("bench_model", parser, body)
 

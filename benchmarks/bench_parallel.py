@@ -1,23 +1,11 @@
-"""Tensor-parallel core benchmarks. Prints ratios against a baseline timed in the same run.
+"""Tensor-parallel core benchmarks, against baselines timed in the same run: 1. ParallelMLP at TP=1 against
+an nn.Sequential MLP (goal <= 1.02 without dropout; with dropout, information: our masks hash global
+coordinates); 2. TP=2 on two CPU processes, our Column/Row MLP against torch's DTensor
+ColwiseParallel/RowwiseParallel; 3. the frozen pass's FLOPs per rank, replicated against split, at TP
+2 and 4 (counted); 4. activations saved for backward per rank with and without sequence parallelism,
+beside the performance model's accounting (counted); 5. the TP=2 step with the split frozen pass
+against the replicated one, and the overlapped backward collective against not.
 
-1. TP=1 overhead: ParallelMLP at TP=1 vs a plain nn.Sequential MLP of the same shape (one process).
-   Goal <= 1.02 without dropout. With dropout 0.1 the ratio is information: our masks are a hash of
-   global coordinates (what makes TP=N equal TP=1), ~56 eager operators on a CPU against
-   nn.Dropout's one Bernoulli draw; on CUDA the hash and its application are one compiled kernel.
-2. TP=2 on two CPU processes: our Column/Row MLP vs torch.distributed.tensor.parallel's
-   ColwiseParallel/RowwiseParallel on the same shapes, both timed in the same processes.
-3. The frozen feature pass per rank, counted (torch.utils.flop_counter.FlopCounterMode), replicated
-   vs split over the TP group, at TP=2 and 4 (four CPU processes): deterministic.
-4. Activations saved for backward per rank by the Perceiver blocks (saved_tensors_hooks), with and
-   without sequence parallelism at TP=2 and 4, next to this block's tensor-by-tensor accounting in
-   the manner of Korthikanti et al. (2022): deterministic.
-5. Step time (forward + backward of the whole autoencoder) on 2 CPU processes at TP=2: the split
-   feature pass vs the replicated one, on a model whose frozen pass is most of a rank's work (the
-   share is printed); the overlapped backward collective vs not overlapped.
-
-Repeats are interleaved (A B, B A, ...) and each ratio is the median of the per-repeat ratios, with its
-min and max, its CPU-time ratio and the load (common.interleaved): machine noise hits both sides. Two
-processes timing together agree on when to stop repeating (an all-reduce of their verdicts).
 Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --repeats 16]
        python -m benchmarks.bench_parallel --quick    # seconds: tiny shapes, 3 repeats
 """
@@ -38,11 +26,11 @@ from benchmarks.harness import (
     add_repeat_arguments,
     all_ranks_agree,
     interleaved,
-    on_ranks,
     run,
 )
 from benchmarks.performance import block_activation_bytes
 from benchmarks.plain_twins import plain_mlp
+from benchmarks.processes import on_ranks
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
 
 
@@ -71,13 +59,10 @@ def tp1_overhead(args, report: Report) -> None:
         variants = {"ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
                     "plain": lambda plain=plain: step_time(plain, x)}  # fmt: skip
         samples = interleaved(variants, args.repeats, ratios=[("ours", "plain")], most=args.most_repeats)
-        spread = samples.spread("ours", "plain")
-        print(
-            f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
-            f"{samples.median('plain') * 1e3:.2f} ms"
-        )
-        name, goal = f"TP=1 MLP ours / nn.Sequential, dropout {dropout}", 1.02 if dropout == 0.0 else None
-        report.figure(name, spread.median, "x", at_most=goal, spread=spread)
+        print(f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
+              f"{samples.median('plain') * 1e3:.2f} ms")  # fmt: skip
+        goal = 1.02 if dropout == 0.0 else None
+        report.ratio(f"TP=1 MLP ours / nn.Sequential, dropout {dropout}", samples, "ours", "plain", at_most=goal)
 
 
 def _tp2_task(args) -> dict:
@@ -109,17 +94,9 @@ def _tp2_task(args) -> dict:
 
 
 def tp2_vs_torch(samples, args, report: Report) -> None:
-    print(
-        f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {samples.median('ours') * 1e3:.2f} ms, "
-        f"torch.distributed.tensor.parallel {samples.median('torch') * 1e3:.2f} ms"
-    )
-    spread = samples.spread("ours", "torch")
-    report.figure("TP=2 MLP ours / torch.distributed.tensor.parallel", spread.median, "x", at_most=1.0, spread=spread)
-
-
-# --------------------------------------------------------------------------- #
-# 3-5: the TP throughput switches (issue: TP=N does no redundant work).
-# --------------------------------------------------------------------------- #
+    print(f"TP=2 MLP fwd+bwd on 2 CPU processes: ours {samples.median('ours') * 1e3:.2f} ms, "
+          f"torch.distributed.tensor.parallel {samples.median('torch') * 1e3:.2f} ms")  # fmt: skip
+    report.ratio("TP=2 MLP ours / torch.distributed.tensor.parallel", samples, "ours", "torch", at_most=1.0)
 
 
 def _configs(d: int, t: int, encoder: int, decoder: int, gpt2_layers: int, vocab: int):
@@ -180,10 +157,9 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
         share = frozen / (frozen + trainable / tp)
         report.figure(f"gpt2.yaml replicated frozen pass, share of a rank's model FLOPs, TP={tp}", share * 100, "%")
     for tp, replicated, split in rows:
-        print(
-            f"frozen feature pass per rank at TP={tp} (a 12-layer GPT-2 of width {args.flops_width}, 10 blocks run, "
-            f"micro-batch 8 x 64): replicated {replicated / 1e9:.2f} GFLOP, split {split / 1e9:.2f} GFLOP"
-        )
+        print(f"frozen feature pass per rank at TP={tp} (a 12-layer GPT-2 of width {args.flops_width}, 10 blocks "
+              f"run, micro-batch 8 x 64): replicated {replicated / 1e9:.2f} GFLOP, split "
+              f"{split / 1e9:.2f} GFLOP")  # fmt: skip
         report.figure(
             f"frozen pass FLOPs per rank split / replicated, TP={tp}", split / replicated, "x", at_most=1 / tp
         )
@@ -226,11 +202,9 @@ def _saved_bytes(args) -> list[tuple]:
 
 def saved_activation_bytes(rows: list, args, report: Report) -> None:
     for tp, sp, measured, predicted in rows:
-        print(
-            f"activations saved for backward per rank, 2 Perceiver blocks (B=4, T=S=64, d=128, 4 heads), "
-            f"TP={tp}, sequence parallel {'on ' if sp else 'off'}: {measured / 2**20:.2f} MiB measured, "
-            f"{predicted / 2**20:.2f} MiB by the accounting"
-        )
+        print(f"activations saved for backward per rank, 2 Perceiver blocks (B=4, T=S=64, d=128, 4 heads), "
+              f"TP={tp}, sequence parallel {'on ' if sp else 'off'}: {measured / 2**20:.2f} MiB measured, "
+              f"{predicted / 2**20:.2f} MiB by the accounting")  # fmt: skip
     for tp in (2, 4):
         (off,) = [r for r in rows if r[0] == tp and not r[1]]
         (on,) = [r for r in rows if r[0] == tp and r[1]]
@@ -252,12 +226,10 @@ def _timed(args) -> dict:
     per_rank_trainable = 3 * flops["trainable_forward"] / 2
     share = flops["frozen_forward"] / (flops["frozen_forward"] + per_rank_trainable)
     ids, mask = _batch(args.batch, 32, 512)
-    variants = {
-        "replicated": {"split_feature_model": False},
-        "split": {"split_feature_model": True},
-        "overlap on": {"split_feature_model": True, "tp_options": TensorParallelOptions(overlap_comm=True)},
-        "overlap off": {"split_feature_model": True, "tp_options": TensorParallelOptions(overlap_comm=False)},
-    }
+    split = {"split_feature_model": True}
+    variants = {"replicated": {"split_feature_model": False}, "split": split,
+                "overlap on": {**split, "tp_options": TensorParallelOptions(overlap_comm=True)},
+                "overlap off": {**split, "tp_options": TensorParallelOptions(overlap_comm=False)}}  # fmt: skip
     models = {name: LatentAutoencoder(model_cfg, feature_cfg, tp_group=state.tp_group, **kw).train()
               for name, kw in variants.items()}  # fmt: skip
 
@@ -279,15 +251,12 @@ def _timed(args) -> dict:
 def timed_switches(result: dict, args, report: Report) -> None:
     samples = result["samples"]
     ms = {name: samples.median(name) * 1e3 for name in samples.wall}
-    print(
-        f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, {args.switch_gpt2_layers - 2} frozen "
-        f"GPT-2 blocks of width 128 under 1+1 Perceiver blocks): the frozen pass is {result['share'] * 100:.0f}% of "
-        f"a rank's replicated work; split feature pass {ms['split']:.1f} ms vs replicated {ms['replicated']:.1f} ms; "
-        f"backward collective overlapped {ms['overlap on']:.1f} ms vs not {ms['overlap off']:.1f} ms"
-    )
-    split, overlap = samples.spread("split", "replicated"), samples.spread("overlap on", "overlap off")
-    report.figure("TP=2 step split feature pass / replicated", split.median, "x", at_most=0.85, spread=split)
-    report.figure("TP=2 step overlapped / not overlapped backward", overlap.median, "x", at_most=1.0, spread=overlap)
+    print(f"TP=2 step (fwd+bwd, 2 CPU processes, micro-batch {args.batch} x 32, {args.switch_gpt2_layers - 2} frozen "
+          f"GPT-2 blocks of width 128 under 1+1 Perceiver blocks): the frozen pass is {result['share'] * 100:.0f}% of "
+          f"a rank's replicated work; split feature pass {ms['split']:.1f} ms vs replicated {ms['replicated']:.1f} ms; "
+          f"backward collective overlapped {ms['overlap on']:.1f} ms vs not {ms['overlap off']:.1f} ms")  # fmt: skip
+    report.ratio("TP=2 step split feature pass / replicated", samples, "split", "replicated", at_most=0.85)
+    report.ratio("TP=2 step overlapped / not overlapped backward", samples, "overlap on", "overlap off", at_most=1.0)
 
 
 def body(args, report: Report) -> None:

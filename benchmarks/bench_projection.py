@@ -1,34 +1,9 @@
-"""The H200 step of configs/gpt2.yaml, projected on a CPU: the whole of one ``Trainer.train_step``
-traced (benchmarks/step_trace.py: the model's forward and backward on the meta device at the row's
-batch, the rest of the step, DeepSpeed's backward work and optimizer step included, from a real step
-on the CPU), every operator charged with the kernels CUDA launches for it, then a roofline with
-pinned constants (benchmarks/performance.py) for each row of benchmarks/gpu.sh's matrix (dropout 0.1 / 0.0 x micro-batch
-256 / 32, and ``training.compile`` at dropout 0.1, micro-batch 256).
-
-What runs is what the code does on CUDA: the dropout mask is one compiled region per site where
-``training.compile_dropout`` is on, the loss's per-chunk work is compiled where the model's
-``LossKernels`` say so for a CUDA device, ``training.compile`` compiles each Perceiver block
-(forward and backward: the autograd nodes a region created count as the region; a
-``torch.compiler.disable`` function inside it runs eagerly and starts a new forward graph after
-it). Attention is the kernel CUDA picks for a masked bf16 SDPA (memory-efficient attention, its
-bias from the boolean mask).
-
-The rest of the step is a real ``Trainer.train_step`` on the CPU at gpt2.yaml's parameter count
-(micro-batch 1: DeepSpeed's work does not depend on the batch) with torch's fused AdamW
-(``optimizer.fused=on``: what CUDA runs); its host synchronisations (``aten._local_scalar_dense``)
-and its Python hook calls are reported. DeepSpeed's kernels per step (its backward work and its
-step) are counted at DP=1 and, over two real gloo ranks, at DP=2.
-
-``--feature-model NAME`` (a decoder of benchmarks/performance.py's MODELS, e.g. llama-3.2-1b or
-pythia-1.4b): the rows' model with that decoder as its frozen feature model (rebuilt on the meta
-device from its whole transformers config, its own MLP width and kv heads, as a checkpoint's record
-rebuilds it; ``model.d_model`` its width, heads of 128 features), the model alone (the rest of the
-step is measured at gpt2.yaml's size only); that decoder's frozen pass per rank at TP 1/2/4/8,
-replicated and sharded (the performance model's roofline); then, per TP degree and layout, one
-rank's whole step (forward and backward): the Perceiver traced at that degree over a fake process
-group of one process (its slices, and what it does not split at whole size; its collectives at
-their real sizes, as the model's code issues them), its TP collectives at NVLink's rate, and the
-frozen pass, one after the other (no overlap), with tokens/s and MFU per rank.
+"""The H200 step of configs/gpt2.yaml, projected on a CPU for each row of benchmarks/gpu.sh's matrix: one
+``Trainer.train_step`` traced (the model on the meta device, the rest of the step from a real CPU step),
+every operator charged with the kernels CUDA launches for it, then the performance model's pinned
+roofline. ``--feature-model NAME`` (a decoder of benchmarks/published_decoders.py's MODELS): the rows'
+model over that decoder, its frozen pass per TP degree and layout, and one rank's whole step at each.
+The method in full: docs/development.md, Benchmarks.
 
 Usage: python -m benchmarks.bench_projection [--quick] [--feature-model NAME] [--json PATH]
 """
@@ -40,35 +15,33 @@ import sys
 from collections import defaultdict
 
 from benchmarks.harness import Report, add_common_arguments, run
+from benchmarks.meta_trace import row_config
 from benchmarks.performance import (
     ASSUMPTIONS,
     DEEPSPEED_KERNEL_GOALS,
     HOOK_CALL_GOAL,
     PINNED,
-    TP_DEGREES,
-    deepspeed_ops,
-    feature_model_record,
-    feature_model_setting,
-    frozen_bytes,
-    frozen_seconds,
-    held_on_meta,
     kernels_of,
     matrix,
     project,
     projection,
     rest_of_step,
     setting_label,
-    shard_refusal,
+)
+from benchmarks.published_decoders import (
+    feature_model_record,
+    feature_model_setting,
+    frozen_rows,
+    frozen_seconds,
+    held_on_meta,
     whole_steps,
 )
-from benchmarks.step_trace import row_config
 
 
 def phase_split(result: dict) -> str:
     parts = defaultdict(float)
     for k in result["kernel_list"]:
-        kind = "matmul" if k.flops else "memory-bound"
-        parts[kind] += k.device_s * 1e3
+        parts["matmul" if k.flops else "memory-bound"] += k.device_s * 1e3
     return ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in sorted(parts.items()))
 
 
@@ -76,7 +49,7 @@ def report_deepspeed(args, report: Report) -> None:
     """DeepSpeed's kernels per step at DP 1 and 2, the step's host syncs and Python hook calls."""
     for data_parallel in (1, 2):
         rest, hooks = rest_of_step(args.quick, data_parallel)
-        ours = deepspeed_ops(rest)
+        ours = [op for op in rest if op.part in ("deepspeed backward", "optimizer")]
         counted = projection(kernels_of(ours), 0.0)
         backward = len(kernels_of([op for op in ours if op.part == "deepspeed backward"]))
         syncs = sum(op.name.startswith("aten._local_scalar_dense") for op in rest)
@@ -94,8 +67,8 @@ def report_deepspeed(args, report: Report) -> None:
 
 
 def report_range(name: str, result: dict, report: Report) -> None:
-    """The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone: the
-    same trace, timed again (not a factor on the pinned figure)."""
+    """The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone (the
+    same trace timed again, not a factor on the pinned figure)."""
     ranges = result["ranges"]
     print(f"    MFU overlapped: pinned {result['mfu_overlapped'] * 100:.1f}%, pessimistic "
           f"{ranges['pessimistic']['mfu_overlapped'] * 100:.1f}%; one assumption pessimistic alone: "
@@ -172,16 +145,12 @@ def feature_model_body(args, report: Report) -> None:
         report.figure(f"{name}: projected MFU overlapped, model alone, {row}", result["mfu_overlapped"])
         report.figure(f"{name}: traced / model FLOPs, {row}", result["traced_flops"] / result["model_flops"], "x")
         report.figure(f"{name}: frozen pass as traced at TP=1, device, {row}", traced, "ms")
-    batch = int(rows[0][1]["training.micro_batch_size"])
-    for layout in ("replicate", "shard"):
-        for tp in TP_DEGREES:
-            if layout == "shard" and shard_refusal(held, tp):
-                print(f"{name}, frozen pass at TP={tp}, shard: refused ({shard_refusal(held, tp)})")
-                continue
-            ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
-            gib = frozen_bytes(held, tp, layout) / 2**30
-            print(f"{name}, frozen pass at TP={tp}, {layout}: {ms:.2f} ms, {gib:.2f} GiB per rank")
-            report.figure(f"{name}: frozen pass per rank, {layout}, TP={tp}", ms, "ms")
+    for layout, tp, refusal, gib, ms in frozen_rows(held, int(rows[0][1]["training.micro_batch_size"]), length):
+        if refusal:
+            print(f"{name}, frozen pass at TP={tp}, shard: refused ({refusal})")
+            continue
+        print(f"{name}, frozen pass at TP={tp}, {layout}: {ms:.2f} ms, {gib:.2f} GiB per rank")
+        report.figure(f"{name}: frozen pass per rank, {layout}, TP={tp}", ms, "ms")
     for row, setting in rows:
         report_whole_steps(name, row, setting, whole_steps(name, setting, args.quick), report)
 
@@ -224,7 +193,7 @@ def body(args, report: Report) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--feature-model", default=None, help="a decoder of the performance model's MODELS (see above)")
+    parser.add_argument("--feature-model", default=None, help="a decoder of published_decoders.MODELS (see above)")
     add_common_arguments(parser)
     return run("bench_projection", parser, body)
 

@@ -1,19 +1,11 @@
-"""Reconstruction quality over seeds: a config trained once per seed through the real command
-(`parallel-latent train --nproc N`), and its final held-out evaluation (token accuracy, exact match,
-BLEU) per seed, with the minimum, median and maximum. A quality claim holds across seeds or not at
-all: the goals are checked on the minimum.
+"""Reconstruction quality over seeds: a config trained once per seed through the real command, and its
+final held-out evaluation (token accuracy, exact match, BLEU) per seed with the minimum, median and
+maximum; the goals are checked on the worst seed. ``--tiny-decoder gpt2|gpt_neox|llama``: the feature
+model is a tiny decoder of that family saved as the hub ships one (benchmarks/tiny_decoders.py).
 
     python -m benchmarks.bench_quality                                      # configs/tiny.yaml, seeds 1-20
     python -m benchmarks.bench_quality --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
-    python -m benchmarks.bench_quality --config configs/compressed.yaml --seeds 1 2 1234
-    python -m benchmarks.bench_quality --config configs/smollm2.yaml --seeds 1 2 3        # ~13 min a seed
     python -m benchmarks.bench_quality --quick                              # a few seconds of training
-    python -m benchmarks.bench_quality --tiny-decoder llama --seeds 1 2 3   # over a tiny saved Llama
-
-``--tiny-decoder gpt2|gpt_neox|llama``: the feature model is a tiny decoder of that family saved as the
-hub ships one, with its own small tokenizer (benchmarks/tiny_decoders.py), loaded by path.
-
-Each run gets a fresh temporary run directory; wall time is the whole command, start-up included.
 """
 
 from __future__ import annotations
@@ -21,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, Report, add_common_arguments, child_environment, run
+from benchmarks.harness import SMALLEST, Report, add_common_arguments, run
+from benchmarks.processes import child_environment, run_checked
 
 # The goals the README states, on the worst seed: the first command's run, and the quality config.
 GOALS = {
@@ -39,20 +31,11 @@ GOALS = {
     "smollm2.yaml": {"token_accuracy": 0.98, "bleu": 95.0, "wall_s": 900.0},
 }
 # The latent evaluations shown beside them (parallel_latent.evaluation.latent_space), where a run has them.
-LATENT = {
-    "floats_per_token": "eval_floats_per_token",
-    "length_accuracy": "eval_length_accuracy",
-    "bleu_noise_0.1": "eval_bleu_noise_0.1",
-    "bleu_noise_0.3": "eval_bleu_noise_0.3",
-    "bleu_noise_0.5": "eval_bleu_noise_0.5",
-}
-METRICS = {"token_accuracy": "eval_token_accuracy", "exact_match": "eval_exact_match", "bleu": "eval_bleu"}
-QUICK = [
-    "model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
-    "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
-    "data.max_samples=400", "training.micro_batch_size=8", "training.max_steps=6", "training.eval_every=6",
-    "training.eval_batches=1", "parallel.tensor_parallel=1",
-]  # fmt: skip
+LATENT = {key: f"eval_{key}" for key in ("floats_per_token", "length_accuracy", "bleu_noise_0.1", "bleu_noise_0.3",
+                                         "bleu_noise_0.5")}  # fmt: skip
+METRICS = {key: f"eval_{key}" for key in ("token_accuracy", "exact_match", "bleu")}
+QUICK = [*SMALLEST, "training.micro_batch_size=8", "training.max_steps=6", "training.eval_every=6",
+         "training.eval_batches=1", "parallel.tensor_parallel=1"]  # fmt: skip
 
 
 def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch: Path) -> dict:
@@ -63,25 +46,17 @@ def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch
         "logging.tensorboard=false", "logging.print_samples=0", "checkpoint.export_portable=false",
         "checkpoint.resume=never", *overrides,
     ]  # fmt: skip
-    env = child_environment(TOKENIZERS_PARALLELISM="false")
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"seed {seed}: training")
     wall = time.perf_counter() - started
-    if result.returncode != 0:
-        raise RuntimeError(f"seed {seed}: training failed: {(result.stderr or result.stdout).strip()[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     if not evals:
         raise RuntimeError(f"seed {seed}: no held-out evaluation in {run_dir / 'metrics.jsonl'}")
     last = evals[-1]
-    return {
-        "seed": seed,
-        "step": last["step"],
-        "wall_s": wall,
-        **{k: last[v] for k, v in METRICS.items()},
-        "position_accuracy": last.get("eval_position_accuracy"),
-        "latent": {k: last[v] for k, v in LATENT.items() if v in last},
-    }
+    return {"seed": seed, "step": last["step"], "wall_s": wall, **{k: last[v] for k, v in METRICS.items()},
+            "position_accuracy": last.get("eval_position_accuracy"),
+            "latent": {k: last[v] for k, v in LATENT.items() if v in last}}  # fmt: skip
 
 
 def unseen_token_share(config: str, overrides: list[str]) -> float:
@@ -107,11 +82,8 @@ def tiny_decoder_overrides(family: str, directory: Path) -> list[str]:
     from benchmarks.tiny_decoders import save_tiny_decoder, small_tokenizer
 
     save_tiny_decoder(directory, family, small_tokenizer())
-    return [
-        f"feature_model.name_or_path={directory}",
-        "feature_model.pretrained=true",
-        "tokenizer.name_or_path=feature_model",
-    ]
+    return [f"feature_model.name_or_path={directory}", "feature_model.pretrained=true",
+            "tokenizer.name_or_path=feature_model"]  # fmt: skip
 
 
 def body(args, report: Report) -> None:
@@ -130,11 +102,8 @@ def body(args, report: Report) -> None:
         for seed in seeds:
             row = train_once(config, seed, nproc, overrides, Path(scratch))
             rows.append(row)
-            print(
-                f"{name} seed {seed}: step {row['step']}, token accuracy {row['token_accuracy']:.4f}, exact match "
-                f"{row['exact_match']:.4f}, BLEU {row['bleu']:.2f}, {row['wall_s']:.0f} s",
-                flush=True,
-            )
+            print(f"{name} seed {seed}: step {row['step']}, token accuracy {row['token_accuracy']:.4f}, exact match "
+                  f"{row['exact_match']:.4f}, BLEU {row['bleu']:.2f}, {row['wall_s']:.0f} s", flush=True)  # fmt: skip
         unseen = unseen_token_share(config, overrides) * 100  # while a tiny decoder's tokenizer exists
     print(f"\n{name}, --nproc {nproc}, {len(rows)} seed(s):")
     print(f"{'seed':>8} {'token acc':>10} {'exact':>8} {'BLEU':>7} {'wall s':>7}")
@@ -142,11 +111,8 @@ def body(args, report: Report) -> None:
         print(f"{row['seed']:>8} {row['token_accuracy']:>10.4f} {row['exact_match']:>8.4f} {row['bleu']:>7.2f} "
               f"{row['wall_s']:>7.0f}")  # fmt: skip
     columns = ("token_accuracy", "exact_match", "bleu", "wall_s")
-    summary = {
-        "min": {k: min(r[k] for r in rows) for k in columns},
-        "median": {k: statistics.median(r[k] for r in rows) for k in columns},
-        "max": {k: max(r[k] for r in rows) for k in columns},
-    }
+    summary = {label: {k: of(r[k] for r in rows) for k in columns}
+               for label, of in (("min", min), ("median", statistics.median), ("max", max))}  # fmt: skip
     for label, values in summary.items():
         print(f"{label:>8} {values['token_accuracy']:>10.4f} {values['exact_match']:>8.4f} {values['bleu']:>7.2f} "
               f"{values['wall_s']:>7.0f}")  # fmt: skip

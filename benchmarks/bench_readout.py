@@ -1,23 +1,12 @@
-"""What limits narrow latents, measured without training: how well a k-dimensional linear code of a
-token can be read back over the whole vocabulary, by the tied head's inner product and by the nearest
-head's nearest normalised code, and how much of a token a k-dimensional linear map of the frozen
-GPT-2's features holds, where the features of a token carry its predecessors too.
+"""What limits narrow latents, measured without training (docs/quality.md): 1. a random k-dimensional
+linear code of every token (its GPT-2 token-table row times a random k x d matrix) read back over the
+whole vocabulary by the tied head's inner product and by the nearest normalised code; 2. how much of
+a token the frozen GPT-2's features (hidden state -3) hold, to a linear fit, and a k-dimensional linear
+code of the features fitted on 80% of the corpus's tokens and read back on the rest, in a random
+subspace and in the k directions where the token is least mixed with its context.
 
     python -m benchmarks.bench_readout            # configs/compressed.yaml's GPT-2, 3,000 corpus lines
     python -m benchmarks.bench_readout --quick    # 300 lines
-
-1. Reading a code back. Every token v gets the code c_v = P t_v (t_v its row of the GPT-2 token table,
-   P a random k x d matrix). The tied head scores a state carrying c_x by inner products c_x . c_v:
-   the longest codes win, and few tokens are their own argmax at small k. Normalised codes (mean 0,
-   root-mean-square 1, the nearest head's) make every code its own argmax.
-2. The features. The feature of a token (hidden state -3 of the random-weight GPT-2) is, to a linear
-   fit, half the token and its position and half the tokens before it (R^2 of each part). A linear
-   map of the features onto a k-dimensional code of the token, fitted on 80% of the corpus's tokens
-   and read back by the nearest normalised code over the whole vocabulary on the other 20%: in a
-   random k-dimensional subspace of the token's row, and in the k directions where the token shows
-   least mixed with its context (the generalised eigenvectors of the rows' covariance against the
-   fit's residual). The second is what a trained model can reach with a linear code; what it misses
-   needs a nonlinear reading of the context.
 """
 
 from __future__ import annotations
@@ -25,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.harness import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, add_common_arguments, config_with_tokenizer, run
 
 CONFIG = "configs/compressed.yaml"
 RANKS = (8, 12, 16, 32)
@@ -42,15 +31,11 @@ def corpus_features(lines: int):
     corpus's first ``lines`` lines, in float64."""
     import torch
 
-    from parallel_latent.config import load_config
     from parallel_latent.data import read_samples
     from parallel_latent.model import LatentAutoencoder
     from parallel_latent.model.features import random_features_unannounced
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
-    cfg = load_config(REPO / CONFIG)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    cfg, tokenizer = config_with_tokenizer(REPO / CONFIG, [])
     with random_features_unannounced():
         model = LatentAutoencoder(cfg.model, cfg.feature_model, seed=cfg.training.seed).eval()
     texts = [text for text in read_samples("") if text.strip()][:lines]

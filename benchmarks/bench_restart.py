@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, TINY, Report, add_common_arguments, child_environment, run
+from benchmarks.harness import REPO, TINY, Report, add_common_arguments, run
+from benchmarks.processes import child_environment
 
 KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint (or a later one), at step 30 or after
 # --quick: the same path in fewer steps (the kill after the step-5 checkpoint or a later one).

@@ -1,24 +1,12 @@
-"""Trainer benchmarks (CPU or GPU), ratios printed.
-
-1. **Step time**: one training step at TP=1 through the real trainer (DeepSpeed ZeRO-2 engine,
-   token-normalised loss, the per-step statistics all-reduce) against the same model trained by a
-   plain PyTorch loop (the trainer's own AdamW, clip_grad_norm_, the same schedule), in one process,
-   in the same invocation, one step of each in turn (common.interleaved: the median per-pair ratio
-   with its min, max and CPU-time ratio).  Both take a batch that is already read: the trainer's is
-   read ahead, the plain loop's fetched before its clock starts.  The one difference left is ZeRO's:
-   its AdamW updates one flat partition per group, the plain loop's each parameter (the share of
-   the plain step that its AdamW takes is printed).  Goal: ratio <= 1.10.
-
-2. **Memory**: bytes per rank of parameters + gradients + optimizer state of the trainable part,
-   read from the real engine's tensors (the module's parameters, ZeRO's fp32 master partition, its
-   partitioned gradients right before the optimizer step, AdamW's moments), at TP=2 x DP=2 with
-   ZeRO-2 against TP=1 x DP=1 (the same engine).  Ranks are real processes (torchrun).
-   Goal: ratio <= 0.30.
+"""Trainer benchmarks (CPU or GPU): 1. one training step at TP=1 through the real trainer (DeepSpeed ZeRO-2)
+against the same model trained by a plain PyTorch loop (the trainer's own AdamW, clipping and schedule),
+interleaved in one process (goal <= 1.10); 2. bytes per rank of the trainable part's parameters,
+gradients and optimizer state, read from the real engine's tensors, at TP=2 x DP=2 (torchrun) against
+TP=1 x DP=1 (goal <= 0.30). Details: docs/development.md, Benchmarks.
 
     python -m benchmarks.bench_train                 # both, the tiny model, fp32 and bf16 memory
     python -m benchmarks.bench_train --part step --repeats 16 model.d_model=128
-    python -m benchmarks.bench_train --quick         # seconds: fewer steps, fp32 memory only (its TP1xDP1
-                                                     # side read on part 1's trainer, no torchrun of its own)
+    python -m benchmarks.bench_train --quick         # seconds: fewer steps, fp32 memory only
 """
 
 from __future__ import annotations
@@ -27,56 +15,34 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.harness import (
-    REPO,
+    QUIET_RUN,
     TINY,
     Report,
     add_common_arguments,
     add_repeat_arguments,
-    child_environment,
     interleaved,
     run,
     started_trainer,
 )
+from benchmarks.processes import child_environment, run_checked
 
 # A small model whose step is dominated by real work, not launch overhead.
-DEFAULT_OVERRIDES = [
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.n_encoder_layers=2",
-    "model.n_decoder_layers=2",
-    "model.max_length=32",
-    "model.dropout=0.1",
-    "feature_model.n_embd=64",
-    "feature_model.n_layer=4",
-    "data.max_samples=2000",
-    "training.micro_batch_size=32",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "checkpoint.export_portable=false",
-    "checkpoint.save_every=0",
-    "training.eval_every=0",
-]
+DEFAULT_OVERRIDES = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
+                     "model.max_length=32", "model.dropout=0.1", "feature_model.n_embd=64", "feature_model.n_layer=4",
+                     "data.max_samples=2000", "training.micro_batch_size=32"]  # fmt: skip
+QUICK_OVERRIDES = ["model.max_length=16", "training.micro_batch_size=8", "data.max_samples=400"]
 
 
 def load(overrides: list[str], run_dir: str):
     from parallel_latent.config import load_config
 
-    return load_config(
-        TINY,
-        [*DEFAULT_OVERRIDES, *overrides, f"logging.run_dir={run_dir}", "checkpoint.resume=never"],
-    )
-
-
-# --------------------------------------------------------------------------- #
-# 1. Step time: trainer (DeepSpeed ZeRO-2) vs a plain PyTorch loop.
-# --------------------------------------------------------------------------- #
+    return load_config(TINY, [*DEFAULT_OVERRIDES, *QUIET_RUN, *overrides, f"logging.run_dir={run_dir}"])
 
 
 def bench_step_time(args, measure_memory: bool = False) -> dict:
@@ -139,18 +105,8 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
         # --quick: this trainer is the fp32 TP1xDP1 memory run's (ZeRO-2, TP=1, one rank, the same
         # overrides), so it measures that run's tensors here instead of a torchrun of its own.
         memory = measure_engine_memory(trainer) if measure_memory and cfg.training.precision == "fp32" else None
-    return {
-        "samples": samples,
-        "plain_optimizer_share": statistics.median(optimizer_times) / samples.median("plain"),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "tp1_dp1_memory": memory,
-    }
-
-
-# --------------------------------------------------------------------------- #
-# 2. Memory per rank, from the engine's tensors.
-# --------------------------------------------------------------------------- #
+    return {"samples": samples, "plain_optimizer_share": statistics.median(optimizer_times) / samples.median("plain"),
+            "device": str(device), "threads": torch.get_num_threads(), "tp1_dp1_memory": memory}  # fmt: skip
 
 
 def _bytes(tensors) -> int:
@@ -158,16 +114,14 @@ def _bytes(tensors) -> int:
 
 
 def measure_engine_memory(trainer) -> dict:
-    """Parameters + gradients + optimizer state of the trainable part on this rank, in bytes,
-    measured on a training step right before the optimizer step (when the gradients exist)."""
+    """Parameters + gradients + optimizer state of the trainable part on this rank, in bytes, right
+    before the optimizer step of a second step (the first makes AdamW's state)."""
     import torch
 
-    engine = trainer.engine
-    optimizer = engine.optimizer
-    # Take one step first so AdamW's state exists, then measure a second one before its step.
-    trainer.train_step()
     from parallel_latent.data import get_batch
 
+    engine, optimizer = trainer.engine, trainer.engine.optimizer
+    trainer.train_step()
     batch = get_batch(trainer.train_set, trainer.sampler.next_batch())
     out = engine(batch["input_ids"].to(trainer.device), batch["attention_mask"].to(trainer.device))
     engine.backward(out.loss_sum.float() / out.num_tokens.clamp(min=1))
@@ -191,21 +145,16 @@ def measure_engine_memory(trainer) -> dict:
         for state in base.state.values()
     )
     engine.step()
-    return {
-        "parameters": parameters,
-        "master_weights": master,
-        "gradients": gradients,
-        "optimizer_state": optimizer_state,
-        "total": parameters + master + gradients + optimizer_state,
-        "frozen_parameters": _bytes(frozen),
-    }
+    return {"parameters": parameters, "master_weights": master, "gradients": gradients,
+            "optimizer_state": optimizer_state, "total": parameters + master + gradients + optimizer_state,
+            "frozen_parameters": _bytes(frozen)}  # fmt: skip
 
 
 def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
-    """One rank of the memory run. ``run_dir`` is made by the launching process: the trainer
-    checks that every rank sees one run directory (as on a cluster), so ranks must not each make
-    their own."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu") if not _has_cuda() else None
+    """One rank of the memory run, in ``run_dir`` made by the launching process (the trainer checks that
+    every rank sees one run directory, as on a cluster)."""
+    if not _has_cuda():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
     with started_trainer(load(overrides, run_dir)) as trainer:
@@ -228,23 +177,9 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "memory.json"
         env = child_environment(1, cpu=not _has_cuda(), PYTHONUNBUFFERED="1")
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "benchmarks.bench_train",
-            "--memory-worker",
-            str(output),
-            "--run-dir",
-            str(Path(scratch) / "run"),
-            *overrides,
-        ]
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"memory worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                     "-m", "benchmarks.bench_train", "--memory-worker", str(output), "--run-dir",
+                     str(Path(scratch) / "run"), *overrides], env, "memory worker")  # fmt: skip
         return json.loads(output.read_text())
 
 
@@ -254,19 +189,11 @@ def bench_memory(args, precision: str, single: dict | None = None) -> dict:
     single = single or run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
     sharded = run_memory_layout(4, [*common, "parallel.tensor_parallel=2"])
     worst = max(sharded, key=lambda r: r["total"])
-    return {
-        "precision": precision,
-        "tp1_dp1": single,
-        "tp2_dp2_worst_rank": worst,
-        "ratio": worst["total"] / single["total"],
-    }
+    return {"tp1_dp1": single, "tp2_dp2_worst_rank": worst, "ratio": worst["total"] / single["total"]}
 
 
 def mib(n: int) -> str:
     return f"{n / 2**20:8.2f} MiB"
-
-
-QUICK_OVERRIDES = ["model.max_length=16", "training.micro_batch_size=8", "data.max_samples=400"]
 
 
 def body(args, report: Report) -> None:
@@ -281,23 +208,21 @@ def body(args, report: Report) -> None:
     if args.part in ("step", "all"):
         step = bench_step_time(args, measure_memory=args.quick and args.part == "all")
         samples = step["samples"]
-        spread = samples.spread("trainer", "plain")
-        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), medians of {spread.repeats}:")
+        print(f"step time, TP=1, {step['device']}, {step['threads']} thread(s), medians of "
+              f"{len(samples.wall['plain'])}:")  # fmt: skip
         print(f"  plain PyTorch loop (AdamW)      {samples.median('plain') * 1e3:8.1f} ms")
         print(f"  parallel-latent trainer, ZeRO-2 {samples.median('trainer') * 1e3:8.1f} ms")
         report.figure("plain PyTorch step", samples.median("plain") * 1e3, "ms")
         report.figure("trainer (ZeRO-2) step", samples.median("trainer") * 1e3, "ms")
         report.figure("plain step's AdamW (per-parameter tensors), share of the step", step["plain_optimizer_share"])
-        report.figure("trainer / plain step time", spread.median, "x", at_most=1.10, spread=spread)
+        report.ratio("trainer / plain step time", samples, "trainer", "plain", at_most=1.10)
     if args.part in ("memory", "all"):
         precisions = (args.precisions or ("bf16,fp32")).split(",")
         for precision in precisions:
             memory = bench_memory(args, precision, step.get("tp1_dp1_memory") if precision == "fp32" else None)
             single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
-            print(
-                f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
-                "AdamW moments):"
-            )
+            print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
+                  "AdamW moments):")  # fmt: skip
             for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
                 print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
             print(f"  frozen GPT-2, not included: {mib(single['frozen_parameters'])} per rank, replicated")
@@ -311,9 +236,7 @@ def main() -> int:
     parser.add_argument("--part", choices=["step", "memory", "all"], default="all")
     add_repeat_arguments(parser, repeats=8, most=48)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument(
-        "--precisions", default=None, help="memory benchmark precisions, comma-separated (default: bf16,fp32)"
-    )
+    parser.add_argument("--precisions", help="memory benchmark precisions, comma-separated (default: bf16,fp32)")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     add_common_arguments(parser)

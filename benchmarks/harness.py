@@ -1,17 +1,9 @@
-"""What every benchmark script shares: its arguments and report, how it starts other processes
-(one environment builder, rank processes, a port for their store), and what memory it reads.
+"""What every benchmark script shares: its arguments, its timing ratios and its report.
 
-A figure is a number with its unit and, where the project states one, its goal. Each is printed as
-one line starting ``figure:`` (what ``tests/benchmarks/test_benchmarks.py`` and ``benchmarks/run_all.py``
-look for), and ``--json PATH`` writes them all with the machine they were measured on. A goal that
-is not met is reported, not an error: timings on a shared machine are noisy, and a benchmark's job
-is to measure. A script exits non-zero only when it could not produce its figures.
-
-A timing ratio comes from :func:`interleaved` repeats (the variants in turn, the order reversed every
-other repeat) as a :class:`Spread`: min / median / max of the per-repeat ratios, the median ratio of
-CPU time (on a shared machine the steadier one), the load average while it ran, and whether the
-first and second halves of the repeats agree on the median within :data:`STABLE_WITHIN` (a script
-that can repeat more does, up to its limit, then says "unstable").
+A figure prints as one line ``figure: NAME = VALUE`` (what the tests and run_all.py look for); ``--json
+PATH`` writes them all with the machine. A goal not met is reported, not an error: a script exits
+non-zero only when it could not produce its figures. A timing ratio is an :func:`interleaved`
+:class:`Spread` (docs/development.md, Benchmarks).
 """
 
 from __future__ import annotations
@@ -23,8 +15,6 @@ import json
 import math
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
 GPT2 = REPO / "configs" / "gpt2.yaml"
 BUNDLED = REPO / "parallel_latent" / "corpus" / "austen_pride_and_prejudice.txt"
-
+# configs/gpt2.yaml's model shrunk for a quick run, and configs/tiny.yaml's smallest (a CPU test of a whole run).
+GPT2_SHRUNK = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
+               "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
+SMALLEST = ["model.d_model=32", "model.n_heads=2", "model.n_encoder_layers=1", "model.n_decoder_layers=1",
+            "model.max_length=8", "feature_model.n_layer=3", "feature_model.n_head=2", "feature_model.n_embd=32",
+            "data.max_samples=400"]  # fmt: skip
+# A run that leaves nothing behind it need not: no evaluation, checkpoint, export, progress bar or TensorBoard.
+QUIET_RUN = ["training.eval_every=0", "checkpoint.save_every=0", "checkpoint.export_portable=false",
+             "checkpoint.resume=never", "logging.progress_bar=false", "logging.tensorboard=false"]  # fmt: skip
 
 # The halves' medians of a stable ratio differ by at most this fraction: half of the 5% within which
 # two runs of a script are to agree, since a whole run's median is no steadier than a half's by much.
@@ -46,9 +44,8 @@ STABLE_WITHIN = 0.025
 
 @dataclass
 class Spread:
-    """Per-repeat ratios of two variants timed in turn: their min, median and max; the median ratio of
-    their CPU time (user + sys of this process, every thread); the 1-minute load average while they
-    ran (median of one sample per repeat); whether the two halves of the repeats agree."""
+    """Per-repeat ratios of two variants timed in turn: min, median, max; the median CPU-time ratio;
+    the median 1-minute load average; whether the two halves of the repeats agree."""
 
     low: float
     median: float
@@ -65,8 +62,7 @@ class Spread:
 
 
 def halves_agree(ratios: list[float], within: float = STABLE_WITHIN) -> bool:
-    """Whether the first and second halves of ``ratios`` (in the order measured) have medians within
-    ``within`` of each other: a drift or a burst of load in one half shows here."""
+    """Whether the two halves of ``ratios`` (in the order measured) have medians within ``within``."""
     if len(ratios) < 4:
         return False
     half = len(ratios) // 2
@@ -76,8 +72,7 @@ def halves_agree(ratios: list[float], within: float = STABLE_WITHIN) -> bool:
 
 @dataclass
 class Samples:
-    """What :func:`interleaved` measured: per variant, wall and CPU seconds of each repeat, and the
-    load average after each repeat."""
+    """Per variant, wall and CPU seconds of each repeat; the load average after each repeat."""
 
     wall: dict[str, list[float]]
     cpu: dict[str, list[float]]
@@ -86,15 +81,10 @@ class Samples:
     def spread(self, numerator: str, denominator: str) -> Spread:
         walls = [a / b for a, b in zip(self.wall[numerator], self.wall[denominator], strict=True)]
         cpus = [a / b for a, b in zip(self.cpu[numerator], self.cpu[denominator], strict=True) if b > 0]
-        return Spread(
-            low=min(walls),
-            median=statistics.median(walls),
-            high=max(walls),
-            cpu=statistics.median(cpus) if cpus else math.nan,
-            repeats=len(walls),
-            load=statistics.median(self.load) if self.load else os.getloadavg()[0],
-            stable=halves_agree(walls),
-        )
+        return Spread(low=min(walls), median=statistics.median(walls), high=max(walls),
+                      cpu=statistics.median(cpus) if cpus else math.nan, repeats=len(walls),
+                      load=statistics.median(self.load) if self.load else os.getloadavg()[0],
+                      stable=halves_agree(walls))  # fmt: skip
 
     def median(self, name: str) -> float:
         return statistics.median(self.wall[name])
@@ -109,13 +99,10 @@ def interleaved(
     most: int | None = None,
     agree: Callable[[bool], bool] = bool,
 ) -> Samples:
-    """Time ``fns`` in turn ``repeats`` times after ``warmup`` untimed rounds, in the given order on
-    even repeats and reversed on odd ones (whoever runs first in a round gets no edge). A function
-    that returns a float reports its own wall time (work inside it that is not to be counted, a
-    barrier, say, stays out); CPU time is always this process's around the call. With ``ratios``
-    and ``most``, repeats continue in steps of ``repeats`` until every named ratio's halves agree or
-    ``most`` repeats are done. ``agree`` turns this process's verdict into the one every process
-    of a multi-process measurement acts on (an all-reduce), so that all stop together."""
+    """Time ``fns`` in turn ``repeats`` times after ``warmup`` rounds, the order reversed on odd repeats.
+    A function that returns a float reports its own wall time (a barrier stays out); CPU time is this
+    process's. With ``ratios`` and ``most``, repeats go on in steps of ``repeats`` until every ratio's
+    halves agree or ``most`` are done; ``agree`` makes every process of a measurement stop together."""
     names = list(fns)
     samples = Samples({name: [] for name in names}, {name: [] for name in names})
     done, target = 0, repeats
@@ -163,29 +150,21 @@ def format_value(value: float) -> str:
 
 def machine() -> dict:
     """What the figures were measured on."""
+    from importlib.metadata import version
+
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
     info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
     for package in ("torch", "deepspeed", "transformers"):
-        try:
-            from importlib.metadata import version
-
+        with contextlib.suppress(Exception):  # not installed: left out
             info[package] = version(package)
-        except Exception:  # not installed: leave it out
-            continue
-    try:
+    with contextlib.suppress(ImportError):
         import torch
 
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name()
-    except ImportError:
-        pass
     return info
 
 
@@ -198,16 +177,8 @@ class Report:
         self.json_path = getattr(args, "json", None)
         self.figures: list[Figure] = []
 
-    def figure(
-        self,
-        name: str,
-        value: float,
-        unit: str = "",
-        *,
-        at_most: float | None = None,
-        at_least: float | None = None,
-        spread: Spread | None = None,
-    ) -> Figure:
+    def figure(self, name: str, value: float, unit: str = "", *, at_most: float | None = None,
+               at_least: float | None = None, spread: Spread | None = None) -> Figure:  # fmt: skip
         """A figure; a timing ratio passes its :class:`Spread` and its median as ``value``."""
         goal, met = "", None
         if at_most is not None:
@@ -219,6 +190,11 @@ class Report:
         print(figure.line(), flush=True)
         return figure
 
+    def ratio(self, name: str, samples: Samples, numerator: str, denominator: str, at_most: float | None = None):
+        """The figure of an :func:`interleaved` timing ratio: its median, with its spread."""
+        spread = samples.spread(numerator, denominator)
+        return self.figure(name, spread.median, "x", at_most=at_most, spread=spread)
+
     def write(self) -> None:
         if not self.json_path:
             return
@@ -229,13 +205,11 @@ class Report:
                 continue
             argv.append(arg)
         record = {
-            "benchmark": self.benchmark,
-            "quick": self.quick,
+            "benchmark": self.benchmark, "quick": self.quick,
             "command": " ".join(["python", "-m", f"benchmarks.{self.benchmark}", *argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(),
-            "figures": [asdict(f) for f in self.figures],
-        }
+            "machine": machine(), "figures": [asdict(f) for f in self.figures],
+        }  # fmt: skip
         path = Path(self.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
@@ -243,9 +217,9 @@ class Report:
 
 @contextlib.contextmanager
 def started_trainer(cfg, source: str = "bench"):
-    """A trainer of a run of ``cfg`` started in this process (every rank of a job calls it), ended
-    as the command line's ranks end: closed, its watchdog stopped and the process groups torn down
-    before the interpreter exits (gloo's threads left to the interpreter's exit can abort it)."""
+    """A trainer of ``cfg`` started in this process (every rank calls it), ended as the command line's
+    ranks end: closed, watchdog stopped, process groups torn down before the interpreter exits (gloo's
+    threads left to the interpreter's exit can abort it)."""
     from parallel_latent.parallel import destroy_distributed
     from parallel_latent.training.startup import start_run
     from parallel_latent.training.trainer import Trainer
@@ -259,25 +233,32 @@ def started_trainer(cfg, source: str = "bench"):
         destroy_distributed()
 
 
+def config_with_tokenizer(path: Path, overrides: list[str]):
+    """(the config at ``path`` with ``overrides`` and its tokenizer's facts, the tokenizer)."""
+    from parallel_latent.config import load_config
+    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+
+    cfg = load_config(path, overrides)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    return apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer)), tokenizer
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes and few repeats (seconds): checks the script runs"
-    )
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes and few repeats (seconds): checks the script runs")  # fmt: skip
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
 
 
 def add_repeat_arguments(parser: argparse.ArgumentParser, repeats: int, most: int) -> None:
-    """A timing script's repeats: at least ``repeats``, more (in steps of ``repeats``) until each
-    ratio's halves agree, at most ``most``."""
+    """At least ``repeats``, more (in steps of ``repeats``) until each ratio's halves agree, at most ``most``."""
     parser.add_argument("--repeats", type=int, default=repeats, help="interleaved repeats per step of the measurement")
-    parser.add_argument(
-        "--most-repeats", type=int, default=most, help="repeats at most while a ratio's halves disagree"
-    )
+    parser.add_argument("--most-repeats", type=int, default=most,
+                        help="repeats at most while a ratio's halves disagree")  # fmt: skip
 
 
 def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Report], None]) -> int:
-    """Parse the arguments, run ``body``, write the JSON; the exit status says whether figures came out.
-    A failure prints its traceback and one last line naming the benchmark."""
+    """Parse the arguments, run ``body``, write the JSON; non-zero (a traceback, then one line naming the
+    benchmark) when no figures came out."""
     args = parser.parse_args()
     report = Report(benchmark, args)
     try:
@@ -301,125 +282,3 @@ def all_ranks_agree(settled: bool) -> bool:
     flag = torch.tensor([int(settled)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
-
-
-# --------------------------------------------------------------------------- #
-# Other processes: their environment, their memory, ranks and the port of their store.
-# --------------------------------------------------------------------------- #
-
-
-def child_environment(threads: int | None = None, *, cpu: bool = False, **variables: str) -> dict[str, str]:
-    """This process's environment for a child: ``threads`` compute threads (OMP_NUM_THREADS; None:
-    as inherited), DeepSpeed on the CPU with ``cpu``, and ``variables`` (TOKENIZERS_PARALLELISM="false"
-    where the child forks after tokenising: the tokenizers' warning, not their speed, is the point)."""
-    env = {**os.environ, **variables}
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    if cpu:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
-
-
-def peak_rss_mb(pid: int) -> float | None:
-    """VmHWM of a running process: the peak resident set of its current program. (ru_maxrss from
-    wait4 would not do: it keeps the high-water mark of the image before exec, i.e. of this
-    benchmark process, which forked the child.)"""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def peak_rss_while(process, stop: Callable[[], bool] = lambda: False) -> float:
-    """The peak resident set (MB) of a running ``process``, sampled every 10 ms until it exits or
-    ``stop()`` (asked after each sample) says to stop watching."""
-    peak = 0.0
-    while process.poll() is None:
-        peak = max(peak, peak_rss_mb(process.pid) or 0.0)
-        if stop():
-            break
-        time.sleep(0.01)
-    return peak
-
-
-def _resident(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def peak_extra_bytes(fn) -> int:
-    """Peak resident memory over ``fn()`` above what was resident before (Linux: resets the high-water
-    mark through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _resident("VmRSS:")
-    fn()
-    return _resident("VmHWM:") - before
-
-
-def free_port() -> int:
-    """A port for a store that a process started later will host, kept from every other taker
-    meanwhile: a port merely bound and closed is free for the next ``bind(0)`` (a gloo listener of
-    a test running beside) before that process, seconds of imports later, binds it, and then the
-    job's rank 0 cannot host its store and the others wait out their bound. Here the port is left
-    in TIME_WAIT (about 60 s), which the kernel never hands to ``bind(0)`` or ``connect()``, while
-    the store's own bind (``SO_REUSEADDR``, as every TCPStore binds) still takes it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        port = listener.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port)):
-            accepted, _ = listener.accept()
-            accepted.close()  # the side that closes first holds the TIME_WAIT, on this port
-    return port
-
-
-def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
-    """What a launcher tells rank ``rank`` of a job of ``world`` processes on this machine."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-
-
-def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
-    import torch
-
-    os.environ.update({**rank_environment(rank, world, port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)  # several ranks on few cores: one thread each, or they fight over the cores
-    value = task(*args)
-    if rank == 0:
-        results.put(value)
-
-
-def on_ranks(world: int, task, *args):
-    """Rank 0's ``task(*args)``, run on each of ``world`` spawned processes (the ranks of a job on
-    this machine, told so by their environment); a rank that fails ends them all."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results, port = context.Queue(), free_port()
-    processes = [context.Process(target=_rank, args=(r, world, port, task, args, results)) for r in range(world)]
-    for process in processes:
-        process.start()
-    while True:
-        try:
-            value = results.get(timeout=5)
-            break
-        except queue.Empty:
-            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if failed:
-                for process in processes:
-                    process.kill()
-                raise RuntimeError(f"a rank exited with status {failed[0]}") from None
-    for process in processes:
-        process.join()
-    return value

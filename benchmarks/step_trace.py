@@ -1,30 +1,16 @@
-"""The operators of one training step, for the performance model (benchmarks/performance.py): every dispatched operator
-that launches a kernel, with its FLOPs, the bytes it reads and writes, the compiled region it runs
-in, and which part of the step asked for it.
-
-Two traces make one step:
-
-* the model's forward and backward (the loss included), on the **meta** device at the row's batch:
-  the real model in bf16, no FLOP spent; every device choice the code makes on CUDA (or, for the
-  CPU check, on the CPU) is made as there: attention's kernel, the compiled dropout mask and loss
-  chunks, ``training.compile``'s blocks;
-* everything else of ``Trainer.train_step``, from a **real** step on the CPU (the DeepSpeed engine
-  and all, at gpt2.yaml's parameter count, micro-batch 1): the trainer's own work, DeepSpeed's in
-  backward (its gradient hooks or the bulk path of ``parallel_latent/zero/patches.py``) and
-  its optimizer step, the Python hook calls among them counted.
-
-Which trace an operator of the real step belongs to is decided the same way in both: inside the
-model's ``forward`` call, or run by an autograd node of the backward graph (the model's, the
-loss's, AccumulateGrad's), it is the model's; anything else (the trainer, DeepSpeed, the root of
-backward) is the rest of the step. A test runs a small config's real CPU step under this tracer and
-checks that the meta trace (with the CPU's choices) plus the rest is every operator it dispatched.
+"""The operators of one training step, for the performance model (benchmarks/performance.py): every
+dispatched operator that launches a kernel, with its FLOPs, the bytes it reads and writes, the compiled
+region it runs in and the part of the step that asked for it; and a real ``Trainer.train_step`` on the
+CPU traced so (DeepSpeed's work in backward and its optimizer step, the hook calls counted). An
+operator inside the model's ``forward``, or run by an autograd node of the model's backward graph
+(the loss's, AccumulateGrad's), is the model's; anything else is the rest of the step. The model's
+own part is traced on the meta device (benchmarks/meta_trace.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import sysconfig
@@ -32,11 +18,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from benchmarks.harness import GPT2, on_ranks, started_trainer
+from benchmarks.harness import GPT2, GPT2_SHRUNK, QUIET_RUN, started_trainer
+from benchmarks.processes import on_ranks
 
 # Operators that launch nothing: allocation, metadata, aliasing.
 NO_KERNEL = {
@@ -45,8 +31,6 @@ NO_KERNEL = {
     "aten.lift_fresh.default", "aten.set_.source_Storage_storage_offset", "aten.resize_.default",
 }  # fmt: skip
 COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
-SHRINK = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
-          "feature_model.n_layer=4", "feature_model.n_head=4", "feature_model.n_embd=64"]  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -58,8 +42,8 @@ class Op:
     writes: list[tuple[int, tuple, int]]
     region: tuple[str, int] | None  # the compiled region's label and call it runs in, None: eager
     phase: str  # "forward", "backward" (the model's), "step" (the rest of train_step)
-    part: str  # "loss" (the cross-entropy, forward and backward), "model", or the rest's "trainer",
-    # "deepspeed backward" (during engine.backward) and "optimizer" (engine.step)
+    part: str  # "loss", "features" (the frozen pass), "model", or the rest's "trainer", "deepspeed
+    # backward" (during engine.backward) and "optimizer" (engine.step)
     tensors: list[int] = dataclasses.field(default_factory=list)  # elements of each tensor of a multi-tensor op
     host: bool = False  # only host tensors out of a meta trace (a Python scalar's tensor): no kernel
 
@@ -73,8 +57,8 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and which of them
-    it only writes (``out=``: not read)."""
+    """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and which of them it
+    only writes (``out=``: not read)."""
     written, only_written = [], []
     for index, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -88,10 +72,9 @@ def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[tor
 
 
 class StepTracer(TorchDispatchMode):
-    """Records every operator that launches a kernel, with the compiled region it belongs to (in
-    forward the innermost :meth:`region` being run, in backward the region whose forward created
-    the autograd node being run) and the part of the step that asked for it (:attr:`part`, set by
-    the caller around each part; in backward, an operator an autograd node runs is the model's)."""
+    """Records every operator that launches a kernel, with its compiled region (in backward: the region
+    whose forward created the autograd node being run) and the part of the step that asked for it
+    (:attr:`part`, set by the caller around each part)."""
 
     def __init__(self):
         super().__init__()
@@ -225,194 +208,6 @@ class StepTracer(TorchDispatchMode):
             self.part = before
 
 
-# --------------------------------------------------------------------------- #
-# Attention as each device runs it.
-# --------------------------------------------------------------------------- #
-
-
-def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    """What a masked bf16 SDPA runs on CUDA: memory-efficient attention with an additive bias
-    (the boolean mask turned into one by one kernel, as torch's CUDA path does)."""
-    bias = None
-    if attn_mask is not None:
-        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-        if attn_mask.dtype == torch.bool:
-            zero = torch.zeros((), dtype=query.dtype, device=query.device)
-            attn_mask = torch.where(attn_mask, zero, torch.finfo(query.dtype).min)
-        bias = attn_mask.expand(shape)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, needs_grad, dropout_p, is_causal and bias is None, scale=scale
-    )[0]
-
-
-def cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    """What SDPA runs on the CPU: a boolean mask turned into an additive one, then its flash kernel."""
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        zero, minus_inf = (torch.scalar_tensor(v, dtype=query.dtype) for v in (0.0, -math.inf))
-        attn_mask = torch.where(attn_mask, zero, minus_inf)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
-
-
-ATTENTION = {"cuda": cuda_attention, "cpu": cpu_attention}
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement):
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _marked(tracer: StepTracer, owner, name: str, part: str):
-    """``owner.name`` (a function the model calls), its operators marked as ``part``'s: the loss
-    (its backward is found by node name), the features (the frozen pass: no backward)."""
-    function = getattr(owner, name)
-
-    def marked(*args, **kwargs):
-        tracer.within = part
-        try:
-            return function(*args, **kwargs)
-        finally:
-            tracer.within = None
-
-    return _patched(owner, name, marked)
-
-
-def _loss_marked(tracer: StepTracer):
-    from parallel_latent.model import autoencoder
-
-    return _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss")
-
-
-@contextlib.contextmanager
-def fake_tp_group(tp: int):
-    """A TP group of ``tp`` ranks inside this one process, for a meta trace at TP > 1: torch's
-    ``fake`` backend (its collectives return at once, dispatched as operators the tracer records:
-    the model's own, at their real shapes), this process its rank 0. None at TP=1 (no group: the
-    model in one process)."""
-    if tp == 1:
-        yield None
-        return
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        raise RuntimeError(f"a meta trace at TP={tp} makes a fake process group, and this process has one already")
-    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-def _feature_model_from(recorded: dict | None):
-    """The model's feature model rebuilt from ``recorded`` (a whole transformers config, as a
-    checkpoint's record rebuilds it: any MLP width, any kv heads) instead of the random build's few
-    keys (whose MLP is 4x the width); nothing changed without one."""
-    from parallel_latent.model import autoencoder, features
-
-    if recorded is None:
-        return contextlib.nullcontext()
-
-    def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None):
-        # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
-        return features.FeatureModel(feature_cfg, vocab_size, {**recorded, "vocab_size": vocab_size}, tp_group)
-
-    return _patched(autoencoder, "FeatureModel", rebuilt)
-
-
-# --------------------------------------------------------------------------- #
-# The model's forward and backward, on meta.
-# --------------------------------------------------------------------------- #
-
-
-def row_config(setting: dict, quick: bool, config: Path = GPT2):
-    from parallel_latent.config import load_config
-
-    overrides = [*(SHRINK if quick else []), "feature_model.pretrained=false", "training.precision=bf16"]
-    overrides += [f"{k}={v}" for k, v in setting.items()]
-    return load_config(config, overrides)
-
-
-def meta_model(cfg, tracer: StepTracer, device: str = "cuda", tp_group=None, recorded: dict | None = None):
-    """The model of ``cfg`` on the meta device in bf16, its compiled regions as ``device`` runs them;
-    this rank's part of it over ``tp_group`` (:func:`fake_tp_group`), its feature model rebuilt from
-    ``recorded`` if given (:func:`_feature_model_from`)."""
-    from parallel_latent.model import build_model, perceiver
-    from parallel_latent.parallel import LossKernels
-    from parallel_latent.parallel.dropout import KERNELS
-
-    compile_blocks = cfg.training.compile and device == "cuda"  # (traced as regions below: compiling on meta fails)
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
-    # The head's scale reads the token table's std (a value meta has not got; it changes no cost).
-    dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
-    scale = _patched(perceiver, "token_table_scale", lambda table: 1.0)
-    with torch.device("meta"), scale, _feature_model_from(recorded):
-        model = build_model(cfg, tp_group).to(dtype).train()
-    kernels = LossKernels.compiled() if compile_blocks else model.loss_kernels.on(torch.device(device))
-    rng = model.dropout_rng
-    if device in rng.compile_devices:  # the mask kernel, compiled there (training.compile_dropout)
-        rng.compile_devices = ("meta",)
-        rng._kernels = {name: tracer.region(fn, "dropout mask") for name, fn in KERNELS.items()}
-    else:
-        rng.compile_devices = ()
-    if compile_blocks:
-        for stack in (model.encoder.stack, model.decoder.stack):
-            for block in stack.blocks:
-                block.forward = tracer.region(block.forward, "Perceiver block")
-        for module in model.modules():  # where the compiled blocks' graphs break
-            for name in dir(type(module)):
-                if getattr(getattr(type(module), name, None), "_torchdynamo_disable", False):
-                    setattr(module, name, tracer.graph_break(getattr(module, name)))
-    if kernels.compiled_kernels:  # the plain functions (compiling on meta fails), traced as compiled regions
-        compiled = {f.name: getattr(kernels, f.name) for f in dataclasses.fields(kernels)}
-        traced = {name: tracer.region(k.fn, "loss chunk") for name, k in compiled.items() if hasattr(k, "fn")}
-        kernels = dataclasses.replace(kernels, **traced)
-    model.loss_kernels = kernels
-    return model
-
-
-def trace_model(
-    cfg, device: str = "cuda", micro_batch: int | None = None, tp_group=None, recorded: dict | None = None
-) -> list[Op]:
-    """The model's operators in one micro-batch's forward and backward, on meta, as ``device``
-    runs them (one rank's over ``tp_group``, its collectives included; the frozen pass's operators,
-    the all-gather of split features among them, marked ``features``); the second of two (the first
-    fills what the model caches, as a real run's first step does)."""
-    tracer = StepTracer()
-    tracer.on_meta = True
-    model = meta_model(cfg, tracer, device, tp_group, recorded)
-    micro, length = micro_batch or cfg.training.micro_batch_size, cfg.model.max_length
-    ids = torch.zeros(micro, length, dtype=torch.long, device="meta")
-    mask = torch.ones(micro, length, dtype=torch.long, device="meta")
-    for _ in range(2):
-        tracer.ops.clear()
-        with (
-            tracer,
-            _patched(F, "scaled_dot_product_attention", ATTENTION[device]),
-            _loss_marked(tracer),
-            _marked(tracer, model, "features", "features"),
-        ):
-            out = tracer.model_call(model)(ids, mask)
-            with tracer.running("trainer"):  # the trainer's weighting of the loss: the rest of the step's
-                loss = out.trained_loss_sum * 1.0
-            with tracer.running("backward"):
-                loss.backward()
-        model.zero_grad(set_to_none=True)
-    return [op for op in tracer.ops if op.phase != "step"]
-
-
-# --------------------------------------------------------------------------- #
-# The real step on the CPU: the rest of it.
-# --------------------------------------------------------------------------- #
-
-
 @dataclasses.dataclass
 class RealStep:
     ops: list[Op]  # every operator of one train_step
@@ -424,16 +219,15 @@ class RealStep:
 
 
 def real_step_overrides(scratch: Path, quick: bool, micro_batch: int = 1) -> list[str]:
+    """A real step at gpt2.yaml's parameter count (micro-batch 1: DeepSpeed's work does not depend on it)."""
     corpus = scratch / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("\n".join(f"line {i} of a corpus for a traced step" for i in range(64)) + "\n")
     return [
-        *(SHRINK if quick else []), "feature_model.pretrained=false", "training.precision=bf16",
+        *(GPT2_SHRUNK if quick else []), "feature_model.pretrained=false", "training.precision=bf16",
         f"data.path={corpus}", "data.min_eval_samples=1", "data.eval_fraction=0.1", f"data.cache_dir={scratch}/c",
-        f"training.micro_batch_size={micro_batch}", "training.eval_every=0", "training.max_steps=3",
-        f"logging.run_dir={scratch}/run", "logging.tensorboard=false", "logging.progress_bar=false",
-        "logging.print_samples=0", "checkpoint.save_every=0", "checkpoint.export_portable=false",
-        "checkpoint.resume=never", "checkpoint.save_final=false", "training.device=cpu",
+        f"training.micro_batch_size={micro_batch}", "training.max_steps=3", f"logging.run_dir={scratch}/run",
+        *QUIET_RUN, "logging.print_samples=0", "checkpoint.save_final=false", "training.device=cpu",
         "optimizer.fused=on",  # what CUDA runs (torch's fused AdamW, one pass per group): the CPU has it too
     ]  # fmt: skip
 
@@ -442,9 +236,8 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 class HookCalls:
-    """Python functions the autograd engine or a module's call runs as hooks (``sys.setprofile``):
-    autograd hooks are the engine's direct Python callees other than custom Functions, module hooks
-    the registered hook functions a module call runs."""
+    """Python hook calls (``sys.setprofile``): the autograd engine's direct Python callees other than
+    custom Functions, and the hook functions registered on the modules."""
 
     def __init__(self, module: torch.nn.Module):
         self.calls = 0
@@ -501,12 +294,12 @@ def traced_train_step(trainer) -> RealStep:
     return RealStep(tracer.ops, hooks.calls)
 
 
-def real_step(overrides: list[str], config: Path = GPT2) -> RealStep:
-    """:func:`traced_train_step` of a trainer of ``config`` with ``overrides``, in this process."""
+def real_step(overrides: list[str]) -> RealStep:
+    """:func:`traced_train_step` of a trainer of gpt2.yaml with ``overrides``, in this process."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from parallel_latent.config import load_config
 
-    with started_trainer(load_config(config, overrides), source=str(config)) as trainer:
+    with started_trainer(load_config(GPT2, overrides), source=str(GPT2)) as trainer:
         return traced_train_step(trainer)
 
 

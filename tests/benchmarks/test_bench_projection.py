@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from benchmarks import bench_projection, harness, performance, step_trace
+from benchmarks import bench_projection, harness, meta_trace, performance, published_decoders, step_trace
 from tests.helpers.tp_compare import model_collectives_task
 
 DEFAULT_ROW = {"model.dropout": "0.1", "training.micro_batch_size": "256"}
@@ -64,9 +64,10 @@ def test_another_familys_traced_flops_are_its_model_flops(name):
     rebuilt from its whole transformers config (llama-3.1-8b's MLP is 3.5x its width, which a random
     build from the few feature_model keys cannot hold); the model FLOPs count that decoder's own
     products (grouped-query attention, its MLP, parallel residual), and the trace agrees within 1%."""
-    setting = {"model.dropout": "0.0", "training.micro_batch_size": "32", **performance.feature_model_setting(name)}
-    record = performance.feature_model_record(name)
-    assert record["intermediate_size"] == performance.MODELS[name][5]
+    setting = {"model.dropout": "0.0", "training.micro_batch_size": "32"}
+    setting |= published_decoders.feature_model_setting(name)
+    record = published_decoders.feature_model_record(name)
+    assert record["intermediate_size"] == published_decoders.MODELS[name][5]
     result = performance.project(setting, rest=False, recorded=record)
     assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
 
@@ -140,8 +141,8 @@ def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
     forward kernel per chunk reading that chunk's logits once (the max with the sum of exp), a
     backward kernel per chunk reading it and writing its gradient (chunk_grad_fused: no indexed
     write, which would split it)."""
-    cfg = step_trace.row_config({"model.dropout": "0.1", "training.micro_batch_size": "4"}, quick=True)
-    kernels = performance.kernels_of(step_trace.trace_model(cfg))
+    cfg = meta_trace.row_config({"model.dropout": "0.1", "training.micro_batch_size": "4"}, quick=True)
+    kernels = performance.kernels_of(meta_trace.trace_model(cfg))
     chunks = [k for k in kernels if k.label == "loss chunk (fused)"]
     rows, vocab = 4 * cfg.model.max_length, cfg.model.vocab_size
     padded = math.ceil(vocab / 128) * 128
@@ -201,7 +202,7 @@ def test_the_projected_step_is_every_operator_a_real_cpu_step_dispatches(real_cp
     the trainer's work, DeepSpeed's in backward and its optimizer step. A part of the step the
     projection leaves out, or a model operator meta does not see, fails it."""
     real, cfg = real_cpu_step
-    projected = step_trace.trace_model(cfg, "cpu") + real.rest
+    projected = meta_trace.trace_model(cfg, "cpu") + real.rest
     assert Counter(op.name for op in projected) == Counter(op.name for op in real.ops)
     parts = Counter(op.part for op in real.ops)
     assert {"model", "loss", "trainer", "deepspeed backward", "optimizer"} <= parts.keys(), parts
@@ -280,17 +281,17 @@ def test_the_whole_step_per_rank_is_the_perceiver_its_collectives_and_the_frozen
     which differ by their frozen pass alone; tokens/s and MFU per rank from the TP group's
     micro-batch; the table and its figures."""
     name, row = FEATURE_MODEL, SMALL_ROW
-    steps = {(s["tp"], s["layout"]): s for s in performance.whole_steps(name, row, quick=True, tps=(1, 2))}
+    steps = {(s["tp"], s["layout"]): s for s in published_decoders.whole_steps(name, row, quick=True, tps=(1, 2))}
     assert set(steps) == {(1, "replicate"), (1, "shard"), (2, "replicate"), (2, "shard")}
-    held, batch, length = performance.held_on_meta(name), 4, 64
+    held, batch, length = published_decoders.held_on_meta(name), 4, 64
 
-    setting = {**row, **performance.feature_model_setting(name)}
-    alone = performance.project(setting, quick=True, rest=False, recorded=performance.feature_model_record(name))
+    setting = {**row, **published_decoders.feature_model_setting(name)}
+    alone = performance.project(setting, quick=True, rest=False, recorded=published_decoders.feature_model_record(name))
     perceiver = [k for k in alone["kernel_list"] if k.part != "features"]
     assert 0 < len(perceiver) < len(alone["kernel_list"])  # the frozen pass was traced, and is left out
     one = steps[1, "replicate"]
     assert one["perceiver"]["kernels"] == perceiver and one["perceiver"]["collectives"] == []
-    frozen_ms = performance.frozen_seconds(held, 1, "replicate", batch, length) * 1e3
+    frozen_ms = published_decoders.frozen_seconds(held, 1, "replicate", batch, length) * 1e3
     assert one["step_ms"] == performance.projection(perceiver, 0.0)["step_ms_overlapped"] + frozen_ms
     assert steps[1, "shard"]["step_ms"] == one["step_ms"]  # nothing to shard at TP=1
 
@@ -303,9 +304,9 @@ def test_the_whole_step_per_rank_is_the_perceiver_its_collectives_and_the_frozen
     assert ours["collective_ms"] == pytest.approx(seconds * 1e3)
     for step in (two, sharded):
         compute = ours["compute"]["step_ms_overlapped"]
-        frozen_ms = performance.frozen_seconds(held, 2, step["layout"], batch, length) * 1e3
+        frozen_ms = published_decoders.frozen_seconds(held, 2, step["layout"], batch, length) * 1e3
         assert step["step_ms"] == pytest.approx(compute + ours["collective_ms"] + frozen_ms)
-    flops = performance.model_flops(step_trace.row_config(setting, True), performance.feature_model_record(name))
+    flops = performance.model_flops(meta_trace.row_config(setting, True), published_decoders.feature_model_record(name))
     for (tp, _), step in steps.items():
         assert step["tokens_per_s"] * tp * step["step_ms"] / 1e3 == pytest.approx(batch * length)
         assert step["mfu"] * performance.PEAK_FLOPS * tp * step["step_ms"] / 1e3 == pytest.approx(flops)
@@ -330,12 +331,12 @@ def test_the_traced_collectives_at_tp2_are_those_real_ranks_count(pool4):
     one of the frozen pass, the split features' all-gather, is marked as the frozen pass's (and
     timed with it, not with the Perceiver's)."""
     setting = {**SMALL_ROW, "parallel.tensor_parallel": "2"}
-    cfg = step_trace.row_config(setting, quick=True)
-    with step_trace.fake_tp_group(2) as group:
-        traced = [op for op in step_trace.trace_model(cfg, tp_group=group) if op.kind == "collective"]
+    cfg = meta_trace.row_config(setting, quick=True)
+    with meta_trace.fake_tp_group(2) as group:
+        traced = [op for op in meta_trace.trace_model(cfg, tp_group=group) if op.kind == "collective"]
 
     def elements(op) -> tuple[str, int]:
-        kind, nbytes = performance.collective_of(op)
+        kind, nbytes = published_decoders.collective_of(op)
         return kind, nbytes // op.reads[0][1][2]  # the element size of its tensors
 
     counted = pool4.run(model_collectives_task, 2, cfg, 4)[0]  # float32 on the CPU: the same calls

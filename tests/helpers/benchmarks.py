@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness import REPO, child_environment
+from benchmarks.harness import REPO
+from benchmarks.processes import child_environment
 
 BENCHMARKS = REPO / "benchmarks"
 TOOLS = REPO / "tools"

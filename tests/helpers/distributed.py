@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.harness import free_port
+from benchmarks.processes import free_port
 from parallel_latent.cli import GC_THRESHOLD
 
 TASK_TIMEOUT_S = float(os.environ.get("PL_TEST_TASK_TIMEOUT", "300"))

@@ -1,0 +1,150 @@
+"""Other processes of a benchmark: their environment, their commands, their peak memory, the ranks of a
+job on this machine and the port of their store."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.harness import REPO
+
+
+def child_environment(threads: int | None = None, *, cpu: bool = False, **variables: str) -> dict[str, str]:
+    """This process's environment with ``threads`` compute threads (None: as inherited), DeepSpeed on the
+    CPU with ``cpu``, and ``variables`` (TOKENIZERS_PARALLELISM="false" where a child forks after
+    tokenising: the tokenizers' warning, not their speed, is the point)."""
+    env = {**os.environ, **variables}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def run_checked(command: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess:
+    """``command`` run from the repository to its end, its output captured; an error naming ``what``
+    (with the output's end) if it fails."""
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def watched_run(command: list[str], env: dict[str, str], watch: Callable[[subprocess.Popen], bool] = lambda _: False):
+    """(peak RSS in MB, exit status, the output's end) of ``command`` run from the repository, its output
+    in a file (a pipe nobody reads while it runs could fill and stop it); ``watch(process)`` is asked
+    after each sample of its memory (True: stop watching)."""
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+        peak = peak_rss_while(process, lambda: watch(process))
+        process.wait()
+        output.seek(0)
+        return peak, process.returncode, output.read().decode(errors="replace")[-3000:]
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """VmHWM of a running process: the peak resident set of its current program (wait4's ru_maxrss
+    would keep the high-water mark of the image before exec: of this process, which forked it)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss_while(process, stop: Callable[[], bool] = lambda: False) -> float:
+    """The peak resident set (MB) of ``process``, sampled every 10 ms until it exits or ``stop()``."""
+    peak = 0.0
+    while process.poll() is None:
+        peak = max(peak, peak_rss_mb(process.pid) or 0.0)
+        if stop():
+            break
+        time.sleep(0.01)
+    return peak
+
+
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak resident memory over ``fn()`` above what was resident before (Linux: the high-water mark reset
+    through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _resident("VmRSS:")
+    fn()
+    return _resident("VmHWM:") - before
+
+
+def free_port() -> int:
+    """A port for a store that a process started later will host, kept from every other taker meanwhile:
+    left in TIME_WAIT (about 60 s), which the kernel never hands to ``bind(0)`` or ``connect()``, while
+    the store's own bind (``SO_REUSEADDR``, as every TCPStore binds) still takes it. (A port merely
+    bound and closed could go to a test's gloo listener before the job's rank 0, seconds of imports
+    later, binds it.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the side that closes first holds the TIME_WAIT, on this port
+    return port
+
+
+def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
+    """What a launcher tells rank ``rank`` of a job of ``world`` processes on this machine."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
+    import torch
+
+    os.environ.update({**rank_environment(rank, world, port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)  # several ranks on few cores: one thread each, or they fight over the cores
+    value = task(*args)
+    if rank == 0:
+        results.put(value)
+
+
+def on_ranks(world: int, task, *args):
+    """Rank 0's ``task(*args)``, run on each of ``world`` spawned processes (the ranks of a job on this
+    machine); a rank that fails ends them all."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results, port = context.Queue(), free_port()
+    processes = [context.Process(target=_rank, args=(r, world, port, task, args, results)) for r in range(world)]
+    for process in processes:
+        process.start()
+    while True:
+        try:
+            value = results.get(timeout=5)
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"a rank exited with status {failed[0]}") from None
+    for process in processes:
+        process.join()
+    return value
