@@ -1,17 +1,14 @@
 """The runs behind benchmarks/gpu.sh (docs/development.md, On a GPU): configs/gpt2.yaml in bf16 through
-the real trainer, one short run per row of the performance model's matrix (each a smoke test of the GPU
-path too), then ``encode-corpus``, every row within its own timeout inside the deadline, then one table
-and, if time is left, the rows' projection in a process that sees no GPU. NPROC is clamped to the
-visible GPUs; ZeRO-2 at DP=1, ZeRO-1 beyond. If the compiled dropout kernel failed its GPU test (the
-junit file GPU_TESTS_XML), the rows run eager dropout. No run writes a checkpoint; a failed run shows
-its last 20 lines.
+the real trainer, one short run per row of the performance model's matrix, then ``encode-corpus``, each
+within its own timeout inside the deadline; one table; then, if time is left, the rows' projection in a
+process that sees no GPU. NPROC is clamped to the visible GPUs; ZeRO-2 at DP=1, ZeRO-1 beyond.
 
 Environment: NPROC (1), STEPS (40), LOG_EVERY (10), DEADLINE_S (480, from gpu.sh's start: its
 GPU_SH_STARTED_AT), ROWS (names of :data:`ROWS`, all by default), PRETRAINED (false: a random GPT-2
-of gpt2's shape; the weights do not change the cost), ALLOW_CPU (1: run on the CPU, for tests),
-GPU_TESTS_XML (the GPU tests' junit file), PROJECTION (1; 0: none).
-Arguments: --quick (a shrunk model, micro-batches 8 and 4, the CPU's timeouts: the CPU test), --json
-PATH, then config overrides for every run.
+of gpt2's shape), ALLOW_CPU (1: run on the CPU, for tests), GPU_TESTS_XML (the GPU tests' junit file:
+if the compiled dropout kernel failed there, the rows run eager dropout), PROJECTION (1; 0: none).
+Arguments: --quick (a shrunk model, micro-batches 8 and 4, the CPU's timeouts), --json PATH, then
+config overrides for every run.
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,16 +27,16 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+from benchmarks.gpu_table import print_table, report_rows, training_row
 from benchmarks.harness import GPT2, QUIET_RUN, REPO, SMALLEST, Report, add_common_arguments, run
-from benchmarks.performance import MFU_GOALS, matrix, setting_label
 from benchmarks.processes import child_environment
+from benchmarks.step_projection import matrix, setting_label
 
 # name -> (timeout s on a GPU, on a CPU with --quick): the performance model's rows (its matrix, their
 # settings and goals), then the export. On a GPU the timeouts (350 s) leave the deadline's other
 # 130 s to an install (60 s) and the GPU tests (GPU_TESTS_S, 60 s); a CPU compiles slowly.
 ROWS = {"default": (55, 120), "compile": (120, 300), "micro32": (40, 120), "dropout0": (40, 120),
         "dropout0 micro32": (35, 120), "encode-corpus": (60, 120)}  # fmt: skip
-EXPORT_GOAL = 0.9  # export / bare encode loop samples/s
 DROPOUT_TEST = "test_on_cuda_the_compiled_mask_kernel_gives_the_eager_bits"
 PROFILE_STEP = 2  # in the first window: the profiler's overhead stays out of the steady ones
 
@@ -58,12 +53,9 @@ def print_facts() -> None:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device (CPU run)"
     compiler = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    print(
-        f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
-        f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
-        f"C compiler: {compiler or 'none'}",
-        flush=True,
-    )
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
+          f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
+          f"C compiler: {compiler or 'none'}", flush=True)  # fmt: skip
 
 
 def compiled_dropout_passed(junit: str | None) -> bool | None:
@@ -91,15 +83,9 @@ def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, flo
     if unknown:
         raise SystemExit(f"bench_gpu: ROWS names {', '.join(unknown)}: expected some of {', '.join(ROWS)}")
     settings = {name: setting for name, setting, _ in matrix(quick)}
-    rows = []
-    for name in names:
-        on_gpu, on_cpu = ROWS[name]
-        timeout = on_cpu if quick else on_gpu
-        setting = dict(settings.get(name, {}))
-        if not compile_dropout and name != "encode-corpus":
-            setting["training.compile_dropout"] = "false"
-        rows.append((name, setting, timeout))
-    return rows
+    eager = {} if compile_dropout else {"training.compile_dropout": "false"}
+    return [(name, {**settings.get(name, {}), **(eager if name != "encode-corpus" else {})}, ROWS[name][quick])
+            for name in names]  # fmt: skip
 
 
 def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, zero_stage: int) -> list[str]:
@@ -112,21 +98,6 @@ def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, ze
         *QUIET_RUN, "checkpoint.save_final=false", "logging.print_samples=0", f"logging.run_dir={run_dir}",
         *[f"{key}={value}" for key, value in setting.items()], *extra,
     ]  # fmt: skip
-
-
-# CompiledWithFallback's warning when compiling fails and the function runs eagerly instead.
-FALLBACK_WARNING = re.compile(r"torch\.compile of (?P<what>.+?) failed \((?P<why>.*)\); running it eagerly")
-FALLBACK_NAMES = {"block": "blocks", "dropout": "dropout", "loss": "loss"}  # a word of `what` -> the column
-
-
-def fallbacks(log_text: str) -> dict[str, str]:
-    """Short name -> cause of each compiled function that fell back to eager, from a run's log."""
-    found = {}
-    for match in FALLBACK_WARNING.finditer(log_text):
-        what = match.group("what")
-        name = next((short for word, short in FALLBACK_NAMES.items() if word in what), what.split()[-1])
-        found.setdefault(name, f"{what}: {match.group('why')}")
-    return found
 
 
 def run_process(command: list[str], log: Path, timeout: float, cwd: Path = REPO) -> int | None:
@@ -145,50 +116,18 @@ def run_process(command: list[str], log: Path, timeout: float, cwd: Path = REPO)
             return None
 
 
-def attention_kernels(names: dict) -> str:
-    """The SDPA backends among a step's attention kernel names."""
-    kinds = {"fmha": "efficient", "flash": "flash", "cudnn": "cudnn"}
-    found = sorted({kind for name in names for word, kind in kinds.items() if word in name.lower()})
-    return "+".join(found) or ("math" if names else "-")
-
-
-def training_row(records: list[dict], log_text: str, positions_per_sample: int) -> dict:
-    """A training row's figures from its metrics.jsonl records."""
-    train = [r for r in records if r["kind"] == "train"]
-    first = next((r for r in records if r["kind"] == "first_step"), None)
-    syncs = next((r for r in records if r["kind"] == "syncs"), None)
-    kernels = next((r for r in records if r["kind"] == "kernels"), None)
-    steady = train[1:] or train  # the first window holds the first step (allocator, kernel selection, compile)
-
-    def mean(key: str) -> float:
-        values = [r[key] for r in steady if r.get(key) is not None]
-        return statistics.mean(values) if values else float("nan")
-
-    return {
-        "steps": f"{steady[0]['step'] - steady[0]['steps_in_window'] + 1}-{steady[-1]['step']}",
-        "tokens_per_s": mean("tokens_per_s"),
-        "step_ms": mean("step_time_s") * 1e3,
-        "mfu": mean("mfu"),
-        "peak_gib": max(r["peak_memory_gb"] for r in train),
-        "syncs": syncs["count"] if syncs else None,
-        "kernels": kernels["count"] if kernels else None,
-        "attention": attention_kernels(kernels["attention"]) if kernels else "-",
-        "first_step_s": first["seconds"] if first else float("nan"),
-        "startup_s": first["since_start_s"] - first["seconds"] if first else float("nan"),
-        "loss": steady[-1]["loss"],
-        "positions_per_s": mean("samples_per_s") * positions_per_sample,
-        "fallbacks": fallbacks(log_text),
-    }
+def failure(status: int | None, log: Path) -> dict | None:
+    """A row's outcome when its process did not end well: timed out, or failed with its last 20 lines."""
+    if status is None:
+        return {"timeout": True}
+    return {"error": log.read_text(errors="replace").splitlines()[-20:]} if status != 0 else None
 
 
 def run_training(setting: dict, extra: list[str], run_dir: Path, timeout: float, context: dict) -> dict:
     command = train_command(setting, extra, run_dir, context["nproc"], context["zero_stage"])
     log = run_dir.with_suffix(".log")
-    status = run_process(command, log, timeout)
-    if status is None:
-        return {"timeout": True}
-    if status != 0:
-        return {"error": log.read_text(errors="replace").splitlines()[-20:]}
+    if failed := failure(run_process(command, log, timeout), log):
+        return failed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return training_row(records, log.read_text(errors="replace"), context["positions"])
 
@@ -203,49 +142,16 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device,
                "--config", config, *size, "--repeats", "1", "--json", str(figures)]  # fmt: skip
     status = run_process(command, run_dir.with_suffix(".log"), timeout)
-    if status is None:
-        return {"timeout": True}
-    if status != 0 or not figures.is_file():
-        return {"error": run_dir.with_suffix(".log").read_text(errors="replace").splitlines()[-20:]}
+    if failed := failure(status if status != 0 or figures.is_file() else 1, run_dir.with_suffix(".log")):
+        return failed
     values = {f["name"]: f["value"] for f in json.loads(figures.read_text())["figures"]}
-    ratio = values["export / bare encode loop, samples per second"]
     return {"export samples/s": values["export samples/s"], "bare samples/s": values["bare encode samples/s"],
-            "ratio": ratio}  # fmt: skip
-
-
-def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
-    """The training rows (the first three columns keep their places: tests and readers parse them),
-    then the export row."""
-    head = (f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} "
-            f"{'peak GiB':>8} {'syncs':>5} {'kernels':>7} {'start-up s':>10} {'1st step s':>10} "
-            f"{'attention':>10} {'fallback':>12} {'proj ms':>8} {'proj MFU %':>10}")  # fmt: skip
-    print(head)
-    for name, setting, r in rows:
-        if name == "encode-corpus":
-            continue
-        p = projected.get(name)
-        cells = [
-            f"{setting['model.dropout']:>7}", f"{setting['training.micro_batch_size']:>5}",
-            f"{setting.get('training.compile', 'false'):>7}", f"{r['tokens_per_s']:>12,.0f}", f"{r['step_ms']:>8.1f}",
-            f"{r['mfu'] * 100:>6.1f}", f"{r['peak_gib']:>8.2f}", f"{r['syncs'] if r['syncs'] is not None else '-':>5}",
-            f"{r['kernels'] if r['kernels'] is not None else '-':>7}", f"{r['startup_s']:>10.1f}",
-            f"{r['first_step_s']:>10.1f}", f"{r['attention']:>10}", f"{','.join(r['fallbacks']) or '-':>12}",
-            f"{p['step_ms_overlapped'] if p else float('nan'):>8.1f}",
-            f"{p['mfu_overlapped'] * 100 if p else float('nan'):>10.1f}",
-        ]  # fmt: skip
-        print(" ".join(cells))
-    for name, _, r in rows:
-        if name == "encode-corpus":
-            print(f"encode-corpus: export {r['export samples/s']:,.0f} samples/s, bare encode loop "
-                  f"{r['bare samples/s']:,.0f} samples/s: {r['ratio']:.3f}x")  # fmt: skip
-    for _, setting, r in rows:
-        for cause in r.get("fallbacks", {}).values():
-            print(f"fell back to eager in {setting_label(setting)}: {cause}")
+            "ratio": values["export / bare encode loop, samples per second"]}  # fmt: skip
 
 
 PROJECT_ROWS = (
     "import json, sys\n"
-    "from benchmarks.performance import project_row\n"
+    "from benchmarks.step_projection import project_row\n"
     "rows = {name: project_row(setting, quick=sys.argv[2] == '1') for name, setting in json.loads(sys.argv[1])}\n"
     "print(json.dumps(rows))\n"
 )
@@ -254,7 +160,7 @@ PROJECT_ROWS = (
 def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: float) -> dict:
     """name -> projected step and MFU of each training row, computed now (the GPU runs are over) in a
     process that sees no GPU, within ``seconds``; {} where it cannot be."""
-    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("benchmarks.performance") is None:
+    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("benchmarks.step_projection") is None:
         return {}
     if seconds < 30:
         print(f"projection: skipped ({seconds:.0f} s left; python -m benchmarks.bench_projection on any CPU)")
@@ -264,8 +170,7 @@ def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: f
     env = child_environment(cpu=True, CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-c", PROJECT_ROWS, json.dumps(settings), "1" if quick else "0"]
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=seconds, check=False)  # fmt: skip
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds, check=False)
     except subprocess.TimeoutExpired:
         print(f"projection: not finished in the {seconds:.0f} s left; measured columns only")
         return {}
@@ -313,25 +218,6 @@ def run_rows(planned, extra, deadline: float, context: dict):
                 shown = {k: v for k, v in result.items() if k != "fallbacks"}
                 print(f"{name} ({setting_label(setting)}): {json.dumps(shown)}", flush=True)
     return rows, unfinished
-
-
-def report_rows(rows, report: Report, gpus: int, quick: bool) -> None:
-    for name, _, r in rows:
-        if name == "encode-corpus":
-            goal = EXPORT_GOAL if gpus and not quick else None
-            report.figure("encode-corpus export / bare encode loop", r["ratio"], "x", at_least=goal)
-            report.figure("encode-corpus export samples/s", r["export samples/s"], "samples/s")
-            continue
-        goal = MFU_GOALS.get(name) if gpus and not quick else None
-        report.figure(f"tokens/s, {name}", r["tokens_per_s"], "tokens/s")
-        report.figure(f"MFU, {name}", r["mfu"], "", at_least=goal)
-        report.figure(f"steady step, {name}", r["step_ms"], "ms")
-        report.figure(f"first step, {name}", r["first_step_s"], "s")
-        report.figure(f"start-up to the first step, {name}", r["startup_s"], "s")
-        if r["syncs"] is not None:
-            report.figure(f"host syncs per step, {name}", r["syncs"], "")
-        if r["kernels"] is not None:
-            report.figure(f"kernels per step, {name}", r["kernels"], "")
 
 
 def body(args, report: Report) -> None:

@@ -268,12 +268,9 @@ def body(args, report: Report) -> None:
         tp1_overhead(args, report)
     # The multi-process sections: (processes, task run in them, what prints its result); the tasks
     # of one size share one start of their processes.
-    sections = {
-        "tp2": (2, _tp2_task, tp2_vs_torch),
-        "switches": (2, _timed, timed_switches),
-        "flops": (4, _frozen_flops, frozen_pass_flops),
-        "memory": (4, _saved_bytes, saved_activation_bytes),
-    }
+    sections = {"tp2": (2, _tp2_task, tp2_vs_torch), "switches": (2, _timed, timed_switches),
+                "flops": (4, _frozen_flops, frozen_pass_flops),
+                "memory": (4, _saved_bytes, saved_activation_bytes)}  # fmt: skip
     for world in (2, 4):
         chosen = [(name, task, show) for name, (w, task, show) in sections.items() if w == world and
                   args.only in (None, name)]  # fmt: skip

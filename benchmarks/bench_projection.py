@@ -16,18 +16,7 @@ from collections import defaultdict
 
 from benchmarks.harness import Report, add_common_arguments, run
 from benchmarks.meta_trace import row_config
-from benchmarks.performance import (
-    ASSUMPTIONS,
-    DEEPSPEED_KERNEL_GOALS,
-    HOOK_CALL_GOAL,
-    PINNED,
-    kernels_of,
-    matrix,
-    project,
-    projection,
-    rest_of_step,
-    setting_label,
-)
+from benchmarks.performance import ASSUMPTIONS, DEEPSPEED_KERNEL_GOALS, HOOK_CALL_GOAL, PINNED, kernels_of, projection
 from benchmarks.published_decoders import (
     feature_model_record,
     feature_model_setting,
@@ -36,6 +25,7 @@ from benchmarks.published_decoders import (
     held_on_meta,
     whole_steps,
 )
+from benchmarks.step_projection import matrix, project, rest_of_step, setting_label
 
 
 def phase_split(result: dict) -> str:

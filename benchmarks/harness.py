@@ -1,10 +1,6 @@
-"""What every benchmark script shares: its arguments, its timing ratios and its report.
-
-A figure prints as one line ``figure: NAME = VALUE`` (what the tests and run_all.py look for); ``--json
-PATH`` writes them all with the machine. A goal not met is reported, not an error: a script exits
-non-zero only when it could not produce its figures. A timing ratio is an :func:`interleaved`
-:class:`Spread` (docs/development.md, Benchmarks).
-"""
+"""What every benchmark script shares: its arguments, its timing ratios and its report. A figure prints as
+``figure: NAME = VALUE`` (what the tests and run_all.py look for); a goal not met is reported, not an
+error; a timing ratio is an :func:`interleaved` :class:`Spread` (docs/development.md, Benchmarks)."""
 
 from __future__ import annotations
 
@@ -44,8 +40,7 @@ STABLE_WITHIN = 0.025
 
 @dataclass
 class Spread:
-    """Per-repeat ratios of two variants timed in turn: min, median, max; the median CPU-time ratio;
-    the median 1-minute load average; whether the two halves of the repeats agree."""
+    """Per-repeat ratios of two variants timed in turn, the median CPU-time ratio and load average."""
 
     low: float
     median: float
@@ -71,9 +66,7 @@ def halves_agree(ratios: list[float], within: float = STABLE_WITHIN) -> bool:
 
 
 @dataclass
-class Samples:
-    """Per variant, wall and CPU seconds of each repeat; the load average after each repeat."""
-
+class Samples:  # per variant, wall and CPU seconds of each repeat; the load average after each
     wall: dict[str, list[float]]
     cpu: dict[str, list[float]]
     load: list[float] = field(default_factory=list)
@@ -99,10 +92,9 @@ def interleaved(
     most: int | None = None,
     agree: Callable[[bool], bool] = bool,
 ) -> Samples:
-    """Time ``fns`` in turn ``repeats`` times after ``warmup`` rounds, the order reversed on odd repeats.
-    A function that returns a float reports its own wall time (a barrier stays out); CPU time is this
-    process's. With ``ratios`` and ``most``, repeats go on in steps of ``repeats`` until every ratio's
-    halves agree or ``most`` are done; ``agree`` makes every process of a measurement stop together."""
+    """Time ``fns`` in turn ``repeats`` times after ``warmup`` rounds, the order reversed on odd repeats (a
+    function returning a float reports its own wall time). With ``ratios`` and ``most``, repeats go on in
+    steps until every ratio's halves agree or ``most`` are done; ``agree``: every process stops together."""
     names = list(fns)
     samples = Samples({name: [] for name in names}, {name: [] for name in names})
     done, target = 0, repeats
@@ -217,9 +209,8 @@ class Report:
 
 @contextlib.contextmanager
 def started_trainer(cfg, source: str = "bench"):
-    """A trainer of ``cfg`` started in this process (every rank calls it), ended as the command line's
-    ranks end: closed, watchdog stopped, process groups torn down before the interpreter exits (gloo's
-    threads left to the interpreter's exit can abort it)."""
+    """A trainer of ``cfg`` started in this process, ended as the command line's ranks end (process groups
+    torn down before the interpreter exits: gloo's threads left to its exit can abort it)."""
     from parallel_latent.parallel import destroy_distributed
     from parallel_latent.training.startup import start_run
     from parallel_latent.training.trainer import Trainer
@@ -257,8 +248,7 @@ def add_repeat_arguments(parser: argparse.ArgumentParser, repeats: int, most: in
 
 
 def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, Report], None]) -> int:
-    """Parse the arguments, run ``body``, write the JSON; non-zero (a traceback, then one line naming the
-    benchmark) when no figures came out."""
+    """Parse the arguments, run ``body``, write the JSON; non-zero (and a line saying so) without figures."""
     args = parser.parse_args()
     report = Report(benchmark, args)
     try:

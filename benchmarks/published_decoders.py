@@ -9,15 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from benchmarks.meta_trace import fake_tp_group, row_config, trace_model
-from benchmarks.performance import (
-    PEAK_FLOPS,
-    PINNED,
-    collective_seconds,
-    kernels_of,
-    matmul_seconds,
-    model_flops,
-    projection,
-)
+from benchmarks.performance import PEAK_FLOPS, PINNED, collective_seconds, kernels_of, matmul_seconds, projection
+from benchmarks.step_projection import model_flops
 from benchmarks.step_trace import Op
 
 BYTES = 2  # bf16

@@ -32,91 +32,55 @@ TINY_COMPRESSED = [
     "model.predict_length=true",
     "parallel.tensor_parallel=1",
 ]
+QUALITY = ["-m", "benchmarks.bench_quality", "--config"]
 
 # name -> (what it measures, the command after `python`; --json is added). In page order.
 BENCHMARKS: dict[str, tuple[str, list[str]]] = {
-    "bench_model": (
-        "The autoencoder at TP=1 against a plain PyTorch twin, the truncated GPT-2 against the full one, and "
-        "the host work of one training step",
-        ["-m", "benchmarks.bench_model"],
-    ),
-    "bench_parallel": (
-        "The tensor-parallel core: TP=1 overhead, TP=2 against torch's DTensor, the frozen pass split over TP, "
-        "sequence parallelism's activation memory, the TP switches' step time",
-        ["-m", "benchmarks.bench_parallel"],
-    ),
-    "bench_train": (
-        "The trainer's step against a plain PyTorch loop; trainable-part memory per rank at TP2 x DP2 ZeRO-2",
-        ["-m", "benchmarks.bench_train"],
-    ),
-    "bench_checkpoint": (
-        "Portable safetensors checkpoints against torch.save, and the training loop's stall per training "
-        "checkpoint written in the background against a synchronous one, configs/gpt2.yaml's model",
-        ["-m", "benchmarks.bench_checkpoint"],
-    ),
-    "bench_restart": (
-        "A job that heals itself: configs/tiny.yaml under train --nproc 2 --max-restarts 1, one rank killed "
-        "mid-run, the time from the kill to the first step after it",
-        ["-m", "benchmarks.bench_restart"],
-    ),
-    "bench_data": (
-        "Preparing a corpus, random batches from the prepared copy, time and memory to the first step at 10M lines",
-        ["-m", "benchmarks.bench_data"],
-    ),
-    "bench_export": (
-        "encode-corpus on configs/tiny.yaml's model: export / bare encode throughput, peak RSS against the "
-        "corpus size, a rerun after a kill at 50%",
-        ["-m", "benchmarks.bench_export"],
-    ),
-    "bench_projection": (
-        "configs/gpt2.yaml's whole step on one H200, projected (the model traced on the meta device, the rest "
-        "of the step, DeepSpeed's included, from a real CPU step; pinned roofline: 989 TFLOP/s MFU peak, "
-        "matmuls at 700/593 TFLOP/s, 4.0 TB/s, at least 2 us per kernel, 5 us per eager launch); goals on the "
-        "overlapped MFU at dropout 0.1 and on DeepSpeed's kernels and the hook calls per step",
-        ["-m", "benchmarks.bench_projection"],
-    ),
-    "bench_feature_models": (
-        "The frozen feature model at realistic sizes (GPT-2, Pythia, Llama, Mistral, Qwen; built on the meta "
-        "device from their published configs): bytes per rank and the frozen pass's projected time per rank, "
-        "replicated against sharded over the TP group, at TP 1/2/4/8",
-        ["-m", "benchmarks.bench_feature_models"],
-    ),
-    "quality_tiny": (
-        "Held-out reconstruction of configs/tiny.yaml (the README's first command) over seeds 1-20",
-        ["-m", "benchmarks.bench_quality", "--config", "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))],
-    ),
-    "quality_small": (
-        "Held-out reconstruction of configs/small.yaml over three seeds",
-        ["-m", "benchmarks.bench_quality", "--config", "configs/small.yaml", "--seeds", "1", "2", "1234"],
-    ),
-    "quality_tiny_compressed": (
-        "configs/tiny.yaml with 8 latents of 32 features for its 16 tokens (16 floats per token), one process, "
-        "over seeds 1-10, with the per-position accuracy: the lookup start with fewer latents than positions",
-        [
-            "-m",
-            "benchmarks.bench_quality",
-            "--config",
-            "configs/tiny.yaml",
-            "--nproc",
-            "1",
-            *TINY_COMPRESSED,  # before --seeds, which would take them for seeds
-            "--seeds",
-            *(str(s) for s in range(1, 11)),
-        ],
-    ),
-    "bench_readout": (
-        "What limits narrow latents, without training: a k-dimensional code of a token read back over the whole "
-        "vocabulary by the tied head's inner product and by the nearest head's nearest normalised code, and how "
-        "much of a token a k-dimensional linear map of the frozen GPT-2's features holds",
-        ["-m", "benchmarks.bench_readout"],
-    ),
-    "quality_frontier": (
-        "The compression frontier: configs/compressed.yaml and its points (N latents x k features for T = 32 "
-        "tokens), each over the seeds its command names: held-out BLEU, exact match, BLEU under noise, length "
-        "accuracy, out-of-domain BLEU, wall time",
-        ["-m", "benchmarks.bench_frontier"],
-    ),
-}
+    "bench_model": ("The autoencoder at TP=1 against a plain PyTorch twin, the truncated GPT-2 against the full one, "
+                    "and the host work of one training step", ["-m", "benchmarks.bench_model"]),
+    "bench_parallel": ("The tensor-parallel core: TP=1 overhead, TP=2 against torch's DTensor, the frozen pass split "
+                       "over TP, sequence parallelism's activation memory, the TP switches' step time",
+                       ["-m", "benchmarks.bench_parallel"]),
+    "bench_train": ("The trainer's step against a plain PyTorch loop; trainable-part memory per rank at TP2 x DP2 "
+                    "ZeRO-2", ["-m", "benchmarks.bench_train"]),
+    "bench_checkpoint": ("Portable safetensors checkpoints against torch.save, and the training loop's stall per "
+                         "training checkpoint written in the background against a synchronous one, configs/gpt2.yaml's "
+                         "model", ["-m", "benchmarks.bench_checkpoint"]),
+    "bench_restart": ("A job that heals itself: configs/tiny.yaml under train --nproc 2 --max-restarts 1, one rank "
+                      "killed mid-run, the time from the kill to the first step after it",
+                      ["-m", "benchmarks.bench_restart"]),
+    "bench_data": ("Preparing a corpus, random batches from the prepared copy, time and memory to the first step at "
+                   "10M lines", ["-m", "benchmarks.bench_data"]),
+    "bench_export": ("encode-corpus on configs/tiny.yaml's model: export / bare encode throughput, peak RSS against "
+                     "the corpus size, a rerun after a kill at 50%", ["-m", "benchmarks.bench_export"]),
+    "bench_projection": ("configs/gpt2.yaml's whole step on one H200, projected (the model traced on the meta device, "
+                         "the rest of the step, DeepSpeed's included, from a real CPU step; pinned roofline: 989 "
+                         "TFLOP/s MFU peak, matmuls at 700/593 TFLOP/s, 4.0 TB/s, at least 2 us per kernel, 5 us per "
+                         "eager launch); goals on the overlapped MFU at dropout 0.1 and on DeepSpeed's kernels and the "
+                         "hook calls per step", ["-m", "benchmarks.bench_projection"]),
+    "bench_feature_models": ("The frozen feature model at realistic sizes (GPT-2, Pythia, Llama, Mistral, Qwen; built "
+                             "on the meta device from their published configs): bytes per rank and the frozen pass's "
+                             "projected time per rank, replicated against sharded over the TP group, at TP 1/2/4/8",
+                             ["-m", "benchmarks.bench_feature_models"]),
+    "quality_tiny": ("Held-out reconstruction of configs/tiny.yaml (the README's first command) over seeds 1-20",
+                     [*QUALITY, "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))]),
+    "quality_small": ("Held-out reconstruction of configs/small.yaml over three seeds",
+                      [*QUALITY, "configs/small.yaml", "--seeds", "1", "2", "1234"]),
+    "quality_tiny_compressed": ("configs/tiny.yaml with 8 latents of 32 features for its 16 tokens (16 floats per "
+                                "token), one process, over seeds 1-10, with the per-position accuracy: the lookup "
+                                "start with fewer latents than positions",
+                                [*QUALITY, "configs/tiny.yaml", "--nproc", "1", *TINY_COMPRESSED,  # before --seeds,
+                                 "--seeds", *(str(s) for s in range(1, 11))]),  # which would take them for seeds
+    "bench_readout": ("What limits narrow latents, without training: a k-dimensional code of a token read back over "
+                      "the whole vocabulary by the tied head's inner product and by the nearest head's nearest "
+                      "normalised code, and how much of a token a k-dimensional linear map of the frozen GPT-2's "
+                      "features holds", ["-m", "benchmarks.bench_readout"]),
+    "quality_frontier": ("The compression frontier: configs/compressed.yaml and its points (N latents x k features "
+                         "for T = 32 tokens), each over the seeds its command names: held-out BLEU, exact match, BLEU "
+                         "under noise, length accuracy, out-of-domain BLEU, wall time",
+                         ["-m", "benchmarks.bench_frontier"]),
+}  # fmt: skip
+
 GPU = "gpu"
 GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (benchmarks/gpu.sh)"
 

@@ -1,11 +1,8 @@
-"""The operators of one training step, for the performance model (benchmarks/performance.py): every
-dispatched operator that launches a kernel, with its FLOPs, the bytes it reads and writes, the compiled
-region it runs in and the part of the step that asked for it; and a real ``Trainer.train_step`` on the
-CPU traced so (DeepSpeed's work in backward and its optimizer step, the hook calls counted). An
-operator inside the model's ``forward``, or run by an autograd node of the model's backward graph
-(the loss's, AccumulateGrad's), is the model's; anything else is the rest of the step. The model's
-own part is traced on the meta device (benchmarks/meta_trace.py).
-"""
+"""The operators of one training step, for the performance model: every dispatched operator that launches
+a kernel, with its FLOPs, the bytes it reads and writes, its compiled region and the part of the step
+that asked for it; and a real ``Trainer.train_step`` on the CPU traced so. An operator inside the
+model's ``forward``, or run by an autograd node of its backward graph, is the model's; anything else is
+the rest of the step. (The model alone is traced on the meta device: benchmarks/meta_trace.py.)"""
 
 from __future__ import annotations
 
@@ -25,11 +22,10 @@ from benchmarks.harness import GPT2, GPT2_SHRUNK, QUIET_RUN, started_trainer
 from benchmarks.processes import on_ranks
 
 # Operators that launch nothing: allocation, metadata, aliasing.
-NO_KERNEL = {
-    "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.new_empty.default",
-    "aten.new_empty_strided.default", "aten.detach.default", "aten._unsafe_view.default", "aten.alias.default",
-    "aten.lift_fresh.default", "aten.set_.source_Storage_storage_offset", "aten.resize_.default",
-}  # fmt: skip
+NO_KERNEL = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+             "aten.new_empty.default", "aten.new_empty_strided.default", "aten.detach.default", "aten.alias.default",
+             "aten._unsafe_view.default", "aten.lift_fresh.default", "aten.set_.source_Storage_storage_offset",
+             "aten.resize_.default"}  # fmt: skip
 COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
@@ -42,8 +38,7 @@ class Op:
     writes: list[tuple[int, tuple, int]]
     region: tuple[str, int] | None  # the compiled region's label and call it runs in, None: eager
     phase: str  # "forward", "backward" (the model's), "step" (the rest of train_step)
-    part: str  # "loss", "features" (the frozen pass), "model", or the rest's "trainer", "deepspeed
-    # backward" (during engine.backward) and "optimizer" (engine.step)
+    part: str  # "loss", "features" (the frozen pass), "model"; the rest's "trainer", "deepspeed backward", "optimizer"
     tensors: list[int] = dataclasses.field(default_factory=list)  # elements of each tensor of a multi-tensor op
     host: bool = False  # only host tensors out of a meta trace (a Python scalar's tensor): no kernel
 
@@ -56,9 +51,22 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _grad_fns(tree) -> list:
+    return [t.grad_fn for t in _tensors(tree) if t.grad_fn is not None]
+
+
+def _claim(nodes: list, stop: set, owner: dict, value, keep=lambda node: True) -> None:
+    """Every autograd node reachable from ``nodes`` short of ``stop``, not yet in ``owner``, is ``value``'s."""
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in stop or node in owner or not keep(node):
+            continue
+        owner[node] = value
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+
+
 def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and which of them it
-    only writes (``out=``: not read)."""
+    """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and those it only writes."""
     written, only_written = [], []
     for index, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -72,9 +80,8 @@ def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[tor
 
 
 class StepTracer(TorchDispatchMode):
-    """Records every operator that launches a kernel, with its compiled region (in backward: the region
-    whose forward created the autograd node being run) and the part of the step that asked for it
-    (:attr:`part`, set by the caller around each part)."""
+    """Records every operator that launches a kernel, with its compiled region (in backward: the one whose
+    forward made the node being run) and the part of the step (:attr:`part`, set by the caller) asking."""
 
     def __init__(self):
         super().__init__()
@@ -85,7 +92,7 @@ class StepTracer(TorchDispatchMode):
         self._region: tuple[str, int] | None = None
         self._calls = 0
         self._node_regions: dict = {}
-        self._model_nodes: set = set()  # the autograd nodes created inside the model's forward
+        self._model_nodes: dict = {}  # the autograd nodes created inside the model's forward
         self._storages: list = []  # kept alive: a storage key is never reused within the trace
 
     def _access(self, tensor: torch.Tensor) -> tuple[int, tuple, int]:
@@ -134,8 +141,7 @@ class StepTracer(TorchDispatchMode):
         return out
 
     def region(self, fn, label: str):
-        """``fn`` as a compiled region: its forward operators and the backward of the autograd
-        nodes it creates count as ``label``'s (a region inside a region is the outer one's)."""
+        """``fn`` as a compiled region ``label`` (forward and backward; a region inside one is the outer one's)."""
         tracer = self
 
         def traced(*args, **kwargs):
@@ -147,35 +153,27 @@ class StepTracer(TorchDispatchMode):
                 out = fn(*args, **kwargs)
             finally:
                 tracer._region = None
-            stop = {t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None}
-            tracer._tag_nodes([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], stop, region)
+            _claim(_grad_fns(out), set(_grad_fns((args, kwargs))), tracer._node_regions, region,
+                   keep=lambda node: not node.name().endswith("AccumulateGrad"))  # fmt: skip
             return out
 
         return traced
 
     def model_call(self, fn):
-        """``fn`` as the model's forward: its operators, and the backward of the autograd nodes it
-        creates, are the model's."""
+        """``fn`` as the model's forward: its operators, and the backward of its autograd nodes, are the model's."""
         tracer = self
 
         def model(*args, **kwargs):
             with tracer.running("model"):
                 out = fn(*args, **kwargs)
-            stop = {t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None}
-            frontier = [t.grad_fn for t in _tensors(vars(out) if dataclasses.is_dataclass(out) else out)]
-            while frontier:
-                node = frontier.pop()
-                if node is None or node in stop or node in tracer._model_nodes:
-                    continue
-                tracer._model_nodes.add(node)
-                frontier.extend(next_node for next_node, _ in node.next_functions)
+            outputs = vars(out) if dataclasses.is_dataclass(out) else out
+            _claim(_grad_fns(outputs), set(_grad_fns((args, kwargs))), tracer._model_nodes, True)
             return out
 
         return model
 
     def graph_break(self, fn):
-        """``fn`` as code torch.compile leaves out of its graph (``torch.compiler.disable``): its
-        operators run eagerly, and the region's forward resumes in a new graph after it."""
+        """``fn`` as code torch.compile leaves out of its graph: run eagerly, a new graph after it."""
         tracer = self
 
         def eager(*args, **kwargs):
@@ -189,14 +187,6 @@ class StepTracer(TorchDispatchMode):
                 tracer._region = (label, tracer._calls)
 
         return eager
-
-    def _tag_nodes(self, frontier: list, stop: set, region: tuple[str, int]) -> None:
-        while frontier:
-            node = frontier.pop()
-            if node is None or node in stop or node in self._node_regions or node.name().endswith("AccumulateGrad"):
-                continue
-            self._node_regions[node] = region
-            frontier.extend(next_node for next_node, _ in node.next_functions)
 
     @contextlib.contextmanager
     def running(self, part: str):
@@ -241,20 +231,16 @@ class HookCalls:
 
     def __init__(self, module: torch.nn.Module):
         self.calls = 0
-        self.hook_codes = {
-            getattr(hook, "__code__", None)
-            for m in module.modules()
-            for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
-            for hook in hooks.values()
-        }
+        self.hook_codes = {getattr(hook, "__code__", None) for m in module.modules() for hooks in
+                           (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
+                           for hook in hooks.values()}  # fmt: skip
 
     def _profile(self, frame, event, _arg):
         if event != "call":
             return
         caller, code = frame.f_back, frame.f_code
         from_engine = caller is not None and caller.f_code.co_name == "_engine_run_backward"
-        # (the engine also calls custom Functions' backward, through ``apply``, and, when a warning is
-        # due, the standard library's logging)
+        # (the engine also calls custom Functions' backward through ``apply``, and logging for a warning)
         hook = from_engine and code.co_name != "apply" and not code.co_filename.startswith(STDLIB)
         if hook or code in self.hook_codes:
             self.calls += 1
@@ -268,9 +254,8 @@ class HookCalls:
 
 
 def traced_train_step(trainer) -> RealStep:
-    """One ``train_step`` of a real trainer (after one untraced step: the optimizer's state exists,
-    the caches are filled) under a :class:`StepTracer`, its parts marked; the hook calls counted in
-    a step of their own (the tracer's dispatch runs Python too)."""
+    """One ``train_step`` of a real trainer (after an untraced one) under a :class:`StepTracer`, its parts
+    marked; the hook calls counted in a step of their own (the tracer's dispatch runs Python too)."""
     trainer.train_step()
     with HookCalls(trainer.engine.module) as hooks:
         trainer.train_step()

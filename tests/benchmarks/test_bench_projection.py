@@ -17,7 +17,15 @@ from collections import Counter
 import pytest
 import torch
 
-from benchmarks import bench_projection, harness, meta_trace, performance, published_decoders, step_trace
+from benchmarks import (
+    bench_projection,
+    harness,
+    meta_trace,
+    performance,
+    published_decoders,
+    step_projection,
+    step_trace,
+)
 from tests.helpers.tp_compare import model_collectives_task
 
 DEFAULT_ROW = {"model.dropout": "0.1", "training.micro_batch_size": "256"}
@@ -54,7 +62,7 @@ def test_traced_flops_are_the_model_flops_of_metrics(setting):
     """configs/gpt2.yaml at full size (meta: no FLOP spent): the matmul FLOPs of one traced forward
     and backward (torch's FLOP formulas) are metrics.py's model FLOPs, counted from the config,
     within 1%."""
-    result = performance.project(setting, rest=False)
+    result = step_projection.project(setting, rest=False)
     assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
 
 
@@ -68,7 +76,7 @@ def test_another_familys_traced_flops_are_its_model_flops(name):
     setting |= published_decoders.feature_model_setting(name)
     record = published_decoders.feature_model_record(name)
     assert record["intermediate_size"] == published_decoders.MODELS[name][5]
-    result = performance.project(setting, rest=False, recorded=record)
+    result = step_projection.project(setting, rest=False, recorded=record)
     assert abs(result["traced_flops"] / result["model_flops"] - 1) <= 0.01
 
 
@@ -153,10 +161,10 @@ def test_the_loss_chunks_are_fused_kernels_reading_each_chunk_once_each_way():
 
 
 def test_project_row_gives_the_four_figures_bench_gpu_prints():
-    row = performance.project_row(DEFAULT_ROW | {"training.micro_batch_size": "4"}, quick=True)
+    row = step_projection.project_row(DEFAULT_ROW | {"training.micro_batch_size": "4"}, quick=True)
     assert set(row) == {"step_ms_overlapped", "step_ms_summed", "mfu_overlapped", "mfu_summed"}
     assert row["step_ms_overlapped"] <= row["step_ms_summed"] and row["mfu_summed"] <= row["mfu_overlapped"]
-    assert performance.project_row({"model.dropout": "not a number"}, quick=True) is None
+    assert step_projection.project_row({"model.dropout": "not a number"}, quick=True) is None
 
 
 def test_a_graph_break_inside_a_region_runs_eagerly_and_splits_the_fused_run():
@@ -286,7 +294,9 @@ def test_the_whole_step_per_rank_is_the_perceiver_its_collectives_and_the_frozen
     held, batch, length = published_decoders.held_on_meta(name), 4, 64
 
     setting = {**row, **published_decoders.feature_model_setting(name)}
-    alone = performance.project(setting, quick=True, rest=False, recorded=published_decoders.feature_model_record(name))
+    alone = step_projection.project(
+        setting, quick=True, rest=False, recorded=published_decoders.feature_model_record(name)
+    )
     perceiver = [k for k in alone["kernel_list"] if k.part != "features"]
     assert 0 < len(perceiver) < len(alone["kernel_list"])  # the frozen pass was traced, and is left out
     one = steps[1, "replicate"]
@@ -306,7 +316,9 @@ def test_the_whole_step_per_rank_is_the_perceiver_its_collectives_and_the_frozen
         compute = ours["compute"]["step_ms_overlapped"]
         frozen_ms = published_decoders.frozen_seconds(held, 2, step["layout"], batch, length) * 1e3
         assert step["step_ms"] == pytest.approx(compute + ours["collective_ms"] + frozen_ms)
-    flops = performance.model_flops(meta_trace.row_config(setting, True), published_decoders.feature_model_record(name))
+    flops = step_projection.model_flops(
+        meta_trace.row_config(setting, True), published_decoders.feature_model_record(name)
+    )
     for (tp, _), step in steps.items():
         assert step["tokens_per_s"] * tp * step["step_ms"] / 1e3 == pytest.approx(batch * length)
         assert step["mfu"] * performance.PEAK_FLOPS * tp * step["step_ms"] / 1e3 == pytest.approx(flops)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks import bench_gpu
+from benchmarks import bench_gpu, gpu_table
 from tests.helpers.benchmarks import BENCHMARKS, run_in_repo
 
 
@@ -168,22 +168,22 @@ def test_gpu_table_names_what_fell_back_the_attention_kernel_and_the_projection(
 
     with caplog.at_level("WARNING"):
         assert CompiledWithFallback(breaks_the_graph, "the Perceiver blocks")(torch.ones(2)).tolist() == [2.0, 2.0]
-    fell_back = bench_gpu.fallbacks(caplog.text)
+    fell_back = gpu_table.fallbacks(caplog.text)
     assert list(fell_back) == ["blocks"] and fell_back["blocks"].startswith("the Perceiver blocks: ")
     names = {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80": 22, "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": 24}
-    assert bench_gpu.attention_kernels(names) == "efficient"
-    assert bench_gpu.attention_kernels({"pytorch_flash::flash_fwd_kernel": 1}) == "flash"
+    assert gpu_table.attention_kernels(names) == "efficient"
+    assert gpu_table.attention_kernels({"pytorch_flash::flash_fwd_kernel": 1}) == "flash"
 
     setting = {"model.dropout": "0.1", "training.micro_batch_size": "256", "training.compile": "true"}
     measured = {"tokens_per_s": 1e6, "step_ms": 55.0, "mfu": 0.3, "peak_gib": 40.0, "syncs": 0, "kernels": 870,
                 "attention": "efficient", "startup_s": 21.0, "first_step_s": 64.0, "fallbacks": fell_back}  # fmt: skip
     projection = {"step_ms_overlapped": 49.2, "step_ms_summed": 60.4, "mfu_overlapped": 0.31, "mfu_summed": 0.26}
-    bench_gpu.print_table([("compile", setting, measured)], {"compile": projection})
+    gpu_table.print_table([("compile", setting, measured)], {"compile": projection})
     header, row, note = capsys.readouterr().out.splitlines()
     assert header.split()[-5:] == ["proj", "ms", "proj", "MFU", "%"]
     assert row.split() == ["0.1", "256", "true", "1,000,000", "55.0", "30.0", "40.00", "0", "870", "21.0", "64.0",
                            "efficient", "blocks", "49.2", "31.0"]  # fmt: skip
     assert note.startswith("fell back to eager in dropout=0.1, micro_batch_size=256, compile=true: the Perceiver")
-    bench_gpu.print_table([("compile", setting, {**measured, "fallbacks": {}})], {})  # no projection
+    gpu_table.print_table([("compile", setting, {**measured, "fallbacks": {}})], {})  # no projection
     header, row = capsys.readouterr().out.splitlines()
     assert row.split()[-4:] == ["efficient", "-", "nan", "nan"]
