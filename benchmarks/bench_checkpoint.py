@@ -1,14 +1,8 @@
-"""Portable checkpoints against ``torch.save`` of the full state dict (save time, load time, bytes on
-disk), and the training loop's stall per training checkpoint written in the background against one
-written synchronously, on configs/gpt2.yaml's autoencoder with random weights (one process, TP=1, CPU).
-Save: ``save_portable`` (safetensors, manifest, a checksum of every tensor, fsync, atomic rename)
-against ``torch.save`` then fsync; load into an existing model: ``load_portable`` (every checksum
-verified; also without) against ``torch.load`` then ``load_state_dict``; the stall: the project's
-DeepSpeed engine saving synchronously against ``start_background_save`` (the loop waits only for the
-copy off the training tensors). Repeats interleaved, medians reported; files read from the page cache.
+"""Portable checkpoints against ``torch.save`` (save, load with and without checksums, bytes on disk), and
+the training loop's stall per training checkpoint written in the background against a synchronous one,
+on configs/gpt2.yaml's autoencoder with random weights (one process, TP=1, CPU; repeats interleaved).
 
-    python -m benchmarks.bench_checkpoint [--repeats 5] [--json out.json]
-    python -m benchmarks.bench_checkpoint --quick     # seconds: configs/tiny.yaml's model, 2 repeats
+    python -m benchmarks.bench_checkpoint [--repeats 5] [--quick]   # --quick: configs/tiny.yaml, 2 repeats
 """
 
 from __future__ import annotations

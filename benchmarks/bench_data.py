@@ -1,12 +1,8 @@
-"""Data benchmarks: 1. ``prepare`` (tokenising with .map(num_proc), writing the memory-mapped copy) of a
-1,000,000-line corpus against one plain batched ``GPT2TokenizerFast`` call over the same lines, best of
-``--repeats`` alternated rounds (goal >= 0.8); 2. batches of 16 random rows of the prepared copy from its
-numpy memmap (what training reads) against the same rows from a ``datasets`` Arrow dataset; 3. time to
-the first step and peak RSS of ``parallel-latent train`` (TP=1, one step) on the bundled corpus and on
-prepared 1M- and 10M-line corpora (goals: the bundled run's + 3 s and + 100 MB).
+"""Data benchmarks: ``prepare`` of a 1M-line corpus against one plain tokenizer call (goal >= 0.8); random
+batches from the prepared memmap against an Arrow dataset; time and peak RSS to the first step of
+``train`` on the bundled corpus and on 1M and 10M prepared lines (goals: + 3 s, + 100 MB).
 
-    python -m benchmarks.bench_data                       # everything (~15-25 min on 2 cores)
-    python -m benchmarks.bench_data --quick               # under a minute: 5k and 10k lines, one round
+    python -m benchmarks.bench_data [--quick]         # ~15-25 min on 2 cores; --quick: 5k and 10k lines
 """
 
 from __future__ import annotations
@@ -114,7 +110,7 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
     check = rng.integers(0, n, size=batch_size)
     assert np.array_equal(memmap_batch(check)["input_ids"].numpy(), arrow_batch(check)[0].numpy())
     shutil.rmtree(arrow_dir, ignore_errors=True)
-    return {"memmap_us": timings["memmap"] * 1e6, "arrow_us": timings["arrow"] * 1e6, "batch": batch_size}
+    return {"memmap_us": timings["memmap"] * 1e6, "arrow_us": timings["arrow"] * 1e6}
 
 
 def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, float]:

@@ -1,14 +1,9 @@
-"""Corpus export benchmarks (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1
-(``--config`` another; ``--device cuda`` part 1 on a GPU; ``--throughput-only`` part 1 alone: gpu.sh's
-encode-corpus row): 1. ``export_latents`` against a bare loop of the model's ``encode`` over the same
-batches of the same prepared copy, best of ``--repeats`` alternated rounds (goal >= 0.9: the writing
-overlaps the model, on a CPU only as far as free cores allow); 2. the command's peak RSS on the bundled
-corpus and on ``--lines`` lines (goal: + 100 MB at most; --quick: a quarter of --lines for the bundled
-corpus); 3. the command killed once half of its samples are in published shards, then rerun, against
-the uninterrupted run (goal <= 0.6), beside the time of a rerun that finds the export complete.
+"""Corpus export (``parallel-latent encode-corpus``) on configs/tiny.yaml's model at TP=1: 1. export against
+a bare encode loop over the same prepared batches (goal >= 0.9; ``--throughput-only``, ``--device``,
+``--config``: gpu.sh's encode-corpus row); 2. the command's peak RSS, bundled corpus against ``--lines``
+lines (goal + 100 MB); 3. a rerun after a SIGKILL at half of the shards against the whole run (goal <= 0.6).
 
-    python -m benchmarks.bench_export                 # 200k lines (minutes on 2 cores)
-    python -m benchmarks.bench_export --quick         # a minute: 1k lines, one round
+    python -m benchmarks.bench_export [--quick]       # 200k lines (minutes on 2 cores); --quick: 1k lines
 """
 
 from __future__ import annotations
@@ -120,7 +115,7 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
     elapsed = time.perf_counter() - started
     if not killed and status != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {output[-2000:]}")
-    return {"seconds": elapsed, "rss": peak, "killed": bool(killed)}
+    return {"seconds": elapsed, "rss": peak}
 
 
 def body(args, report: Report) -> None:

@@ -1,14 +1,8 @@
-"""The compression frontier: for each point of the curve (configs/compressed.yaml and the overrides
-below) over seeds, trained through the real command as bench_quality does, its final held-out BLEU,
-exact match, BLEU under Gaussian noise of 0.1 / 0.3 / 0.5 times the latents' RMS, length accuracy,
-and BLEU on an out-of-domain corpus (benchmarks/data/out_of_domain.txt), which must stay within 5
-points of the held-out one. One table, min / median / max over the seeds, with LD4LG's two points
-(BART-base on ROCStories: BLEU 97.6 at 32 floats per token, 92.4 at 16); with --json PATH also the
-plot, PATH with the suffix .png.
+"""The compression frontier: each point of configs/compressed.yaml's curve over seeds, trained as
+bench_quality does: held-out BLEU, exact match, BLEU under noise, length accuracy, and out-of-domain BLEU
+(within 5 points of the held-out one), beside LD4LG's points; with --json PATH also PATH's .png plot.
 
-    python -m benchmarks.bench_frontier                        # every point, seeds 1 2 1234 (~2.5 h)
-    python -m benchmarks.bench_frontier --points 16 8          # some points (by floats per token, or N x k)
-    python -m benchmarks.bench_frontier --quick                # a few seconds of training per point
+    python -m benchmarks.bench_frontier [--points 16 8] [--seeds 1 2 1234] [--quick]
 """
 
 from __future__ import annotations
@@ -111,22 +105,23 @@ def plot(results: list[tuple[Point, list[dict]]], path: Path) -> None:
 
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for key, label, marker in (("bleu", "held-out", "o"), ("out_of_domain_bleu", "out of domain", "s")):
-        xs, mids, lows, highs = [], [], [], []
-        for point, rows in results:
-            low, mid, high = spread(rows, key)
-            xs.append(point.floats_per_token * (0.97 if key == "bleu" else 1.03))
-            mids.append(mid)
-            lows.append(mid - low)
-            highs.append(high - mid)
+        xs = [point.floats_per_token * (0.97 if key == "bleu" else 1.03) for point, _ in results]
+        lows, mids, highs = zip(*(spread(rows, key) for _, rows in results), strict=True)
+        lows, highs = (
+            [m - low for m, low in zip(mids, lows, strict=True)],
+            [h - m for m, h in zip(mids, highs, strict=True)],
+        )
         axis.errorbar(xs, mids, yerr=[lows, highs], fmt=marker, capsize=3, label=f"parallel-latent, {label}")
         for x, y, (point, _) in zip(xs, mids, results, strict=True):
             if key == "bleu":
                 axis.annotate(point.name, (x, y), textcoords="offset points", xytext=(-34, -12), fontsize=7)
     axis.plot(list(LD4LG), list(LD4LG.values()), "k^", label="LD4LG (BART-base, ROCStories)")
+    axis.set(
+        xlabel="floats per token (N x k / T)",
+        ylabel="BLEU",
+        title="Reconstruction against compression (min-max over seeds)",
+    )
     axis.set_xscale("log", base=2)
-    axis.set_xlabel("floats per token (N x k / T)")
-    axis.set_ylabel("BLEU")
-    axis.set_title("Reconstruction against compression (min-max over seeds)")
     axis.legend(fontsize=8, loc="lower right")
     axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -143,14 +138,12 @@ def body(args, report: Report) -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="parallel-latent-frontier.") as scratch:
         for point in points:
-            rows = []
+            results.append((point, rows := []))
             for seed in seeds:
-                row = measure(point, seed, args, Path(scratch))
-                rows.append(row)
+                rows.append(row := measure(point, seed, args, Path(scratch)))
                 noise = row.get("bleu_noise_0.5", float("nan"))
                 print(f"{point.name} seed {seed}: BLEU {row['bleu']:.2f}, noise 0.5 {noise:.2f}, out of domain "
                       f"{row['out_of_domain_bleu']:.2f}, {row['wall_s']:.0f} s", flush=True)  # fmt: skip
-            results.append((point, rows))
     print_table(results)
     for point, rows in results:
         label = f"{point.name} ({point.floats_per_token} floats per token)"

@@ -1,14 +1,8 @@
-"""Model benchmarks, against baselines timed in the same process: 1. the autoencoder at TP=1 against a
-plain PyTorch twin (benchmarks/plain_twins.py) with the same weights and loss, forward + backward over
-the same frozen features (goal <= 1.05 at dropout 0); 2. the truncated GPT-2 against the full model's
-``output_hidden_states[-3]`` (goal <= 0.87); 3. counted, not timed: the operators of one training
-forward and backward of the gpt2.yaml-shaped model, the tensors built from Python data in that forward
-(each a blocking copy on a GPU; goal 0 from parallel_latent), the operators of a dropout site outside
-its mask hash (goal <= 3); 4. peak extra memory of the vocabulary-parallel loss (bf16 logits of 8192 x
-50304) against the same loss in one chunk and F.cross_entropy in fp32.
+"""Model benchmarks: the autoencoder at TP=1 against its plain PyTorch twin (goal <= 1.05 at dropout 0); the
+truncated GPT-2 against the full one's ``output_hidden_states[-3]`` (goal <= 0.87); the operators and
+Python-data tensors of one training step and of a dropout site, counted; the loss's peak extra memory.
 
-Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16]
-       python -m benchmarks.bench_model --quick     # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --repeats 16] [--quick]
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Tensor-parallel core benchmarks, against baselines timed in the same run: 1. ParallelMLP at TP=1 against
-an nn.Sequential MLP (goal <= 1.02 without dropout; with dropout, information: our masks hash global
-coordinates); 2. TP=2 on two CPU processes, our Column/Row MLP against torch's DTensor
-ColwiseParallel/RowwiseParallel; 3. the frozen pass's FLOPs per rank, replicated against split, at TP
-2 and 4 (counted); 4. activations saved for backward per rank with and without sequence parallelism,
-beside the performance model's accounting (counted); 5. the TP=2 step with the split frozen pass
-against the replicated one, and the overlapped backward collective against not.
+"""Tensor-parallel core benchmarks: ParallelMLP at TP=1 against nn.Sequential (goal <= 1.02 without
+dropout), at TP=2 against torch's DTensor; the frozen pass's FLOPs per rank split against replicated;
+activations saved per rank with and without sequence parallelism; the TP=2 step's switches, timed.
 
-Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --repeats 16]
-       python -m benchmarks.bench_parallel --quick    # seconds: tiny shapes, 3 repeats
+Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --repeats 16] [--quick]
 """
 
 from __future__ import annotations

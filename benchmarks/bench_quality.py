@@ -1,11 +1,8 @@
-"""Reconstruction quality over seeds: a config trained once per seed through the real command, and its
-final held-out evaluation (token accuracy, exact match, BLEU) per seed with the minimum, median and
-maximum; the goals are checked on the worst seed. ``--tiny-decoder gpt2|gpt_neox|llama``: the feature
-model is a tiny decoder of that family saved as the hub ships one (benchmarks/tiny_decoders.py).
+"""Reconstruction quality over seeds: a config trained per seed through the real command, its held-out
+token accuracy, exact match and BLEU per seed, min / median / max; goals on the worst seed.
+``--tiny-decoder FAMILY``: over a tiny saved decoder of that family (benchmarks/tiny_decoders.py).
 
-    python -m benchmarks.bench_quality                                      # configs/tiny.yaml, seeds 1-20
-    python -m benchmarks.bench_quality --config configs/small.yaml --seeds 1 2 1234   # ~30 min a seed
-    python -m benchmarks.bench_quality --quick                              # a few seconds of training
+    python -m benchmarks.bench_quality [--config configs/small.yaml] [--seeds 1 2 1234] [--quick]
 """
 
 from __future__ import annotations
@@ -107,25 +104,22 @@ def body(args, report: Report) -> None:
         unseen = unseen_token_share(config, overrides) * 100  # while a tiny decoder's tokenizer exists
     print(f"\n{name}, --nproc {nproc}, {len(rows)} seed(s):")
     print(f"{'seed':>8} {'token acc':>10} {'exact':>8} {'BLEU':>7} {'wall s':>7}")
-    for row in rows:
-        print(f"{row['seed']:>8} {row['token_accuracy']:>10.4f} {row['exact_match']:>8.4f} {row['bleu']:>7.2f} "
-              f"{row['wall_s']:>7.0f}")  # fmt: skip
     columns = ("token_accuracy", "exact_match", "bleu", "wall_s")
     summary = {label: {k: of(r[k] for r in rows) for k in columns}
                for label, of in (("min", min), ("median", statistics.median), ("max", max))}  # fmt: skip
-    for label, values in summary.items():
-        print(f"{label:>8} {values['token_accuracy']:>10.4f} {values['exact_match']:>8.4f} {values['bleu']:>7.2f} "
-              f"{values['wall_s']:>7.0f}")  # fmt: skip
+    for label, v in [*((row["seed"], row) for row in rows), *summary.items()]:  # each seed, then min / median / max
+        print(f"{label:>8} {v['token_accuracy']:>10.4f} {v['exact_match']:>8.4f} {v['bleu']:>7.2f} {v['wall_s']:>7.0f}")
     # Two positions sharing a latent show as a pair near 0.5 here (docs/quality.md); a
     # start that ties quality to the seed shows as a position far below the others at some seeds only.
     if all(r["position_accuracy"] for r in rows):
         print("\nper-position held-out token accuracy ('-': no held-out token there)")
-        for row in rows:
-            shown = " ".join("   -" if a is None else f"{a:.2f}" for a in row["position_accuracy"])
-            print(f"{'seed ' + str(row['seed']):>8} {shown}")
         per_position = list(zip(*(r["position_accuracy"] for r in rows), strict=True))
         worst_per_position = [min((a for a in col if a is not None), default=None) for col in per_position]
-        print(f"{'min':>8} " + " ".join("   -" if a is None else f"{a:.2f}" for a in worst_per_position))
+        for label, accuracies in [
+            *((f"seed {r['seed']}", r["position_accuracy"]) for r in rows),
+            ("min", worst_per_position),
+        ]:
+            print(f"{label:>8} " + " ".join("   -" if a is None else f"{a:.2f}" for a in accuracies))
         measured = [a for a in worst_per_position if a is not None]
         report.figure(f"{name} worst position over the seeds: token accuracy", min(measured))
     for row in rows:

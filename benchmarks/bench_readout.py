@@ -1,12 +1,8 @@
-"""What limits narrow latents, measured without training (docs/quality.md): 1. a random k-dimensional
-linear code of every token (its GPT-2 token-table row times a random k x d matrix) read back over the
-whole vocabulary by the tied head's inner product and by the nearest normalised code; 2. how much of
-a token the frozen GPT-2's features (hidden state -3) hold, to a linear fit, and a k-dimensional linear
-code of the features fitted on 80% of the corpus's tokens and read back on the rest, in a random
-subspace and in the k directions where the token is least mixed with its context.
+"""What limits narrow latents, measured without training (docs/quality.md): a random k-dimensional code of
+every token read back by the tied head's inner product and by the nearest normalised code, and how much
+of a token a k-dimensional linear code of the frozen GPT-2's features holds.
 
-    python -m benchmarks.bench_readout            # configs/compressed.yaml's GPT-2, 3,000 corpus lines
-    python -m benchmarks.bench_readout --quick    # 300 lines
+    python -m benchmarks.bench_readout [--quick]      # 3,000 corpus lines; --quick: 300
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""A job that heals itself, timed: ``parallel-latent train --config configs/tiny.yaml --nproc 2
---max-restarts 1``, one rank killed (SIGKILL) mid-run, and the time from the kill to the first
-training step after it (the restart: torchrun's teardown, the new ranks' start-up, the resume from
-the newest checkpoint, one step). The baseline, in the same invocation: the same command's cold
-start, from its launch to its first step.
+"""A job that heals itself: ``train --config configs/tiny.yaml --nproc 2 --max-restarts 1``, one rank
+SIGKILLed mid-run, the time from the kill to the first step after it, against the cold start.
 
-    python -m benchmarks.bench_restart [--json out.json]
-    python -m benchmarks.bench_restart --quick    # the same, tiny.yaml at width 32
+    python -m benchmarks.bench_restart [--quick]      # --quick: tiny.yaml at width 32
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Trainer benchmarks (CPU or GPU): 1. one training step at TP=1 through the real trainer (DeepSpeed ZeRO-2)
-against the same model trained by a plain PyTorch loop (the trainer's own AdamW, clipping and schedule),
-interleaved in one process (goal <= 1.10); 2. bytes per rank of the trainable part's parameters,
-gradients and optimizer state, read from the real engine's tensors, at TP=2 x DP=2 (torchrun) against
-TP=1 x DP=1 (goal <= 0.30). Details: docs/development.md, Benchmarks.
+"""Trainer benchmarks: one step through the real trainer (DeepSpeed ZeRO-2) against a plain PyTorch loop
+with the trainer's own AdamW (goal <= 1.10); the trainable part's bytes per rank at TP2 x DP2 (torchrun)
+against TP1 x DP1, from the engine's tensors (goal <= 0.30).
 
-    python -m benchmarks.bench_train                 # both, the tiny model, fp32 and bf16 memory
-    python -m benchmarks.bench_train --part step --repeats 16 model.d_model=128
-    python -m benchmarks.bench_train --quick         # seconds: fewer steps, fp32 memory only
+    python -m benchmarks.bench_train [--part step|memory] [--quick] [overrides...]
 """
 
 from __future__ import annotations

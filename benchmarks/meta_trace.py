@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,8 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             attn_mask = torch.where(attn_mask, zero, torch.finfo(query.dtype).min)
         bias = attn_mask.expand(shape)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, needs_grad, dropout_p, is_causal and bias is None, scale=scale
-    )[0]
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    return efficient(query, key, value, bias, needs_grad, dropout_p, is_causal and bias is None, scale=scale)[0]
 
 
 def cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
@@ -39,22 +39,11 @@ def cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         zero, minus_inf = (torch.scalar_tensor(v, dtype=query.dtype) for v in (0.0, -math.inf))
         attn_mask = torch.where(attn_mask, zero, minus_inf)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
-    )[0]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 ATTENTION = {"cuda": cuda_attention, "cpu": cpu_attention}
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement):
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _marked(tracer: StepTracer, owner, name: str, part: str):
@@ -69,15 +58,13 @@ def _marked(tracer: StepTracer, owner, name: str, part: str):
         finally:
             tracer.within = None
 
-    return _patched(owner, name, marked)
+    return mock.patch.object(owner, name, marked)
 
 
 @contextlib.contextmanager
 def fake_tp_group(tp: int):
-    """A TP group of ``tp`` ranks inside this one process, for a meta trace at TP > 1: torch's
-    ``fake`` backend (its collectives return at once, dispatched as operators the tracer records:
-    the model's own, at their real shapes), this process its rank 0. None at TP=1 (no group: the
-    model in one process)."""
+    """A TP group of ``tp`` ranks inside this one process (None at TP=1), for a meta trace at TP > 1: torch's
+    ``fake`` backend, whose collectives return at once, dispatched as operators the tracer records."""
     if tp == 1:
         yield None
         return
@@ -94,9 +81,8 @@ def fake_tp_group(tp: int):
 
 
 def _feature_model_from(recorded: dict | None):
-    """The model's feature model rebuilt from ``recorded`` (a whole transformers config, as a
-    checkpoint's record rebuilds it: any MLP width, any kv heads) instead of the random build's few
-    keys (whose MLP is 4x the width); nothing changed without one."""
+    """The model's feature model rebuilt from ``recorded`` (a whole transformers config, as a checkpoint's
+    record rebuilds it) instead of the random build's few keys (an MLP 4x the width); as is without one."""
     from parallel_latent.model import autoencoder, features
 
     if recorded is None:
@@ -106,7 +92,7 @@ def _feature_model_from(recorded: dict | None):
         # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
         return features.FeatureModel(feature_cfg, vocab_size, {**recorded, "vocab_size": vocab_size}, tp_group)
 
-    return _patched(autoencoder, "FeatureModel", rebuilt)
+    return mock.patch.object(autoencoder, "FeatureModel", rebuilt)
 
 
 def row_config(setting: dict, quick: bool):
@@ -128,7 +114,7 @@ def meta_model(cfg, tracer: StepTracer, device: str = "cuda", tp_group=None, rec
     cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
     # The head's scale reads the token table's std (a value meta has not got; it changes no cost).
     dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
-    scale = _patched(perceiver, "token_table_scale", lambda table: 1.0)
+    scale = mock.patch.object(perceiver, "token_table_scale", lambda table: 1.0)
     with torch.device("meta"), scale, _feature_model_from(recorded):
         model = build_model(cfg, tp_group).to(dtype).train()
     kernels = LossKernels.compiled() if compile_blocks else model.loss_kernels.on(torch.device(device))
@@ -171,7 +157,7 @@ def trace_model(cfg, device: str = "cuda", tp_group=None, recorded: dict | None 
         tracer.ops.clear()
         with (
             tracer,
-            _patched(F, "scaled_dot_product_attention", ATTENTION[device]),
+            mock.patch.object(F, "scaled_dot_product_attention", ATTENTION[device]),
             _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss"),
             _marked(tracer, model, "features", "features"),
         ):

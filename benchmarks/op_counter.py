@@ -1,8 +1,6 @@
-"""Counting what a piece of code asks the device to do, with a dispatch mode (benchmarks/bench_model.py,
-and the step tests' host-sync counter, tests/helpers/op_counter.py): operators dispatched, and tensors
-built from Python data (``torch.tensor([...])`` and friends dispatch ``aten.lift_fresh``; on a GPU each
-such tensor is a copy from pageable host memory that waits for the device), with the frame of the
-package that asked for them."""
+"""Counting what a piece of code asks the device to do (bench_model.py, tests/helpers/op_counter.py):
+operators dispatched, and tensors built from Python data (``aten.lift_fresh``: on a GPU each a copy from
+pageable host memory that waits for the device), with the frame of the package that asked for them."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ FROM_PYTHON_DATA = ("aten.lift_fresh", "aten.lift_fresh_copy")
 
 
 def package_caller(instruments: tuple[str, ...] = (__file__,), package: str = PACKAGE) -> str | None:
-    """``file:line`` of the code that asked, if it is ``package``'s: the innermost frame outside
-    torch itself and the ``instruments`` (the counters' own files; None when that frame is a third
-    party's, e.g. DeepSpeed's)."""
+    """``file:line`` of the innermost frame outside torch and the ``instruments`` (the counters' files), if it
+    is ``package``'s; None when it is a third party's."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         if "/torch/" in frame.filename or frame.filename in instruments:
             continue

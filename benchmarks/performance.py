@@ -233,11 +233,8 @@ def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]
 
 
 def block_activation_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: bool) -> int:
-    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor: the
-    LayerNorms' inputs and statistics, the region entries' (gathered) inputs, q/k/v with the
-    log-sum-exp and the key mask, the output projection's input, GELU's input, the dropout masks and
-    output. Sequence parallelism divides what lives between the regions by t; the region entries
-    keep the gathered input (Megatron gathers it again in backward instead)."""
+    """Bytes an encoder block saves for backward per rank (fp32, dropout on), tensor by tensor; sequence
+    parallelism divides what lives between the regions by t (the region entries keep the gathered input)."""
     between = 1 / t if sp else 1
     lns = 4 * b * (s + c + s) * h * between + 8 * b * (s + c + s) * between  # inputs + mean/rstd
     entries = 4 * b * (c + s) * h + 4 * b * s * h  # attention's cat(context, stream), the MLP's input
@@ -249,8 +246,7 @@ def block_activation_bytes(b: int, s: int, c: int, h: int, a: int, t: int, sp: b
 
 
 def collective_seconds(kind: str, nbytes: float, tp: int) -> float:
-    """A collective over ``tp`` ranks in a ring at ``NVLINK`` bytes/s per direction, plus its latency:
-    an all-reduce moves 2 (n-1)/n of its tensor's ``nbytes``, an all-gather or a reduce-scatter (n-1)/n
-    of the whole tensor's (the gathered output, the scattered input)."""
+    """A collective over ``tp`` ranks in a ring at ``NVLINK`` bytes/s per direction, plus its latency: an
+    all-reduce moves 2 (n-1)/n of its tensor's ``nbytes``, the others (n-1)/n of the whole tensor's."""
     share = 2 * (tp - 1) / tp if kind == "all_reduce" else (tp - 1) / tp
     return share * nbytes / NVLINK + COLLECTIVE_LATENCY

@@ -16,9 +16,8 @@ from benchmarks.harness import REPO
 
 
 def child_environment(threads: int | None = None, *, cpu: bool = False, **variables: str) -> dict[str, str]:
-    """This process's environment with ``threads`` compute threads (None: as inherited), DeepSpeed on the
-    CPU with ``cpu``, and ``variables`` (TOKENIZERS_PARALLELISM="false" where a child forks after
-    tokenising: the tokenizers' warning, not their speed, is the point)."""
+    """This process's environment with ``threads`` compute threads (None: as inherited), DeepSpeed on the CPU
+    with ``cpu``, and ``variables`` (TOKENIZERS_PARALLELISM="false": the tokenizers' fork warning off)."""
     env = {**os.environ, **variables}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -28,8 +27,7 @@ def child_environment(threads: int | None = None, *, cpu: bool = False, **variab
 
 
 def run_checked(command: list[str], env: dict[str, str], what: str) -> subprocess.CompletedProcess:
-    """``command`` run from the repository to its end, its output captured; an error naming ``what``
-    (with the output's end) if it fails."""
+    """``command`` run from the repository, its output captured; an error naming ``what`` if it fails."""
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -49,8 +47,7 @@ def watched_run(command: list[str], env: dict[str, str], watch: Callable[[subpro
 
 
 def peak_rss_mb(pid: int) -> float | None:
-    """VmHWM of a running process: the peak resident set of its current program (wait4's ru_maxrss
-    would keep the high-water mark of the image before exec: of this process, which forked it)."""
+    """VmHWM of a running process: the peak resident set of its current program."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -80,8 +77,7 @@ def _resident(key: str) -> int:
 
 
 def peak_extra_bytes(fn) -> int:
-    """Peak resident memory over ``fn()`` above what was resident before (Linux: the high-water mark reset
-    through /proc/self/clear_refs; large tensors are mmapped, so they leave when freed)."""
+    """Peak resident memory over ``fn()`` above what was resident before (the high-water mark reset first)."""
     import gc
 
     gc.collect()
@@ -93,11 +89,9 @@ def peak_extra_bytes(fn) -> int:
 
 
 def free_port() -> int:
-    """A port for a store that a process started later will host, kept from every other taker meanwhile:
-    left in TIME_WAIT (about 60 s), which the kernel never hands to ``bind(0)`` or ``connect()``, while
-    the store's own bind (``SO_REUSEADDR``, as every TCPStore binds) still takes it. (A port merely
-    bound and closed could go to a test's gloo listener before the job's rank 0, seconds of imports
-    later, binds it.)"""
+    """A port for a store that a process started later will host, left in TIME_WAIT (about 60 s), which the
+    kernel never hands to ``bind(0)`` or ``connect()`` (a port merely closed could go to a test's gloo
+    listener first), while the store's own bind (``SO_REUSEADDR``, as every TCPStore's) still takes it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -126,8 +120,7 @@ def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
 
 
 def on_ranks(world: int, task, *args):
-    """Rank 0's ``task(*args)``, run on each of ``world`` spawned processes (the ranks of a job on this
-    machine); a rank that fails ends them all."""
+    """Rank 0's ``task(*args)``, run on each of ``world`` spawned ranks; a rank that fails ends them all."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")

@@ -47,9 +47,6 @@ class Held:
     layer_matrices: int  # elements of one held layer's matrices (what shard splits)
     replicated: int  # token table, positions, norms: whole on every rank
     width: int
-    kv_heads: int
-    heads: int
-    mlp: int
     family: str
     config: object  # the transformers config, for model/sharded.py's check
 
@@ -61,7 +58,7 @@ def held_on_meta(name: str) -> Held:
     from parallel_latent.model.families import FAMILIES, held_layers
     from parallel_latent.model.features import truncate_to_hidden_state
 
-    family_name, hidden, layers, heads, kv_heads, mlp, *_ = MODELS[name]
+    family_name, hidden, layers, *_ = MODELS[name]
     family = FAMILIES[family_name]
     config = transformers_config(family_name, *MODELS[name][1:])
     setattr(config, family.layers_key, held_layers(layers, -3, family, name))
@@ -71,7 +68,7 @@ def held_on_meta(name: str) -> Held:
     stack = getattr(decoder, family.layers)
     per_layer = sum(p.numel() for p in stack[0].parameters() if p.dim() == 2)
     replicated = sum(p.numel() for p in decoder.parameters()) - per_layer * len(stack)  # the norms and biases too
-    return Held(len(stack), per_layer, replicated, hidden, kv_heads, heads, mlp, family_name, config)
+    return Held(len(stack), per_layer, replicated, hidden, family_name, config)
 
 
 def frozen_bytes(held: Held, tp: int, layout: str) -> float:
@@ -93,10 +90,7 @@ def shard_refusal(held: Held, tp: int) -> str | None:
 
 
 def frozen_seconds(held: Held, tp: int, layout: str, batch: int, length: int) -> float:
-    """One rank's frozen pass over a micro-batch of ``batch`` samples of ``length`` tokens: per layer its
-    matrix products and causal attention (4 T^2 f FLOPs per sample, in full); replicated, each rank
-    runs 1/tp of the samples and the features are all-gathered once; sharded, every sample through
-    1/tp of each layer, two all-reduces of [B, T, f] per layer."""
+    """One rank's frozen pass over ``batch`` samples of ``length`` tokens (docs/development.md, Benchmarks)."""
     samples = batch / tp if layout == "replicate" else batch
     split = tp if layout == "shard" else 1
     tokens = samples * length
@@ -163,10 +157,8 @@ def collective_of(op: Op) -> tuple[str, int]:
 
 
 def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
-    """One rank's part of the model's forward and backward at TP=``tp`` with decoder ``name`` frozen, the
-    frozen pass left out (timed apart, per layout): built at that degree on meta over a fake group (this
-    rank's slices, every collective at its real size), its kernels timed as the TP=1 rows' are, its TP
-    collectives at NVLink's rate, none overlapped."""
+    """One rank's part of the model's forward and backward at TP=``tp`` over decoder ``name``, less the frozen
+    pass: traced over a fake group, its kernels timed as the TP=1 rows', its collectives at NVLink's rate."""
     recorded = feature_model_record(name)
     cfg = row_config({**setting, **feature_model_setting(name), "parallel.tensor_parallel": str(tp)}, quick)
     with fake_tp_group(tp) as group:
@@ -178,15 +170,13 @@ def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
         "compute": projection(kernels, 0.0), "kernels": kernels,
         "matmul_flops": sum(op.flops for op in ours), "matmul_ms": sum(k.device_s for k in kernels if k.flops) * 1e3,
         "collectives": collectives,
-        "collective_ms": sum(collective_seconds(kind, nbytes, tp) for kind, nbytes in collectives) * 1e3, "ops": ops,
+        "collective_ms": sum(collective_seconds(kind, nbytes, tp) for kind, nbytes in collectives) * 1e3,
     }  # fmt: skip
 
 
 def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | None = None) -> list[dict]:
-    """Per TP degree (``tps``, by default all) and layout, one rank's whole step (the model's forward and
-    backward): the Perceiver's compute and collectives (:func:`perceiver_at`) and the frozen pass, one
-    after the other. A rank's tokens/s and model FLOPs are 1/tp of its group's (one micro-batch). A
-    degree that the layout or the Perceiver's config refuses says why."""
+    """Per TP degree (``tps``, by default all) and layout, one rank's forward and backward: the Perceiver
+    (:func:`perceiver_at`), then the frozen pass; a rank's tokens and FLOPs are 1/tp of its group's."""
     from parallel_latent.config import ConfigError
 
     held, cfg = held_on_meta(name), row_config({**setting, **feature_model_setting(name)}, quick)

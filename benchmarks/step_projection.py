@@ -74,7 +74,7 @@ def project(setting: dict, quick: bool = False, rest: bool = True, recorded: dic
     ranges = {name: projection(step_kernels(cfg, ops, quick, rest, roofline), flops, roofline)
               for name, roofline in rooflines.items()}  # fmt: skip
     return {**projection(kernels, flops), "ranges": ranges, "model_flops": flops,
-            "traced_flops": sum(op.flops for op in ops), "top": top_costs(kernels), "ops": ops,
+            "traced_flops": sum(op.flops for op in ops), "top": top_costs(kernels),
             "kernel_list": kernels}  # fmt: skip
 
 

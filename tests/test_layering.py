@@ -449,3 +449,11 @@ def test_the_benchmarks_import_no_private_name():
             if isinstance(node, ast.ImportFrom) and node.module.startswith(("benchmarks", "parallel_latent")):
                 private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__version__"]
                 assert not private, f"benchmarks/{name}.py imports {private} from {node.module}: make them public"
+
+
+def test_the_benchmarks_stay_small():
+    """No file of benchmarks/ over 300 lines (a longer one is several ideas, or a copy of what the harness or
+    the performance model holds)."""
+    lines = {path.name: len(path.read_text().splitlines()) for path in sorted(BENCHMARKS.glob("*.py"))}
+    over = {name: count for name, count in lines.items() if count > 300}
+    assert not over, f"benchmarks/ files over 300 lines: {over}"
