@@ -47,6 +47,8 @@ class Family:
     heads_key: ClassVar[str]
     width_key: ClassVar[str]
     positions_key: ClassVar[str]
+    mlp_key: ClassVar[str] = "intermediate_size"
+    config_class: ClassVar[type[PretrainedConfig]]  # transformers' config of a random build
     # Config keys that turn the family's dropout off: it draws from torch's stateful RNG, which
     # differs across TP ranks and would make a trainable feature model drift apart across them.
     no_dropout: ClassVar[dict[str, float]]
@@ -71,14 +73,24 @@ class Family:
         mlp_width: int = 0,
     ) -> PretrainedConfig:
         """The transformers config of a random build from ``feature_model``'s ``n_*`` keys (``n_kv_head``
-        0: one per head; ``mlp_width`` 0: 4x the width)."""
-        raise NotImplementedError
+        0: one per head; ``mlp_width`` 0: 4x the width), under the family's own key names, with no
+        special token ids (the tokenizer's are applied to the model, not to the decoder)."""
+        keys = {
+            "vocab_size": vocab_size, self.layers_key: n_layer, self.heads_key: n_head, self.width_key: n_embd,
+            self.positions_key: n_positions, self.mlp_key: mlp_width or 4 * n_embd, "bos_token_id": None,
+            "eos_token_id": None, **self.grouped_query_keys(n_head, n_kv_head),
+        }  # fmt: skip
+        return self.config_class(**keys)
+
+    def grouped_query_keys(self, n_head: int, n_kv_head: int) -> dict:
+        """Config keys of a random build's key/value heads (none: one per head, nothing to say)."""
+        return {}
 
     def depth(self, config: PretrainedConfig) -> int:
         return getattr(config, self.layers_key)
 
     def mlp_width(self, config: PretrainedConfig) -> int:
-        return config.intermediate_size
+        return getattr(config, self.mlp_key)
 
     def split_counts(self, config: PretrainedConfig) -> dict[str, int]:
         """What ``tensor_parallel`` must divide for each rank to hold whole heads and an equal part

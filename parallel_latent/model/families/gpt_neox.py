@@ -19,6 +19,7 @@ class GPTNeoX(Family):
     embedding, layers, final_norm = "embed_in", "layers", "final_layer_norm"
     layers_key, heads_key = "num_hidden_layers", "num_attention_heads"
     width_key, positions_key = "hidden_size", "max_position_embeddings"
+    config_class = GPTNeoXConfig
     no_dropout: ClassVar[dict] = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
     projections: ClassVar[dict] = {
         "attention.query_key_value": COLUMN,
@@ -26,10 +27,3 @@ class GPTNeoX(Family):
         "mlp.dense_h_to_4h": COLUMN,
         "mlp.dense_4h_to_h": ROW,
     }
-
-    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head, mlp_width=0) -> GPTNeoXConfig:
-        return GPTNeoXConfig(
-            vocab_size=vocab_size, num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=n_embd,
-            intermediate_size=mlp_width or 4 * n_embd, max_position_embeddings=n_positions, bos_token_id=None,
-            eos_token_id=None,
-        )  # fmt: skip

@@ -20,6 +20,7 @@ class Llama(Family):
     embedding, layers, final_norm = "embed_tokens", "layers", "norm"
     layers_key, heads_key = "num_hidden_layers", "num_attention_heads"
     width_key, positions_key = "hidden_size", "max_position_embeddings"
+    config_class = LlamaConfig
     no_dropout: ClassVar[dict] = {"attention_dropout": 0.0}
     projections: ClassVar[dict] = {
         "self_attn.q_proj": COLUMN,
@@ -31,12 +32,8 @@ class Llama(Family):
         "mlp.down_proj": ROW,
     }
 
-    def random_config(self, vocab_size, n_layer, n_head, n_embd, n_positions, n_kv_head, mlp_width=0) -> LlamaConfig:
-        return LlamaConfig(
-            vocab_size=vocab_size, num_hidden_layers=n_layer, num_attention_heads=n_head, hidden_size=n_embd,
-            num_key_value_heads=n_kv_head or n_head, intermediate_size=mlp_width or 4 * n_embd,
-            max_position_embeddings=n_positions, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        )  # fmt: skip
+    def grouped_query_keys(self, n_head: int, n_kv_head: int) -> dict:
+        return {"num_key_value_heads": n_kv_head or n_head, "pad_token_id": None}
 
     def split_counts(self, config: PretrainedConfig) -> dict[str, int]:
         kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, self.heads_key)
