@@ -24,20 +24,19 @@ def run_gpu_script(tmp_path, env: dict, *args: str) -> subprocess.CompletedProce
     return run_in_repo(command, env)
 
 
-# The quick matrix in three runs well under a minute each, every row in one of them: gpu.sh end to
-# end with some rows, and bench_gpu.py (gpu.sh's last step) in this process with the others, in two
-# runs. way -> (ROWS, the table's first three columns, figures among those recorded).
+# Every kind of row in two runs well under a minute each: gpu.sh end to end with the default row and
+# the projection after it, and bench_gpu.py (gpu.sh's last step) in this process with the compiled row,
+# a row whose name holds a space (dropout0 micro32) and the export, no projection (every row's
+# projection is tests/benchmarks/test_bench_projection.py's). The rows not run here (micro32,
+# dropout0) differ from these only in the config values they pass. way -> (ROWS, the table's first
+# three columns, figures among those recorded, whether the projection runs).
 EVERY_ROW = {
-    "gpu.sh": ("default", [["0.1", "8", "false"]], {"MFU, default"}),
+    "gpu.sh": ("default", [["0.1", "8", "false"]], {"MFU, default"}, True),
     "bench_gpu.py": (
-        "compile,dropout0",
-        [["0.1", "8", "true"], ["0.0", "8", "false"]],
-        {"MFU, compile", "first step, dropout0"},
-    ),
-    "bench_gpu.py micro32": (
-        "micro32,dropout0 micro32,encode-corpus",
-        [["0.1", "4", "false"], ["0.0", "4", "false"]],
-        {"steady step, micro32", "steady step, dropout0 micro32", "encode-corpus export / bare encode loop"},
+        "compile,dropout0 micro32,encode-corpus",
+        [["0.1", "8", "true"], ["0.0", "4", "false"]],
+        {"MFU, compile", "steady step, dropout0 micro32", "encode-corpus export / bare encode loop"},
+        False,
     ),
 }
 
@@ -48,16 +47,16 @@ def test_gpu_script_runs_every_row_on_cpu_when_allowed(tmp_path, monkeypatch, ca
     """benchmarks/gpu.sh end to end on the CPU (ALLOW_CPU=1, the shrunk model): the node's freeze
     saved, the GPU tests collected and skipped, the facts, then each training row in bf16 through
     the real trainer and the encode-corpus row, one table with the synchronised columns, and the
-    projection after the rows. The rows are split between gpu.sh and two runs of bench_gpu.py here
+    projection after the rows. The rows are split between gpu.sh and a run of bench_gpu.py here
     (what gpu.sh runs after its GPU tests), so that no run takes the whole matrix's minutes."""
-    rows_env, expected, wanted = EVERY_ROW[way]
+    rows_env, expected, wanted, projected = EVERY_ROW[way]
     out = tmp_path / "out"
     # Two steps, a window each: the first holds the first step, the second is the steady one. The
     # compile row's graphs go through dynamo and AOTAutograd (torch.compile's debug override of the
     # backend) but not inductor's C++ for the CPU, which no GPU runs and which would be most of the
     # test's time (minutes of the C compiler).
     env = {"STEPS": "2", "LOG_EVERY": "1", "DEADLINE_S": "1200", "GPU_OUT": str(out), "ROWS": rows_env,
-           "TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager"}  # fmt: skip
+           "TORCH_COMPILE_OVERRIDE_BACKENDS": ">=0:aot_eager", "PROJECTION": "1" if projected else "0"}  # fmt: skip
     if way == "gpu.sh":
         result = run_gpu_script(tmp_path, env)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -68,7 +67,7 @@ def test_gpu_script_runs_every_row_on_cpu_when_allowed(tmp_path, monkeypatch, ca
     else:
         for name, value in {**env, "ALLOW_CPU": "1"}.items():
             monkeypatch.setenv(name, value)
-        for name in ("NPROC", "GPU_TESTS_XML", "PROJECTION", "GPU_SH_STARTED_AT"):
+        for name in ("NPROC", "GPU_TESTS_XML", "GPU_SH_STARTED_AT"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its scratch directory goes
         monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--quick", "--json", str(tmp_path / "gpu.json")])
@@ -84,7 +83,7 @@ def test_gpu_script_runs_every_row_on_cpu_when_allowed(tmp_path, monkeypatch, ca
     assert [row[:3] for row in rows] == expected
     assert all(row[7] == "-" and row[8] == "-" for row in rows)  # syncs and kernels are counted on CUDA only
     assert all(row[9] != "nan" and row[10] != "nan" for row in rows)  # start-up, first step (0.0: under 50 ms)
-    assert all(row[-2] != "nan" for row in rows)  # the projection, after the rows
+    assert all((row[-2] != "nan") == projected for row in rows)  # the projection, after the rows
     if "encode-corpus" in rows_env:
         assert lines[header + 1 + len(expected)].startswith("encode-corpus: export ")
     figures = {f["name"]: f["value"] for f in json.loads((tmp_path / "gpu.json").read_text())["figures"]}
