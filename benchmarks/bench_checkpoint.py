@@ -7,7 +7,6 @@ on configs/gpt2.yaml's autoencoder with random weights (one process, TP=1, CPU; 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, command
 
 
 def build_model(config: str = "gpt2.yaml"):
@@ -134,13 +133,11 @@ def body(args, report: Report) -> None:
                   at_most=0.2)  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--config", default="gpt2.yaml", help="the model of this file under configs/")
-    add_common_arguments(parser)
-    return run("bench_checkpoint", parser, body)
 
 
+main = command("bench_checkpoint", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,9 +7,7 @@ batches from the prepared memmap against an Arrow dataset; time and peak RSS to 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -19,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness import BUNDLED, QUIET_RUN, TINY, Report, add_common_arguments, config_with_tokenizer, run
+from benchmarks.harness import BUNDLED, QUIET_RUN, TINY, Report, command, config_with_tokenizer
 from benchmarks.processes import child_environment, watched_run
+from parallel_latent.files import read_jsonl
 
 TRAIN_OVERRIDES = ["parallel.tensor_parallel=1", "training.max_steps=1", "training.log_every=1", *QUIET_RUN]
 
@@ -122,8 +121,8 @@ def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, 
 
     def note_first_step(_) -> bool:  # when the first metrics line appears; the process runs on
         if not first_step:
-            with contextlib.suppress(OSError, ValueError):
-                if any(json.loads(line).get("kind") == "train" for line in metrics.read_text().splitlines()):
+            with contextlib.suppress(OSError):
+                if any(record.get("kind") == "train" for record in read_jsonl(metrics)):
                     first_step.append(time.perf_counter() - started)
         return False
 
@@ -137,15 +136,13 @@ def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, 
 def bench_training_start(
     rows: dict[str, str], cache: Path, work: Path, repeats: int, warmup: bool = True
 ) -> dict[str, dict]:
-    results: dict[str, dict] = {name: {"time": [], "rss": []} for name in rows}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}  # (seconds, peak RSS) of each
     for corpus in rows.values() if warmup else ():  # the bundled corpus is prepared here, files cached
         time_to_first_step(corpus, cache, work / "run")
     for _ in range(repeats):
         for name, corpus in rows.items():
-            seconds, rss = time_to_first_step(corpus, cache, work / "run")
-            results[name]["time"].append(seconds)
-            results[name]["rss"].append(rss)
-    return {name: {"time": min(r["time"]), "rss": max(r["rss"])} for name, r in results.items()}
+            runs[name].append(time_to_first_step(corpus, cache, work / "run"))
+    return {name: {"time": min(t for t, _ in r), "rss": max(rss for _, rss in r)} for name, r in runs.items()}
 
 
 def body(args, report: Report) -> None:
@@ -186,9 +183,8 @@ def body(args, report: Report) -> None:
             del rows[f"{args.lines:,} lines"]
         start = bench_training_start(rows, cache, work, args.train_repeats, warmup=not args.quick)
         base = start["bundled (4,874)"]
-        print(
-            f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | {'vs bundled':>10}"
-        )
+        print(f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | "
+              f"{'vs bundled':>10}")  # fmt: skip
         for name, result in start.items():
             print(f"{name:>20} | {result['time']:14.2f} | {result['time'] - base['time']:+10.2f} | "
                   f"{result['rss']:13.0f} | {result['rss'] - base['rss']:+10.0f}")  # fmt: skip
@@ -200,15 +196,13 @@ def body(args, report: Report) -> None:
         report.figure("peak RSS, larger corpus - bundled (worst)", worst_rss, "MB", at_most=100)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the throughput corpus")
     parser.add_argument("--lines-large", type=int, default=10_000_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=2, help="alternated rounds of the throughput part")
     parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
-    add_common_arguments(parser)
-    return run("bench_data", parser, body)
 
 
+main = command("bench_data", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

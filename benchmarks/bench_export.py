@@ -8,7 +8,6 @@ lines (goal + 100 MB); 3. a rerun after a SIGKILL at half of the shards against 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_data import write_corpus
-from benchmarks.harness import BUNDLED, TINY, Report, add_common_arguments, config_with_tokenizer, run
+from benchmarks.harness import BUNDLED, TINY, Report, command, config_with_tokenizer
 from benchmarks.processes import child_environment, watched_run
 
 SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
@@ -82,17 +81,14 @@ def bench_throughput(
         shutil.rmtree(out, ignore_errors=True)
         return elapsed
 
-    times: dict[str, list[float]] = {"bare": [], "export": []}
     bare()  # warm: the first pass pages the prepared copy in and warms the allocator
-    for _ in range(repeats):
-        times["bare"].append(bare())
-        times["export"].append(export())
-    best = {name: min(values) for name, values in times.items()}
-    return {"samples": len(data), "bare_per_s": len(data) / best["bare"], "export_per_s": len(data) / best["export"],
-            "ratio": best["bare"] / best["export"]}  # fmt: skip
+    rounds = [(bare(), export()) for _ in range(repeats)]
+    fastest_bare, fastest_export = min(b for b, _ in rounds), min(e for _, e in rounds)
+    return {"samples": len(data), "bare_per_s": len(data) / fastest_bare, "export_per_s": len(data) / fastest_export,
+            "ratio": fastest_bare / fastest_export}  # fmt: skip
 
 
-def command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
+def export_command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
     return [sys.executable, "-m", "parallel_latent", "encode-corpus", "--checkpoint", str(checkpoint), "--data",
             str(corpus), "--out", str(out), *SETTINGS, f"data.cache_dir={cache}",
             f"export.shard_size={shard_size}"]  # fmt: skip
@@ -110,8 +106,8 @@ def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
         return bool(killed)
 
     started = time.perf_counter()
-    env = child_environment(os.cpu_count() or 1, TOKENIZERS_PARALLELISM="false")
-    peak, status, output = watched_run(args, env, kill_when_published)
+    peak, status, output = watched_run(args, child_environment(os.cpu_count() or 1, TOKENIZERS_PARALLELISM="false"),
+                                       kill_when_published)  # fmt: skip
     elapsed = time.perf_counter() - started
     if not killed and status != 0:
         raise RuntimeError(f"{' '.join(args)} failed: {output[-2000:]}")
@@ -154,7 +150,7 @@ def body(args, report: Report) -> None:
         for name, corpus in ((base_label, base), (f"{args.lines:,} lines", large)):
             out = work / "rss"
             shutil.rmtree(out, ignore_errors=True)
-            runs[name] = run_export(command(checkpoint, corpus, cache, out, args.shard_size))
+            runs[name] = run_export(export_command(checkpoint, corpus, cache, out, args.shard_size))
             print(f"  {name:>16}: {runs[name]['rss']:.0f} MB, {runs[name]['seconds']:.1f} s", flush=True)
         bundled, larger = runs[base_label], runs[f"{args.lines:,} lines"]
         growth = larger["rss"] - bundled["rss"]
@@ -166,17 +162,15 @@ def body(args, report: Report) -> None:
         shutil.rmtree(out, ignore_errors=True)
         # One process publishes the shards in order: after `half` of them, half of the samples are done.
         half = -(-large_samples // (2 * args.shard_size))
-        killed = run_export(command(checkpoint, large, cache, out, args.shard_size), kill_at_shards=max(1, half))
+        killed = run_export(export_command(checkpoint, large, cache, out, args.shard_size), kill_at_shards=max(1, half))
         published = len(list(out.glob("data-*.arrow")))
-        rerun = run_export(command(checkpoint, large, cache, out, args.shard_size))
-        complete = run_export(command(checkpoint, large, cache, out, args.shard_size))
+        rerun = run_export(export_command(checkpoint, large, cache, out, args.shard_size))
+        complete = run_export(export_command(checkpoint, large, cache, out, args.shard_size))
         print(f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
               f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s; a rerun of the complete "
               f"export {complete['seconds']:.1f} s", flush=True)  # fmt: skip
-        report.figure(
-            "rerun after a kill at 50% / uninterrupted run, time", rerun["seconds"] / uninterrupted["seconds"], "x",
-            at_most=0.6,
-        )  # fmt: skip
+        ratio = rerun["seconds"] / uninterrupted["seconds"]
+        report.figure("rerun after a kill at 50% / uninterrupted run, time", ratio, "x", at_most=0.6)
         fixed = complete["seconds"]
         net = (rerun["seconds"] - fixed) / (uninterrupted["seconds"] - fixed)
         report.figure("the same, less the fixed cost of a run", net, "x")
@@ -184,17 +178,15 @@ def body(args, report: Report) -> None:
         report.figure("a rerun that finds the export complete (start-up, checks, exit)", fixed, "s")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--lines", type=int, default=200_000, help="lines of the large corpus")
     parser.add_argument("--repeats", type=int, default=3, help="alternated rounds of the throughput part")
     parser.add_argument("--shard-size", type=int, default=8192, help="export.shard_size (the resume's granularity)")
     parser.add_argument("--throughput-only", action="store_true", help="part 1 alone (benchmarks/gpu.sh's row)")
     parser.add_argument("--device", default="cpu", help="where the model encodes (part 1): cpu or cuda")
     parser.add_argument("--config", default=str(TINY), help="the model's config (default configs/tiny.yaml)")
-    add_common_arguments(parser)
-    return run("bench_export", parser, body)
 
 
+main = command("bench_export", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,6 @@ bench_quality does: held-out BLEU, exact match, BLEU under noise, length accurac
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.bench_quality import QUICK, train_once
-from benchmarks.harness import REPO, Report, add_common_arguments, run
+from benchmarks.harness import REPO, Report, command
 from benchmarks.processes import child_environment, run_checked
 
 CONFIG = "configs/compressed.yaml"
@@ -106,21 +105,16 @@ def plot(results: list[tuple[Point, list[dict]]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for key, label, marker in (("bleu", "held-out", "o"), ("out_of_domain_bleu", "out of domain", "s")):
         xs = [point.floats_per_token * (0.97 if key == "bleu" else 1.03) for point, _ in results]
-        lows, mids, highs = zip(*(spread(rows, key) for _, rows in results), strict=True)
-        lows, highs = (
-            [m - low for m, low in zip(mids, lows, strict=True)],
-            [h - m for m, h in zip(mids, highs, strict=True)],
-        )
-        axis.errorbar(xs, mids, yerr=[lows, highs], fmt=marker, capsize=3, label=f"parallel-latent, {label}")
+        spreads = [spread(rows, key) for _, rows in results]
+        mids = [mid for _, mid, _ in spreads]
+        errors = [[mid - low for low, mid, _ in spreads], [high - mid for _, mid, high in spreads]]  # below, above
+        axis.errorbar(xs, mids, yerr=errors, fmt=marker, capsize=3, label=f"parallel-latent, {label}")
         for x, y, (point, _) in zip(xs, mids, results, strict=True):
             if key == "bleu":
                 axis.annotate(point.name, (x, y), textcoords="offset points", xytext=(-34, -12), fontsize=7)
     axis.plot(list(LD4LG), list(LD4LG.values()), "k^", label="LD4LG (BART-base, ROCStories)")
-    axis.set(
-        xlabel="floats per token (N x k / T)",
-        ylabel="BLEU",
-        title="Reconstruction against compression (min-max over seeds)",
-    )
+    axis.set(xlabel="floats per token (N x k / T)", ylabel="BLEU")
+    axis.set_title("Reconstruction against compression (min-max over seeds)")
     axis.set_xscale("log", base=2)
     axis.legend(fontsize=8, loc="lower right")
     axis.grid(alpha=0.3)
@@ -161,14 +155,12 @@ def body(args, report: Report) -> None:
         plot(results, Path(args.json).with_suffix(".png"))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 1234])
     parser.add_argument("--points", nargs="+", help="points to run: N x k without spaces (32x16) or floats per token")
     parser.add_argument("--nproc", type=int, default=2)
-    add_common_arguments(parser)
-    return run("bench_frontier", parser, body)
 
 
+main = command("bench_frontier", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,6 @@ config overrides for every run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -28,7 +27,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 from benchmarks.gpu_table import print_table, report_rows, training_row
-from benchmarks.harness import GPT2, QUIET_RUN, REPO, SMALLEST, Report, add_common_arguments, run
+from benchmarks.harness import GPT2, QUIET_RUN, REPO, SMALLEST, Report, command, visible_gpus
 from benchmarks.processes import child_environment
 from benchmarks.step_projection import matrix, setting_label
 
@@ -68,12 +67,6 @@ def compiled_dropout_passed(junit: str | None) -> bool | None:
                 return None
             return case.find("failure") is None and case.find("error") is None
     return None
-
-
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, float]]:
@@ -136,11 +129,10 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     """benchmarks/bench_export.py's throughput part on this device: export / bare encode samples/s."""
     device = "cuda" if context["gpus"] else "cpu"
     figures = run_dir.with_suffix(".json")
-    lines, shard = ("500", "64") if context["quick"] else ("20000", "2048")
-    size = ["--lines", lines, "--shard-size", shard]
-    config = "configs/tiny.yaml" if context["quick"] else "configs/gpt2.yaml"
-    command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device,
-               "--config", config, *size, "--repeats", "1", "--json", str(figures)]  # fmt: skip
+    lines, shard, config = ("500", "64", "tiny") if context["quick"] else ("20000", "2048", "gpt2")
+    command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device, "--config",
+               f"configs/{config}.yaml", "--lines", lines, "--shard-size", shard, "--repeats", "1", "--json",
+               str(figures)]  # fmt: skip
     status = run_process(command, run_dir.with_suffix(".log"), timeout)
     if failed := failure(status if status != 0 or figures.is_file() else 1, run_dir.with_suffix(".log")):
         return failed
@@ -179,13 +171,6 @@ def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: f
         print(f"projection failed (exit {done.returncode}); measured columns only")
         return {}
     return {name: row for name, row in json.loads(lines[-1]).items() if row}
-
-
-def positions_per_sample(extra: list[str]) -> int:
-    """T, the positions of one sample: every one is computed (and counted by MFU), padding or not."""
-    from parallel_latent.config import load_config
-
-    return load_config(GPT2, extra).model.max_length
 
 
 def run_rows(planned, extra, deadline: float, context: dict):
@@ -237,8 +222,11 @@ def body(args, report: Report) -> None:
     verdict = compiled_dropout_passed(os.environ.get("GPU_TESTS_XML"))
     if verdict is False:
         print("the compiled dropout kernel failed its GPU test: the rows run eager dropout", flush=True)
+    from parallel_latent.config import load_config
+
+    # positions: T, those of one sample: every one is computed (and counted by MFU), padding or not.
     context = {"nproc": nproc, "zero_stage": 2 if nproc // tp == 1 else 1, "gpus": gpus, "quick": args.quick,
-               "positions": positions_per_sample(extra)}  # fmt: skip
+               "positions": load_config(GPT2, extra).model.max_length}  # fmt: skip
     planned = chosen_rows(args.quick, compile_dropout=verdict is not False)
     rows, unfinished = run_rows(planned, extra, deadline, context)
     projected = projection_after(rows, args.quick, deadline - time.monotonic() - 5)
@@ -252,12 +240,10 @@ def body(args, report: Report) -> None:
         report.figure("runs finished within the deadline", 0, "")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
+def arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
-    return run("bench_gpu", parser, body)
 
 
+main = command("bench_gpu", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

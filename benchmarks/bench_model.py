@@ -7,14 +7,13 @@ Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --rep
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import GPT2, GPT2_SHRUNK, Report, add_common_arguments, add_repeat_arguments, interleaved, run
+from benchmarks.harness import GPT2, GPT2_SHRUNK, Report, add_repeat_arguments, command, interleaved
 from benchmarks.plain_twins import plain_twin
 from benchmarks.processes import peak_extra_bytes
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
@@ -24,16 +23,12 @@ from parallel_latent.model.features import load_decoder
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
 
-def batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+def model_vs_plain(args, report: Report) -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab - 2, (args.batch, args.seq), generator=gen)
     lengths = torch.randint(args.seq // 2, args.seq + 1, (args.batch,), generator=gen)
     mask = (torch.arange(args.seq) < lengths[:, None]).long()
-    return ids.masked_fill(mask == 0, args.vocab - 1), mask
-
-
-def model_vs_plain(args, report: Report) -> None:
-    ids, mask = batch(args)
+    ids = ids.masked_fill(mask == 0, args.vocab - 1)
     feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
     for dropout in args.dropouts:
         model_cfg = ModelConfig(
@@ -180,8 +175,7 @@ def body(args, report: Report) -> None:
             part(args, report)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=256)
@@ -196,9 +190,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1])
     parser.add_argument("--only", choices=["model_vs_plain", "features_vs_full", "step_ops", "loss_memory"])
-    add_common_arguments(parser)
-    return run("bench_model", parser, body)
 
 
+main = command("bench_model", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,33 +7,26 @@ Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 from torch import nn
 
-from benchmarks.harness import (
-    GPT2,
-    Report,
-    add_common_arguments,
-    add_repeat_arguments,
-    all_ranks_agree,
-    interleaved,
-    run,
-)
+from benchmarks.harness import GPT2, Report, add_repeat_arguments, all_ranks_agree, command, interleaved
 from benchmarks.performance import block_activation_bytes
 from benchmarks.plain_twins import plain_mlp
 from benchmarks.processes import on_ranks
 from parallel_latent.parallel import DropoutRNG, ParallelMLP
 
 
-def step_time(module: nn.Module, x: torch.Tensor, before=None) -> float:
+def step_time(module: nn.Module, *inputs, before=None, loss=torch.sum) -> float:
+    """Wall time of ``module``'s forward and backward of ``loss(output)``, after ``before()`` (a barrier: when
+    every rank has reached it)."""
     if before:
         before()
     start = time.perf_counter()
-    module(x).sum().backward()
+    loss(module(*inputs)).backward()
     return time.perf_counter() - start
 
 
@@ -51,7 +44,7 @@ def tp1_overhead(args, report: Report) -> None:
         def advance(rng=rng):
             rng.step += 1
 
-        variants = {"ours": lambda ours=ours, advance=advance: step_time(ours, x, advance),
+        variants = {"ours": lambda ours=ours, advance=advance: step_time(ours, x, before=advance),
                     "plain": lambda plain=plain: step_time(plain, x)}  # fmt: skip
         samples = interleaved(variants, args.repeats, ratios=[("ours", "plain")], most=args.most_repeats)
         print(f"TP=1 MLP fwd+bwd, dropout={dropout}: ours {samples.median('ours') * 1e3:.2f} ms, nn.Sequential "
@@ -76,16 +69,10 @@ def _tp2_task(args) -> dict:
     mesh = init_device_mesh("cpu", (2,))
     theirs = parallelize_module(theirs, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
-
-    def synced(module):
-        def run():
-            dist.barrier()
-            return step_time(module, x)
-
-        return run
-
-    return interleaved({"ours": synced(ours), "torch": synced(theirs)}, args.repeats, ratios=[("ours", "torch")],
-                       most=args.most_repeats, agree=all_ranks_agree)  # fmt: skip
+    variants = {"ours": lambda: step_time(ours, x, before=dist.barrier),
+                "torch": lambda: step_time(theirs, x, before=dist.barrier)}  # fmt: skip
+    return interleaved(variants, args.repeats, ratios=[("ours", "torch")], most=args.most_repeats,
+                       agree=all_ranks_agree)  # fmt: skip
 
 
 def tp2_vs_torch(samples, args, report: Report) -> None:
@@ -155,9 +142,8 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
         print(f"frozen feature pass per rank at TP={tp} (a 12-layer GPT-2 of width {args.flops_width}, 10 blocks "
               f"run, micro-batch 8 x 64): replicated {replicated / 1e9:.2f} GFLOP, split "
               f"{split / 1e9:.2f} GFLOP")  # fmt: skip
-        report.figure(
-            f"frozen pass FLOPs per rank split / replicated, TP={tp}", split / replicated, "x", at_most=1 / tp
-        )
+        report.figure(f"frozen pass FLOPs per rank split / replicated, TP={tp}", split / replicated, "x",
+                      at_most=1 / tp)  # fmt: skip
 
 
 def _saved_bytes(args) -> list[tuple]:
@@ -227,19 +213,10 @@ def _timed(args) -> dict:
                 "overlap off": {**split, "tp_options": TensorParallelOptions(overlap_comm=False)}}  # fmt: skip
     models = {name: LatentAutoencoder(model_cfg, feature_cfg, tp_group=state.tp_group, **kw).train()
               for name, kw in variants.items()}  # fmt: skip
-
-    def step(model):
-        def run():
-            dist.barrier()
-            start = time.perf_counter()
-            model(ids, mask).loss.backward()
-            return time.perf_counter() - start
-
-        return run
-
+    steps = {name: lambda model=model: step_time(model, ids, mask, before=dist.barrier, loss=lambda out: out.loss)
+             for name, model in models.items()}  # fmt: skip
     ratios = [("split", "replicated"), ("overlap on", "overlap off")]
-    samples = interleaved({name: step(model) for name, model in models.items()}, args.repeats, ratios=ratios,
-                          most=args.most_repeats, agree=all_ranks_agree)  # fmt: skip
+    samples = interleaved(steps, args.repeats, ratios=ratios, most=args.most_repeats, agree=all_ranks_agree)
     return {"share": share, "samples": samples}
 
 
@@ -275,8 +252,7 @@ def body(args, report: Report) -> None:
                 show(result, args, report)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
@@ -285,9 +261,8 @@ def main() -> int:
     parser.add_argument("--flops-width", type=int, default=768, help="GPT-2 width of the FLOP count")
     parser.add_argument("--switch-gpt2-layers", type=int, default=14, help="GPT-2 depth of the timed switches")
     parser.add_argument("--only", choices=["tp1", "tp2", "flops", "memory", "switches"], default=None)
-    add_common_arguments(parser)
-    return run("bench_parallel", parser, body)
 
 
+main = command("bench_parallel", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

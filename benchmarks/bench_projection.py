@@ -10,11 +10,10 @@ Usage: python -m benchmarks.bench_projection [--quick] [--feature-model NAME] [-
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 
-from benchmarks.harness import Report, add_common_arguments, run
+from benchmarks.harness import Report, command
 from benchmarks.meta_trace import row_config
 from benchmarks.performance import ASSUMPTIONS, DEEPSPEED_KERNEL_GOALS, HOOK_CALL_GOAL, PINNED, kernels_of, projection
 from benchmarks.published_decoders import (
@@ -181,12 +180,10 @@ def body(args, report: Report) -> None:
                                                           for name, r in results.items()))  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--feature-model", default=None, help="a decoder of published_decoders.MODELS (see above)")
-    add_common_arguments(parser)
-    return run("bench_projection", parser, body)
 
 
+main = command("bench_projection", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,6 @@ token accuracy, exact match and BLEU per seed, min / median / max; goals on the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -15,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import SMALLEST, Report, add_common_arguments, run
+from benchmarks.harness import SMALLEST, Report, command, config_with_tokenizer
 from benchmarks.processes import child_environment, run_checked
 
 # The goals the README states, on the worst seed: the first command's run, and the quality config.
@@ -47,10 +46,9 @@ def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch
     run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"seed {seed}: training")
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in records if r["kind"] == "eval"]
-    if not evals:
+    last = next((r for r in reversed(records) if r["kind"] == "eval"), None)
+    if last is None:
         raise RuntimeError(f"seed {seed}: no held-out evaluation in {run_dir / 'metrics.jsonl'}")
-    last = evals[-1]
     return {"seed": seed, "step": last["step"], "wall_s": wall, **{k: last[v] for k, v in METRICS.items()},
             "position_accuracy": last.get("eval_position_accuracy"),
             "latent": {k: last[v] for k, v in LATENT.items() if v in last}}  # fmt: skip
@@ -61,26 +59,15 @@ def unseen_token_share(config: str, overrides: list[str]) -> float:
     what a trainable vocabulary head could not have learned to produce, and the tied head can."""
     import numpy as np
 
-    from parallel_latent.config import load_config
     from parallel_latent.data import build_datasets
-    from parallel_latent.model.tokenizer import load_tokenizer
 
-    cfg = load_config(config, overrides)
-    train, held_out = build_datasets(cfg, load_tokenizer(cfg.tokenizer), announce=False)
+    train, held_out = build_datasets(*config_with_tokenizer(config, overrides), announce=False)
 
     def real_tokens(view) -> np.ndarray:
         batch = view.batch(np.arange(len(view)))
         return batch["input_ids"][batch["attention_mask"].bool()].numpy()
 
     return float(np.mean(~np.isin(real_tokens(held_out), real_tokens(train))))
-
-
-def tiny_decoder_overrides(family: str, directory: Path) -> list[str]:
-    from benchmarks.tiny_decoders import save_tiny_decoder, small_tokenizer
-
-    save_tiny_decoder(directory, family, small_tokenizer())
-    return [f"feature_model.name_or_path={directory}", "feature_model.pretrained=true",
-            "tokenizer.name_or_path=feature_model"]  # fmt: skip
 
 
 def body(args, report: Report) -> None:
@@ -94,11 +81,14 @@ def body(args, report: Report) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="parallel-latent-quality.") as scratch:
         if args.tiny_decoder:
-            overrides += tiny_decoder_overrides(args.tiny_decoder, Path(scratch) / "decoder")
+            from benchmarks.tiny_decoders import save_tiny_decoder, small_tokenizer
+
+            decoder = save_tiny_decoder(Path(scratch) / "decoder", args.tiny_decoder, small_tokenizer())
+            overrides += [f"feature_model.name_or_path={decoder}", "feature_model.pretrained=true",
+                          "tokenizer.name_or_path=feature_model"]  # fmt: skip
             name = f"{name} over a tiny {args.tiny_decoder}"
         for seed in seeds:
-            row = train_once(config, seed, nproc, overrides, Path(scratch))
-            rows.append(row)
+            rows.append(row := train_once(config, seed, nproc, overrides, Path(scratch)))
             print(f"{name} seed {seed}: step {row['step']}, token accuracy {row['token_accuracy']:.4f}, exact match "
                   f"{row['exact_match']:.4f}, BLEU {row['bleu']:.2f}, {row['wall_s']:.0f} s", flush=True)  # fmt: skip
         unseen = unseen_token_share(config, overrides) * 100  # while a tiny decoder's tokenizer exists
@@ -115,22 +105,19 @@ def body(args, report: Report) -> None:
         print("\nper-position held-out token accuracy ('-': no held-out token there)")
         per_position = list(zip(*(r["position_accuracy"] for r in rows), strict=True))
         worst_per_position = [min((a for a in col if a is not None), default=None) for col in per_position]
-        for label, accuracies in [
-            *((f"seed {r['seed']}", r["position_accuracy"]) for r in rows),
-            ("min", worst_per_position),
-        ]:
+        shown = [*((f"seed {r['seed']}", r["position_accuracy"]) for r in rows), ("min", worst_per_position)]
+        for label, accuracies in shown:
             print(f"{label:>8} " + " ".join("   -" if a is None else f"{a:.2f}" for a in accuracies))
-        measured = [a for a in worst_per_position if a is not None]
-        report.figure(f"{name} worst position over the seeds: token accuracy", min(measured))
+        measured = min(a for a in worst_per_position if a is not None)
+        report.figure(f"{name} worst position over the seeds: token accuracy", measured)
     for row in rows:
         for key, unit in (("token_accuracy", ""), ("exact_match", ""), ("bleu", ""), ("wall_s", "s")):
             report.figure(f"{name} seed {row['seed']}: {key.replace('_', ' ')}", row[key], unit)
     # The goals apply to every seed: the worst of them (the most wall time) is what is checked.
-    worst = {**{k: summary["min"][k] for k in METRICS}, "wall_s": summary["max"]["wall_s"]}
-    for key in ("token_accuracy", "exact_match", "bleu"):
+    for key in METRICS:
         report.figure(f"{name} median {key.replace('_', ' ')}", summary["median"][key])
-        report.figure(f"{name} worst seed {key.replace('_', ' ')}", worst[key], at_least=goals.get(key))
-    report.figure(f"{name} slowest seed wall time", worst["wall_s"], "s", at_most=goals.get("wall_s"))
+        report.figure(f"{name} worst seed {key.replace('_', ' ')}", summary["min"][key], at_least=goals.get(key))
+    report.figure(f"{name} slowest seed wall time", summary["max"]["wall_s"], "s", at_most=goals.get("wall_s"))
     latent_keys = [k for k in LATENT if all(k in r["latent"] for r in rows)]
     if latent_keys:
         print("\n" + f"{'seed':>8} " + " ".join(f"{k:>16}" for k in latent_keys))
@@ -143,16 +130,14 @@ def body(args, report: Report) -> None:
     report.figure(f"{name} held-out tokens never in the training split", unseen, "%")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(1, 21)))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--tiny-decoder", choices=("gpt2", "gpt_neox", "llama"), help="the feature model (see above)")
-    add_common_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
-    return run("bench_quality", parser, body)
 
 
+main = command("bench_quality", __doc__, body, arguments)
 if __name__ == "__main__":
     sys.exit(main())

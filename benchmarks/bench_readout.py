@@ -7,10 +7,9 @@ of a token a k-dimensional linear code of the frozen GPT-2's features holds.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from benchmarks.harness import REPO, Report, add_common_arguments, config_with_tokenizer, run
+from benchmarks.harness import REPO, Report, command, config_with_tokenizer
 
 CONFIG = "configs/compressed.yaml"
 RANKS = (8, 12, 16, 32)
@@ -121,11 +120,6 @@ def body(args, report: Report) -> None:
     feature_fits(report, features, mask, ids, table)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
-    return run("bench_readout", parser, body)
-
-
+main = command("bench_readout", __doc__, body)
 if __name__ == "__main__":
     sys.exit(main())

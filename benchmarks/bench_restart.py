@@ -6,7 +6,6 @@ SIGKILLed mid-run, the time from the kill to the first step after it, against th
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, TINY, Report, add_common_arguments, run
+from benchmarks.harness import REPO, TINY, Report, command
 from benchmarks.processes import child_environment
 
 KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint (or a later one), at step 30 or after
@@ -77,15 +76,13 @@ def body(args, report: Report) -> None:
     if args.quick:
         overrides += ["model.d_model=32", "feature_model.n_embd=32", "feature_model.n_layer=3"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
-    env = child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY)]
     run_dir, log = scratch / "run", scratch / "job.log"
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", str(TINY), *overrides,
+               f"logging.run_dir={run_dir}", "--nproc=2", "--max-restarts=1"]  # fmt: skip
     launched = time.monotonic()
     with log.open("w") as out:  # a file: a pipe nobody reads while the job trains would fill and stop it
-        job = subprocess.Popen(
-            [*command, *overrides, f"logging.run_dir={run_dir}", "--nproc=2", "--max-restarts=1"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+        job = subprocess.Popen(command, cwd=REPO, env=child_environment(1, cpu=True, TOKENIZERS_PARALLELISM="false"),
+                               stdout=out, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         first_step = wait(lambda: records(run_dir), job, 600, "first step") - launched
 
@@ -121,11 +118,6 @@ def body(args, report: Report) -> None:
     report.figure("restart / cold start (launch to the first step)", restart / first_step, "x")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser)
-    return run("bench_restart", parser, body)
-
-
+main = command("bench_restart", __doc__, body)
 if __name__ == "__main__":
     sys.exit(main())

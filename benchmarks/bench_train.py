@@ -16,16 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import (
-    QUIET_RUN,
-    TINY,
-    Report,
-    add_common_arguments,
-    add_repeat_arguments,
-    interleaved,
-    run,
-    started_trainer,
-)
+from benchmarks import harness
+from benchmarks.harness import QUIET_RUN, TINY, Report, add_repeat_arguments, interleaved, started_trainer, visible_gpus
 from benchmarks.processes import child_environment, run_checked
 
 # A small model whose step is dominated by real work, not launch overhead.
@@ -50,8 +42,7 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
 
     overrides = [*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"]
     with tempfile.TemporaryDirectory() as run_dir, started_trainer(load(overrides, run_dir)) as trainer:
-        cfg = trainer.cfg  # with the tokenizer's facts
-        device = trainer.device
+        cfg, device = trainer.cfg, trainer.device  # the config with the tokenizer's facts
 
         plain_model = build_model(cfg).to(device).train()
         trainable = plain_model.trainable_parameters()
@@ -60,21 +51,19 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
         optimizer = build_optimizer(trainable, cfg, device.type, mpu=None)
         scheduler = build_lr_scheduler(optimizer, cfg)
         sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size, seed=cfg.training.seed)
-        plain_step_count, optimizer_times = 0, []
+        optimizer_times = []  # one per plain step done
 
         def synchronize() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
         def plain_step() -> float:
-            nonlocal plain_step_count
             # The batch is fetched before the clock starts, as the trainer's is read ahead.
             batch = get_batch(trainer.train_set, sampler.next_batch())
             synchronize()
             started = time.perf_counter()
-            input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            plain_model.dropout_rng.step = plain_step_count
-            out = plain_model(input_ids, attention_mask)
+            plain_model.dropout_rng.step = len(optimizer_times)
+            out = plain_model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
             (out.loss_sum / out.num_tokens.clamp(min=1)).backward()
             torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.grad_clip)
             synchronize()
@@ -84,7 +73,6 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
             optimizer_times.append(time.perf_counter() - stepping)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            plain_step_count += 1
             synchronize()
             return time.perf_counter() - started
 
@@ -124,22 +112,15 @@ def measure_engine_memory(trainer) -> dict:
 
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
-    parameters = _bytes(trainable)
+    # No ZeRO wrapper: the module's own parameters are the master copy, their .grad the gradients.
+    parameters, master, gradients, base = _bytes(trainable), 0, 0, optimizer
     if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO 1/2
-        master = _bytes(optimizer.single_partition_of_fp32_groups)
+        master, base = _bytes(optimizer.single_partition_of_fp32_groups), optimizer.optimizer
         # Stage 2 keeps this rank's partition of the reduced gradients (stage 1 the full ones).
         gradients = sum(_bytes(group) for group in optimizer.averaged_gradients.values() if isinstance(group, list))
-        if not gradients:
-            gradients = _bytes(p.grad for p in trainable)
-        base = optimizer.optimizer
-    else:  # no ZeRO wrapper: the module's own parameters are the master copy
-        master = 0
-        gradients = _bytes(p.grad for p in trainable)
-        base = optimizer
-    optimizer_state = sum(
-        _bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        for state in base.state.values()
-    )
+    gradients = gradients or _bytes(p.grad for p in trainable)
+    states = [value for state in base.state.values() for value in state.values()]
+    optimizer_state = _bytes(v for v in states if isinstance(v, torch.Tensor) and v.dim() > 0)
     engine.step()
     return {"parameters": parameters, "master_weights": master, "gradients": gradients,
             "optimizer_state": optimizer_state, "total": parameters + master + gradients + optimizer_state,
@@ -149,7 +130,7 @@ def measure_engine_memory(trainer) -> dict:
 def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
     """One rank of the memory run, in ``run_dir`` made by the launching process (the trainer checks that
     every rank sees one run directory, as on a cluster)."""
-    if not _has_cuda():
+    if not visible_gpus():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
@@ -163,16 +144,10 @@ def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
         dist.barrier()
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "memory.json"
-        env = child_environment(1, cpu=not _has_cuda(), PYTHONUNBUFFERED="1")
+        env = child_environment(1, cpu=not visible_gpus(), PYTHONUNBUFFERED="1")
         run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                      "-m", "benchmarks.bench_train", "--memory-worker", str(output), "--run-dir",
                      str(Path(scratch) / "run"), *overrides], env, "memory worker")  # fmt: skip
@@ -193,7 +168,7 @@ def mib(n: int) -> str:
 
 
 def body(args, report: Report) -> None:
-    if not _has_cuda():
+    if not visible_gpus():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.quick:
@@ -213,8 +188,7 @@ def body(args, report: Report) -> None:
         report.figure("plain step's AdamW (per-parameter tensors), share of the step", step["plain_optimizer_share"])
         report.ratio("trainer / plain step time", samples, "trainer", "plain", at_most=1.10)
     if args.part in ("memory", "all"):
-        precisions = (args.precisions or ("bf16,fp32")).split(",")
-        for precision in precisions:
+        for precision in (args.precisions or "bf16,fp32").split(","):
             memory = bench_memory(args, precision, step.get("tp1_dp1_memory") if precision == "fp32" else None)
             single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
             print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
@@ -227,21 +201,23 @@ def body(args, report: Report) -> None:
             report.figure(f"{precision} memory per rank TP2xDP2 / TP1xDP1", memory["ratio"], "x", at_most=0.30)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(parser) -> None:
     parser.add_argument("--part", choices=["step", "memory", "all"], default="all")
     add_repeat_arguments(parser, repeats=8, most=48)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precisions", help="memory benchmark precisions, comma-separated (default: bf16,fp32)")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
-    add_common_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
+
+
+def main() -> int:
+    parser = harness.script_parser(__doc__, arguments)
     worker_args, _ = parser.parse_known_args()
     if worker_args.memory_worker:  # one rank of the memory run: the launching process reports
         memory_worker(worker_args.memory_worker, worker_args.run_dir, worker_args.overrides)
         return 0
-    return run("bench_train", parser, body)
+    return harness.run("bench_train", parser, body)
 
 
 if __name__ == "__main__":

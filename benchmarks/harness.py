@@ -190,12 +190,8 @@ class Report:
     def write(self) -> None:
         if not self.json_path:
             return
-        argv, skip = [], False
-        for arg in sys.argv[1:]:  # the command that reproduces the figures, less where they went
-            if skip or arg == "--json":
-                skip = not skip
-                continue
-            argv.append(arg)
+        # The command that reproduces the figures, less where they went (each --json and the word after it).
+        argv = [arg for i, arg in enumerate(sys.argv[1:]) if "--json" not in sys.argv[i : i + 2]]
         record = {
             "benchmark": self.benchmark, "quick": self.quick,
             "command": " ".join(["python", "-m", f"benchmarks.{self.benchmark}", *argv]),
@@ -234,10 +230,16 @@ def config_with_tokenizer(path: Path, overrides: list[str]):
     return apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer)), tokenizer
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+def script_parser(doc: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """A benchmark script's parser: ``doc`` its description, ``arguments(parser)`` its own options, then
+    ``--quick`` and ``--json``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if arguments:
+        arguments(parser)
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes and few repeats (seconds): checks the script runs")  # fmt: skip
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON here")
+    return parser
 
 
 def add_repeat_arguments(parser: argparse.ArgumentParser, repeats: int, most: int) -> None:
@@ -262,6 +264,18 @@ def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argpars
         return 1
     report.write()
     return 0
+
+
+def command(benchmark: str, doc: str, body: Callable[[argparse.Namespace, Report], None],
+            arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> Callable[[], int]:  # fmt: skip
+    """The ``main`` of script ``benchmark``: :func:`run` of ``body`` under :func:`script_parser`."""
+    return lambda: run(benchmark, script_parser(doc, arguments), body)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def all_ranks_agree(settled: bool) -> bool:

@@ -189,15 +189,12 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
         count = kernels_per_op(op)
         if count == 0:
             continue
-        if op.kind == "matmul":
-            seconds = matmul_seconds(op.flops, op.bytes, roofline)
-        else:
-            seconds = op_bytes(op) / roofline.bandwidth
+        matmul = op.kind == "matmul"
+        seconds = matmul_seconds(op.flops, op.bytes, roofline) if matmul else op_bytes(op) / roofline.bandwidth
         label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
         # The bytes spread over the kernels, each no shorter than the minimum.
-        kernel = Kernel(label, max(seconds / count, roofline.min_kernel_s), op.flops / count, op.part)
-        kernel.collective = op.kind == "collective"
-        kernels += [kernel] * count
+        per_kernel = max(seconds / count, roofline.min_kernel_s)
+        kernels += [Kernel(label, per_kernel, op.flops / count, op.part, op.kind == "collective")] * count
     close_run(len(ops) - 1)
     return kernels
 

@@ -3,6 +3,7 @@ job on this machine and the port of their store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -40,40 +41,24 @@ def watched_run(command: list[str], env: dict[str, str], watch: Callable[[subpro
     after each sample of its memory (True: stop watching)."""
     with tempfile.TemporaryFile() as output:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-        peak = peak_rss_while(process, lambda: watch(process))
+        peak = 0.0
+        while process.poll() is None:  # its peak resident set (MB), sampled every 10 ms
+            peak = max(peak, (status_kb("VmHWM:", process.pid) or 0) / 1024)
+            if watch(process):
+                break
+            time.sleep(0.01)
         process.wait()
         output.seek(0)
         return peak, process.returncode, output.read().decode(errors="replace")[-3000:]
 
 
-def peak_rss_mb(pid: int) -> float | None:
-    """VmHWM of a running process: the peak resident set of its current program."""
-    try:
+def status_kb(key: str, pid: int | str = "self") -> int | None:
+    """A figure of ``/proc/PID/status`` in kB (``VmHWM:``: the peak resident set of the current program)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def peak_rss_while(process, stop: Callable[[], bool] = lambda: False) -> float:
-    """The peak resident set (MB) of ``process``, sampled every 10 ms until it exits or ``stop()``."""
-    peak = 0.0
-    while process.poll() is None:
-        peak = max(peak, peak_rss_mb(process.pid) or 0.0)
-        if stop():
-            break
-        time.sleep(0.01)
-    return peak
-
-
-def _resident(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
             if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
+                return int(line.split()[1])
+    return None
 
 
 def peak_extra_bytes(fn) -> int:
@@ -83,9 +68,9 @@ def peak_extra_bytes(fn) -> int:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
-    before = _resident("VmRSS:")
+    before = status_kb("VmRSS:")
     fn()
-    return _resident("VmHWM:") - before
+    return (status_kb("VmHWM:") - before) * 1024
 
 
 def free_port() -> int:
@@ -103,16 +88,13 @@ def free_port() -> int:
     return port
 
 
-def rank_environment(rank: int, world: int, port: int) -> dict[str, str]:
-    """What a launcher tells rank ``rank`` of a job of ``world`` processes on this machine."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-
-
 def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
     import torch
 
-    os.environ.update({**rank_environment(rank, world, port), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    # What a launcher tells rank ``rank`` of a job of ``world`` processes on this machine; DeepSpeed on the CPU.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu",
+                      OMP_NUM_THREADS="1")  # fmt: skip
     torch.set_num_threads(1)  # several ranks on few cores: one thread each, or they fight over the cores
     value = task(*args)
     if rank == 0:

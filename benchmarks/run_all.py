@@ -86,12 +86,8 @@ GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (bench
 
 
 def run_benchmark(name: str, results: Path, quick: bool) -> bool:
-    if name == GPU:
-        command = ["bash", "benchmarks/gpu.sh", "--json", str(results / f"{GPU}.json")]
-    else:
-        command = [sys.executable, *BENCHMARKS[name][1], "--json", str(results / f"{name}.json")]
-    if quick:
-        command.append("--quick")
+    command = ["bash", "benchmarks/gpu.sh"] if name == GPU else [sys.executable, *BENCHMARKS[name][1]]
+    command += ["--json", str(results / f"{name}.json"), *(["--quick"] if quick else [])]
     print(f"== {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
     status = subprocess.run(command, cwd=REPO, check=False).returncode

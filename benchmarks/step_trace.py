@@ -142,18 +142,17 @@ class StepTracer(TorchDispatchMode):
 
     def region(self, fn, label: str):
         """``fn`` as a compiled region ``label`` (forward and backward; a region inside one is the outer one's)."""
-        tracer = self
 
         def traced(*args, **kwargs):
-            if tracer._region is not None:
+            if self._region is not None:
                 return fn(*args, **kwargs)
-            tracer._calls += 1  # each call its own kernels: a compiled graph does not fuse across calls
-            region = tracer._region = (label, tracer._calls)
+            self._calls += 1  # each call its own kernels: a compiled graph does not fuse across calls
+            region = self._region = (label, self._calls)
             try:
                 out = fn(*args, **kwargs)
             finally:
-                tracer._region = None
-            _claim(_grad_fns(out), set(_grad_fns((args, kwargs))), tracer._node_regions, region,
+                self._region = None
+            _claim(_grad_fns(out), set(_grad_fns((args, kwargs))), self._node_regions, region,
                    keep=lambda node: not node.name().endswith("AccumulateGrad"))  # fmt: skip
             return out
 
@@ -161,30 +160,28 @@ class StepTracer(TorchDispatchMode):
 
     def model_call(self, fn):
         """``fn`` as the model's forward: its operators, and the backward of its autograd nodes, are the model's."""
-        tracer = self
 
         def model(*args, **kwargs):
-            with tracer.running("model"):
+            with self.running("model"):
                 out = fn(*args, **kwargs)
             outputs = vars(out) if dataclasses.is_dataclass(out) else out
-            _claim(_grad_fns(outputs), set(_grad_fns((args, kwargs))), tracer._model_nodes, True)
+            _claim(_grad_fns(outputs), set(_grad_fns((args, kwargs))), self._model_nodes, True)
             return out
 
         return model
 
     def graph_break(self, fn):
         """``fn`` as code torch.compile leaves out of its graph: run eagerly, a new graph after it."""
-        tracer = self
 
         def eager(*args, **kwargs):
-            if tracer._region is None:
+            if self._region is None:
                 return fn(*args, **kwargs)
-            label, tracer._region = tracer._region[0], None
+            label, self._region = self._region[0], None
             try:
                 return fn(*args, **kwargs)
             finally:
-                tracer._calls += 1
-                tracer._region = (label, tracer._calls)
+                self._calls += 1
+                self._region = (label, self._calls)
 
         return eager
 

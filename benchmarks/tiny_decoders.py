@@ -9,15 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from benchmarks.harness import BUNDLED
 
@@ -25,26 +17,23 @@ FAMILIES = ("gpt2", "gpt_neox", "llama")
 WIDTH, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 4, 2, 4, 128
 TOKENIZER_VOCAB = 512
 END = "<|endoftext|>"
+# Per family: key/value heads and MLP width (0: one per head, the family's default width), and the keys its
+# config sets otherwise than the random build. Llama's grouped-query attention and an MLP width that is not
+# 4x: the Llama-family shapes people load.
+SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
+          "llama": (KV_HEADS, 176, {"rope_theta": 500000.0, "tie_word_embeddings": False})}  # fmt: skip
 
 
 def decoder_config(family: str, vocab_size: int):
-    if family == "gpt2":
-        return GPT2LMHeadModel, GPT2Config(
-            vocab_size=vocab_size, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, n_positions=POSITIONS,
-            bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-    if family == "gpt_neox":
-        return GPTNeoXForCausalLM, GPTNeoXConfig(
-            vocab_size=vocab_size, num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_size=WIDTH,
-            intermediate_size=3 * WIDTH, max_position_embeddings=POSITIONS, rotary_pct=0.5, bos_token_id=0,
-            eos_token_id=0,
-        )  # fmt: skip
-    # Grouped-query attention and an MLP width that is not 4x: the Llama-family shapes people load.
-    return LlamaForCausalLM, LlamaConfig(
-        vocab_size=vocab_size, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        hidden_size=WIDTH, intermediate_size=176, max_position_embeddings=POSITIONS, rope_theta=500000.0,
-        bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
+    """``family``'s tiny decoder: its random build (parallel_latent's ``Family.random_config``), its end of text
+    id 0, and the keys of :data:`SHAPES`."""
+    from parallel_latent.model.families import FAMILIES as BUILDS
+
+    kv_heads, mlp_width, changes = SHAPES[family]
+    built = BUILDS[family].random_config(vocab_size, LAYERS, HEADS, WIDTH, POSITIONS, kv_heads, mlp_width)
+    keys = {**built.to_dict(), "bos_token_id": 0, "eos_token_id": 0, **changes}
+    keys.pop("rope_parameters", None)  # the build's, which the rope keys above make again
+    return type(built)(**keys)
 
 
 def small_tokenizer() -> PreTrainedTokenizerFast:
@@ -68,10 +57,10 @@ def save_tiny_decoder(
 ) -> Path:
     """A random ``family`` decoder with an LM head, and ``tokenizer``, saved into ``directory``;
     ``changes``: config keys set otherwise (another decoder under the same family)."""
-    model_class, config = decoder_config(family, len(tokenizer))
+    config = decoder_config(family, len(tokenizer))
     for key, value in changes.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model_class(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

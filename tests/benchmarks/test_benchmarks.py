@@ -82,10 +82,9 @@ def test_benchmark_quick_mode_produces_its_figures(script, tmp_path):
 def test_benchmark_fails_without_figures(tmp_path):
     """A script that produced nothing exits non-zero and says so in its last line."""
     script = (
-        "import argparse, sys\n"
-        "from benchmarks.harness import add_common_arguments, run\n"
-        "parser = argparse.ArgumentParser(); add_common_arguments(parser)\n"
-        "sys.exit(run('bench_nothing', parser, lambda args, report: None))\n"
+        "import sys\n"
+        "from benchmarks.harness import command\n"
+        "sys.exit(command('bench_nothing', 'nothing', lambda args, report: None)())\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=False)
     assert result.returncode == 1
