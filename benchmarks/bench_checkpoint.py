@@ -7,10 +7,11 @@ on configs/gpt2.yaml's autoencoder with random weights (one process, TP=1, CPU; 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -19,35 +20,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import REPO, Report, command
-
-
-def build_model(config: str = "gpt2.yaml"):
-    import dataclasses
-    import logging
-
-    from parallel_latent.config import load_config
-    from parallel_latent.model import LatentAutoencoder
-
-    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)
-    cfg = load_config(REPO / "configs" / config)
-    feature_cfg = dataclasses.replace(cfg.feature_model, pretrained=False)
-    return cfg, LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed), feature_cfg
-
-
-def tree_bytes(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+from parallel_latent.files import fsync, tree_bytes
 
 
 def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, float]:
     """Medians of (the synchronous save, the background save's stall, the background save's whole
     write), seconds, for a training checkpoint of ``model`` under the project's DeepSpeed engine."""
-    import dataclasses
-
     from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
     from parallel_latent.checkpoint.background import HostCopies
     from parallel_latent.launching.rendezvous import join_job
@@ -74,11 +52,15 @@ def body(args, report: Report) -> None:
     if args.quick:
         args.repeats, args.config = 2, "tiny.yaml"
     from parallel_latent.checkpoint import load_portable, save_portable
+    from parallel_latent.config import load_config
     from parallel_latent.model import LatentAutoencoder
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)
     started = time.perf_counter()
-    cfg, model, feature_cfg = build_model(args.config)
+    cfg = load_config(REPO / "configs" / args.config)
+    feature_cfg = dataclasses.replace(cfg.feature_model, pretrained=False)
+    model = LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed)
     target = LatentAutoencoder(cfg.model, feature_cfg, seed=cfg.training.seed + 1)
     n_params = sum(t.numel() for t in model.state_dict().values())
     print(f"model: {n_params / 1e6:.1f}M elements in the state dict "
@@ -88,7 +70,7 @@ def body(args, report: Report) -> None:
     # In this order (each load reads what the saves just wrote), given the portable directory and the file.
     contenders = {
         "portable_save": lambda directory, file: save_portable(model, directory, cfg),
-        "torch_save": lambda directory, file: (torch.save(model.state_dict(), file), fsync_file(file)),
+        "torch_save": lambda directory, file: (torch.save(model.state_dict(), file), fsync(file)),
         "portable_load": lambda directory, file: load_portable(directory, target),
         "torch_load": lambda directory, file: target.load_state_dict(torch.load(file, weights_only=True)),
         "portable_load_unverified": lambda directory, file: load_portable(directory, target, verify_checksums=False),
@@ -108,16 +90,16 @@ def body(args, report: Report) -> None:
         pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
     medians = {k: statistics.median(v) for k, v in times.items()}
-    ratios = {"save": medians["portable_save"] / medians["torch_save"],
-              "load": medians["portable_load"] / medians["torch_load"],
-              "load_unverified": medians["portable_load_unverified"] / medians["torch_load"],
-              "bytes": sizes["portable"] / sizes["torch_save"]}  # fmt: skip
+    rows = {  # ratio -> (its row of the table, ours, torch's)
+        "save": ("save (s, median)", "portable_save", "torch_save"),
+        "load": ("load (s, median, verified)", "portable_load", "torch_load"),
+        "load_unverified": ("load (s, median, no checksums)", "portable_load_unverified", "torch_load"),
+    }
+    ratios = {key: medians[ours] / medians[theirs] for key, (_, ours, theirs) in rows.items()}
+    ratios["bytes"] = sizes["portable"] / sizes["torch_save"]
     print(f"{'':28}{'portable':>12}{'torch.save':>12}{'ratio':>8}")
-    for label, ours, theirs, ratio in (("save (s, median)", "portable_save", "torch_save", "save"),
-                                       ("load (s, median, verified)", "portable_load", "torch_load", "load"),
-                                       ("load (s, median, no checksums)", "portable_load_unverified", "torch_load",
-                                        "load_unverified")):  # fmt: skip
-        print(f"{label:28}{medians[ours]:12.3f}{medians[theirs]:12.3f}{ratios[ratio]:8.2f}")
+    for key, (label, ours, theirs) in rows.items():
+        print(f"{label:28}{medians[ours]:12.3f}{medians[theirs]:12.3f}{ratios[key]:8.2f}")
     print(f"{'bytes on disk':28}{sizes['portable']:12,d}{sizes['torch_save']:12,d}{ratios['bytes']:8.4f}")
     report.figure(f"portable save / torch.save, {args.config}", ratios["save"], "x")
     report.figure(f"portable load (checksums verified) / torch.load, {args.config}", ratios["load"], "x", at_most=1.0)
@@ -138,6 +120,4 @@ def arguments(parser) -> None:
     parser.add_argument("--config", default="gpt2.yaml", help="the model of this file under configs/")
 
 
-main = command("bench_checkpoint", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_checkpoint", __doc__, body, arguments, __name__)

@@ -87,9 +87,6 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
     rng = np.random.default_rng(0)
     index_sets = [rng.integers(0, n, size=batch_size) for _ in range(batches)]
 
-    def memmap_batch(rows):
-        return get_batch(data, rows)
-
     def arrow_batch(rows):
         import torch
 
@@ -99,7 +96,7 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
         return ids, mask
 
     timings = {}
-    for name, function in (("memmap", memmap_batch), ("arrow", arrow_batch)) * 2:
+    for name, function in (("memmap", lambda rows: get_batch(data, rows)), ("arrow", arrow_batch)) * 2:
         function(index_sets[0])
         started = time.perf_counter()
         for rows in index_sets:
@@ -107,7 +104,7 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
         elapsed = (time.perf_counter() - started) / batches
         timings[name] = min(timings.get(name, elapsed), elapsed)
     check = rng.integers(0, n, size=batch_size)
-    assert np.array_equal(memmap_batch(check)["input_ids"].numpy(), arrow_batch(check)[0].numpy())
+    assert np.array_equal(get_batch(data, check)["input_ids"].numpy(), arrow_batch(check)[0].numpy())
     shutil.rmtree(arrow_dir, ignore_errors=True)
     return {"memmap_us": timings["memmap"] * 1e6, "arrow_us": timings["arrow"] * 1e6}
 
@@ -131,18 +128,6 @@ def time_to_first_step(corpus: str, cache: Path, run_dir: Path) -> tuple[float, 
     if status != 0 or not first_step:
         raise RuntimeError(f"training on {corpus} failed:\n{output}")
     return first_step[0], peak
-
-
-def bench_training_start(
-    rows: dict[str, str], cache: Path, work: Path, repeats: int, warmup: bool = True
-) -> dict[str, dict]:
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}  # (seconds, peak RSS) of each
-    for corpus in rows.values() if warmup else ():  # the bundled corpus is prepared here, files cached
-        time_to_first_step(corpus, cache, work / "run")
-    for _ in range(repeats):
-        for name, corpus in rows.items():
-            runs[name].append(time_to_first_step(corpus, cache, work / "run"))
-    return {name: {"time": min(t for t, _ in r), "rss": max(rss for _, rss in r)} for name, r in runs.items()}
 
 
 def body(args, report: Report) -> None:
@@ -181,7 +166,13 @@ def body(args, report: Report) -> None:
         rows = {"bundled (4,874)": "", f"{args.lines:,} lines": str(small), f"{args.lines_large:,} lines": str(large)}
         if args.quick:  # one larger corpus, the large one, is enough to run the path: one training process less
             del rows[f"{args.lines:,} lines"]
-        start = bench_training_start(rows, cache, work, args.train_repeats, warmup=not args.quick)
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}  # (seconds, peak RSS) of each
+        for corpus in rows.values() if not args.quick else ():  # the bundled corpus is prepared here, files cached
+            time_to_first_step(corpus, cache, work / "run")
+        for _ in range(args.train_repeats):
+            for name, corpus in rows.items():
+                runs[name].append(time_to_first_step(corpus, cache, work / "run"))
+        start = {name: {"time": min(t for t, _ in r), "rss": max(rss for _, rss in r)} for name, r in runs.items()}
         base = start["bundled (4,874)"]
         print(f"{'corpus':>20} | {'first step (s)':>14} | {'vs bundled':>10} | {'peak RSS (MB)':>13} | "
               f"{'vs bundled':>10}")  # fmt: skip
@@ -203,6 +194,4 @@ def arguments(parser) -> None:
     parser.add_argument("--train-repeats", type=int, default=2, help="rounds of the training-start part")
 
 
-main = command("bench_data", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_data", __doc__, body, arguments, __name__)

@@ -45,9 +45,7 @@ def prepare(checkpoint: Path, corpus: Path, cache: Path, shard_size: int):
     return open_for_training(plan.cfg, load_tokenizer(plan.cfg.tokenizer), announce=False)
 
 
-def bench_throughput(
-    checkpoint: Path, corpus: Path, cache: Path, work: Path, repeats: int, shard_size: int, device: str = "cpu"
-) -> dict:
+def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, args) -> dict:
     import numpy as np
     import torch
 
@@ -57,6 +55,7 @@ def bench_throughput(
     from parallel_latent.launching.rendezvous import join_job
     from parallel_latent.model import eval_mode
 
+    device, shard_size = args.device, args.shard_size
     plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
     join_job(1, "gloo")
     autoencoder = TextAutoencoder.from_checkpoint(plan.directory, device=device)
@@ -82,22 +81,19 @@ def bench_throughput(
         return elapsed
 
     bare()  # warm: the first pass pages the prepared copy in and warms the allocator
-    rounds = [(bare(), export()) for _ in range(repeats)]
+    rounds = [(bare(), export()) for _ in range(args.repeats)]
     fastest_bare, fastest_export = min(b for b, _ in rounds), min(e for _, e in rounds)
     return {"samples": len(data), "bare_per_s": len(data) / fastest_bare, "export_per_s": len(data) / fastest_export,
             "ratio": fastest_bare / fastest_export}  # fmt: skip
 
 
-def export_command(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int) -> list[str]:
-    return [sys.executable, "-m", "parallel_latent", "encode-corpus", "--checkpoint", str(checkpoint), "--data",
-            str(corpus), "--out", str(out), *SETTINGS, f"data.cache_dir={cache}",
-            f"export.shard_size={shard_size}"]  # fmt: skip
-
-
-def run_export(args: list[str], kill_at_shards: int | None = None) -> dict:
+def run_export(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int, kill_at_shards=None) -> dict:
     """One run of the command: seconds, peak RSS in MB; with ``kill_at_shards``, SIGKILLed once that
     many shards are published."""
-    out, killed = Path(args[args.index("--out") + 1]), []
+    args = [sys.executable, "-m", "parallel_latent", "encode-corpus", "--checkpoint", str(checkpoint), "--data",
+            str(corpus), "--out", str(out), *SETTINGS, f"data.cache_dir={cache}",
+            f"export.shard_size={shard_size}"]  # fmt: skip
+    killed = []
 
     def kill_when_published(process) -> bool:
         if kill_at_shards is not None and out.is_dir() and len(list(out.glob("data-*.arrow"))) >= kill_at_shards:
@@ -127,7 +123,7 @@ def body(args, report: Report) -> None:
         large_samples = len(prepare(checkpoint, large, cache, args.shard_size))
 
         print(f"\n1. throughput, {args.lines:,} lines, export.batch_size=64:", flush=True)
-        speed = bench_throughput(checkpoint, large, cache, work, args.repeats, args.shard_size, args.device)
+        speed = bench_throughput(checkpoint, large, cache, work, args)
         print(f"bare encode loop {speed['bare_per_s']:,.0f} samples/s; export {speed['export_per_s']:,.0f} "
               f"samples/s ({speed['samples']:,} samples)", flush=True)  # fmt: skip
         report.figure("export / bare encode loop, samples per second", speed["ratio"], "x", at_least=0.9)
@@ -150,7 +146,7 @@ def body(args, report: Report) -> None:
         for name, corpus in ((base_label, base), (f"{args.lines:,} lines", large)):
             out = work / "rss"
             shutil.rmtree(out, ignore_errors=True)
-            runs[name] = run_export(export_command(checkpoint, corpus, cache, out, args.shard_size))
+            runs[name] = run_export(checkpoint, corpus, cache, out, args.shard_size)
             print(f"  {name:>16}: {runs[name]['rss']:.0f} MB, {runs[name]['seconds']:.1f} s", flush=True)
         bundled, larger = runs[base_label], runs[f"{args.lines:,} lines"]
         growth = larger["rss"] - bundled["rss"]
@@ -162,10 +158,10 @@ def body(args, report: Report) -> None:
         shutil.rmtree(out, ignore_errors=True)
         # One process publishes the shards in order: after `half` of them, half of the samples are done.
         half = -(-large_samples // (2 * args.shard_size))
-        killed = run_export(export_command(checkpoint, large, cache, out, args.shard_size), kill_at_shards=max(1, half))
+        killed = run_export(checkpoint, large, cache, out, args.shard_size, kill_at_shards=max(1, half))
         published = len(list(out.glob("data-*.arrow")))
-        rerun = run_export(export_command(checkpoint, large, cache, out, args.shard_size))
-        complete = run_export(export_command(checkpoint, large, cache, out, args.shard_size))
+        rerun = run_export(checkpoint, large, cache, out, args.shard_size)
+        complete = run_export(checkpoint, large, cache, out, args.shard_size)
         print(f"  uninterrupted {uninterrupted['seconds']:.1f} s; killed after {killed['seconds']:.1f} s with "
               f"{published} of {shards} shards published; rerun {rerun['seconds']:.1f} s; a rerun of the complete "
               f"export {complete['seconds']:.1f} s", flush=True)  # fmt: skip
@@ -187,6 +183,4 @@ def arguments(parser) -> None:
     parser.add_argument("--config", default=str(TINY), help="the model's config (default configs/tiny.yaml)")
 
 
-main = command("bench_export", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_export", __doc__, body, arguments, __name__)

@@ -8,8 +8,6 @@ Usage: python -m benchmarks.bench_feature_models [--quick] [--batch 32] [--lengt
 
 from __future__ import annotations
 
-import sys
-
 from benchmarks.harness import Report, command
 from benchmarks.published_decoders import MODELS, QUICK_MODELS, TP_DEGREES, frozen_rows, frozen_seconds, held_on_meta
 
@@ -42,6 +40,4 @@ def arguments(parser) -> None:
     parser.add_argument("--length", type=int, default=64, help="tokens per sample")
 
 
-main = command("bench_feature_models", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_feature_models", __doc__, body, arguments, __name__)

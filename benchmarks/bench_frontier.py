@@ -52,21 +52,18 @@ QUICK_POINTS = [Point("4 x 16", 8, ["model.num_latents=4", "model.latent_dim=16"
 COLUMNS = ("bleu", "exact_match", "bleu_noise_0.1", "bleu_noise_0.3", "bleu_noise_0.5", "length_accuracy")
 
 
-def out_of_domain_bleu(run_dir: Path) -> float:
-    """BLEU of the run's final checkpoint on the out-of-domain corpus (``parallel-latent evaluate``)."""
-    command = [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir),
-               "--data", str(OUT_OF_DOMAIN)]  # fmt: skip
-    result = run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"{run_dir}: evaluation")
-    return json.loads(result.stdout.strip().splitlines()[-1])["bleu"]
-
-
 def measure(point: Point, seed: int, args, scratch: Path) -> dict:
+    """One seed of ``point`` trained, then its final checkpoint's BLEU on the out-of-domain corpus."""
     overrides = [*(QUICK if args.quick else []), *point.overrides, "checkpoint.export_portable=true"]
     nproc = 1 if args.quick else args.nproc
     row = train_once(CONFIG, seed, nproc, overrides, scratch / point.name.replace(" ", ""))
     row = {"seed": seed, "wall_s": row["wall_s"], "bleu": row["bleu"], "exact_match": row["exact_match"],
            **{k: v for k, v in row["latent"].items() if k in COLUMNS}}  # fmt: skip
-    row["out_of_domain_bleu"] = out_of_domain_bleu(scratch / point.name.replace(" ", "") / f"seed{seed}")
+    run_dir = scratch / point.name.replace(" ", "") / f"seed{seed}"
+    command = [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir),
+               "--data", str(OUT_OF_DOMAIN)]  # fmt: skip
+    result = run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"{run_dir}: evaluation")
+    row["out_of_domain_bleu"] = json.loads(result.stdout.strip().splitlines()[-1])["bleu"]
     row["gap"] = row["bleu"] - row["out_of_domain_bleu"]
     return row
 
@@ -74,24 +71,6 @@ def measure(point: Point, seed: int, args, scratch: Path) -> dict:
 def spread(rows: list[dict], key: str) -> tuple[float, float, float]:
     values = [r[key] for r in rows]
     return min(values), statistics.median(values), max(values)
-
-
-def print_table(results: list[tuple[Point, list[dict]]]) -> None:
-    keys = [*COLUMNS, "out_of_domain_bleu", "wall_s"]
-    print("\nmin / median / max over the seeds")
-    print(f"{'floats/token':>12} {'N x k':>8} " + " ".join(f"{k:>22}" for k in keys) + f" {'LD4LG':>6}")
-    for point, rows in results:
-        cells = []
-        for key in keys:
-            if all(key in r for r in rows):
-                low, mid, high = spread(rows, key)
-                cells.append(f"{low:>6.1f} /{mid:>6.1f} /{high:>6.1f}" if key != "exact_match" else
-                             f"{low:>6.3f} /{mid:>6.3f} /{high:>6.3f}")  # fmt: skip
-            else:
-                cells.append(f"{'-':>22}")
-        anchor = LD4LG.get(point.floats_per_token) if point.name.startswith("32 ") else None
-        print(f"{point.floats_per_token:>12} {point.name:>8} " + " ".join(f"{c:>22}" for c in cells)
-              + f" {anchor if anchor is not None else '-':>6}")  # fmt: skip
 
 
 def plot(results: list[tuple[Point, list[dict]]], path: Path) -> None:
@@ -138,7 +117,19 @@ def body(args, report: Report) -> None:
                 noise = row.get("bleu_noise_0.5", float("nan"))
                 print(f"{point.name} seed {seed}: BLEU {row['bleu']:.2f}, noise 0.5 {noise:.2f}, out of domain "
                       f"{row['out_of_domain_bleu']:.2f}, {row['wall_s']:.0f} s", flush=True)  # fmt: skip
-    print_table(results)
+    keys = [*COLUMNS, "out_of_domain_bleu", "wall_s"]
+    print("\nmin / median / max over the seeds")
+    print(f"{'floats/token':>12} {'N x k':>8} " + " ".join(f"{k:>22}" for k in keys) + f" {'LD4LG':>6}")
+    for point, rows in results:
+        cells = []
+        for key in keys:
+            digits = ".3f" if key == "exact_match" else ".1f"
+            measured = all(key in r for r in rows)
+            cells.append(" /".join(f"{v:>6{digits}}" for v in spread(rows, key)) if measured else f"{'-':>22}")
+        anchor = LD4LG.get(point.floats_per_token) if point.name.startswith("32 ") else None
+        print(f"{point.floats_per_token:>12} {point.name:>8} " + " ".join(f"{c:>22}" for c in cells)
+              + f" {anchor if anchor is not None else '-':>6}")  # fmt: skip
+    gap, wall = (None, None) if args.quick else (OUT_OF_DOMAIN_GAP, WALL_S)
     for point, rows in results:
         label = f"{point.name} ({point.floats_per_token} floats per token)"
         for key in (*COLUMNS, "out_of_domain_bleu"):
@@ -147,9 +138,7 @@ def body(args, report: Report) -> None:
                 goal = None if args.quick else point.goals.get(key)
                 report.figure(f"{label} worst seed {key.replace('_', ' ')}", low, at_least=goal)
                 report.figure(f"{label} median {key.replace('_', ' ')}", mid)
-        gap = None if args.quick else OUT_OF_DOMAIN_GAP
         report.figure(f"{label} held-out - out-of-domain BLEU, worst seed", spread(rows, "gap")[2], at_most=gap)
-        wall = None if args.quick else WALL_S
         report.figure(f"{label} slowest seed wall time", spread(rows, "wall_s")[2], "s", at_most=wall)
     if args.json:
         plot(results, Path(args.json).with_suffix(".png"))
@@ -161,6 +150,4 @@ def arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=2)
 
 
-main = command("bench_frontier", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_frontier", __doc__, body, arguments, __name__)

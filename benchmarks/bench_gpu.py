@@ -14,7 +14,6 @@ config overrides for every run.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from benchmarks.gpu_table import print_table, report_rows, training_row
 from benchmarks.harness import GPT2, QUIET_RUN, REPO, SMALLEST, Report, command, visible_gpus
 from benchmarks.processes import child_environment
 from benchmarks.step_projection import matrix, setting_label
+from parallel_latent.config import load_config
 
 # name -> (timeout s on a GPU, on a CPU with --quick): the performance model's rows (its matrix, their
 # settings and goals), then the export. On a GPU the timeouts (350 s) leave the deadline's other
@@ -47,33 +47,20 @@ def version(package: str) -> str:
         return "not installed"
 
 
-def print_facts() -> None:
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device (CPU run)"
-    compiler = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
-          f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
-          f"C compiler: {compiler or 'none'}", flush=True)  # fmt: skip
-
-
 def compiled_dropout_passed(junit: str | None) -> bool | None:
     """The GPU tests' verdict on the compiled dropout kernel (None: not run, or no such file)."""
     if not junit or not Path(junit).is_file():
         return None
-    for case in ElementTree.parse(junit).iter("testcase"):
-        if case.get("name") == DROPOUT_TEST:
-            if case.find("skipped") is not None:
-                return None
-            return case.find("failure") is None and case.find("error") is None
-    return None
+    case = next((c for c in ElementTree.parse(junit).iter("testcase") if c.get("name") == DROPOUT_TEST), None)
+    if case is None or case.find("skipped") is not None:
+        return None
+    return case.find("failure") is None and case.find("error") is None
 
 
 def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, float]]:
     """(name, setting, timeout) of the rows to run, in their order."""
     names = os.environ.get("ROWS", "").split(",") if os.environ.get("ROWS") else list(ROWS)
-    unknown = [n for n in names if n not in ROWS]
-    if unknown:
+    if unknown := [n for n in names if n not in ROWS]:
         raise SystemExit(f"bench_gpu: ROWS names {', '.join(unknown)}: expected some of {', '.join(ROWS)}")
     settings = {name: setting for name, setting, _ in matrix(quick)}
     eager = {} if compile_dropout else {"training.compile_dropout": "false"}
@@ -81,45 +68,35 @@ def chosen_rows(quick: bool, compile_dropout: bool) -> list[tuple[str, dict, flo
             for name in names]  # fmt: skip
 
 
-def train_command(setting: dict, extra: list[str], run_dir: Path, nproc: int, zero_stage: int) -> list[str]:
-    steps, log_every = os.environ.get("STEPS", "40"), os.environ.get("LOG_EVERY", "10")
-    return [
-        sys.executable, "-m", "parallel_latent", "train", "--config", "configs/gpt2.yaml", "--nproc", str(nproc),
-        f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
-        f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
-        f"logging.count_syncs_at_step={int(log_every) + 1}", f"logging.profile_kernels_at_step={PROFILE_STEP}",
-        *QUIET_RUN, "checkpoint.save_final=false", "logging.print_samples=0", f"logging.run_dir={run_dir}",
-        *[f"{key}={value}" for key, value in setting.items()], *extra,
-    ]  # fmt: skip
-
-
-def run_process(command: list[str], log: Path, timeout: float, cwd: Path = REPO) -> int | None:
-    """Exit status of ``command`` in its own session (a timeout takes down its ranks too); None: timed out."""
+def run_process(command: list[str], log: Path, timeout: float, done=lambda: True) -> dict | None:
+    """``command`` in its own session (a timeout takes down its ranks too), its output in ``log``: None if it
+    exits 0 and ``done()``, else the row's outcome: timed out, or failed with its last 20 lines."""
     env = child_environment()
     if os.environ.get("PRETRAINED", "false") != "true":
         env.setdefault("HF_HUB_OFFLINE", "1")
     with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # fmt: skip
         try:
-            return process.wait(timeout=max(1.0, timeout))
+            status = process.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            return None
-
-
-def failure(status: int | None, log: Path) -> dict | None:
-    """A row's outcome when its process did not end well: timed out, or failed with its last 20 lines."""
-    if status is None:
-        return {"timeout": True}
-    return {"error": log.read_text(errors="replace").splitlines()[-20:]} if status != 0 else None
+            return {"timeout": True}
+    return None if status == 0 and done() else {"error": log.read_text(errors="replace").splitlines()[-20:]}
 
 
 def run_training(setting: dict, extra: list[str], run_dir: Path, timeout: float, context: dict) -> dict:
-    command = train_command(setting, extra, run_dir, context["nproc"], context["zero_stage"])
+    steps, log_every = os.environ.get("STEPS", "40"), os.environ.get("LOG_EVERY", "10")
+    nproc, zero_stage = context["nproc"], context["zero_stage"]
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", "configs/gpt2.yaml", "--nproc", str(nproc),
+               f"feature_model.pretrained={os.environ.get('PRETRAINED', 'false')}", "training.precision=bf16",
+               f"parallel.zero_stage={zero_stage}", f"training.max_steps={steps}", f"training.log_every={log_every}",
+               f"logging.count_syncs_at_step={int(log_every) + 1}", f"logging.profile_kernels_at_step={PROFILE_STEP}",
+               *QUIET_RUN, "checkpoint.save_final=false", "logging.print_samples=0", f"logging.run_dir={run_dir}",
+               *[f"{key}={value}" for key, value in setting.items()], *extra]  # fmt: skip
     log = run_dir.with_suffix(".log")
-    if failed := failure(run_process(command, log, timeout), log):
+    if failed := run_process(command, log, timeout):
         return failed
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return training_row(records, log.read_text(errors="replace"), context["positions"])
@@ -133,8 +110,7 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device, "--config",
                f"configs/{config}.yaml", "--lines", lines, "--shard-size", shard, "--repeats", "1", "--json",
                str(figures)]  # fmt: skip
-    status = run_process(command, run_dir.with_suffix(".log"), timeout)
-    if failed := failure(status if status != 0 or figures.is_file() else 1, run_dir.with_suffix(".log")):
+    if failed := run_process(command, run_dir.with_suffix(".log"), timeout, done=figures.is_file):
         return failed
     values = {f["name"]: f["value"] for f in json.loads(figures.read_text())["figures"]}
     return {"export samples/s": values["export samples/s"], "bare samples/s": values["bare encode samples/s"],
@@ -152,7 +128,7 @@ PROJECT_ROWS = (
 def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: float) -> dict:
     """name -> projected step and MFU of each training row, computed now (the GPU runs are over) in a
     process that sees no GPU, within ``seconds``; {} where it cannot be."""
-    if os.environ.get("PROJECTION", "1") != "1" or importlib.util.find_spec("benchmarks.step_projection") is None:
+    if os.environ.get("PROJECTION", "1") != "1":
         return {}
     if seconds < 30:
         print(f"projection: skipped ({seconds:.0f} s left; python -m benchmarks.bench_projection on any CPU)")
@@ -209,7 +185,13 @@ def body(args, report: Report) -> None:
     # From gpu.sh's start where it says when that was (its install, import check and tests count too).
     started_ago = time.time() - float(os.environ.get("GPU_SH_STARTED_AT", time.time()))
     deadline = time.monotonic() + float(os.environ.get("DEADLINE_S", "480")) - max(0.0, started_ago)
-    print_facts()
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device (CPU run)"
+    compiler = next((shutil.which(c) for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
+          f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
+          f"C compiler: {compiler or 'none'}", flush=True)  # fmt: skip
     gpus = visible_gpus()
     nproc = int(os.environ.get("NPROC", "1"))
     if gpus and nproc > gpus:
@@ -222,8 +204,6 @@ def body(args, report: Report) -> None:
     verdict = compiled_dropout_passed(os.environ.get("GPU_TESTS_XML"))
     if verdict is False:
         print("the compiled dropout kernel failed its GPU test: the rows run eager dropout", flush=True)
-    from parallel_latent.config import load_config
-
     # positions: T, those of one sample: every one is computed (and counted by MFU), padding or not.
     context = {"nproc": nproc, "zero_stage": 2 if nproc // tp == 1 else 1, "gpus": gpus, "quick": args.quick,
                "positions": load_config(GPT2, extra).model.max_length}  # fmt: skip
@@ -244,6 +224,4 @@ def arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
 
 
-main = command("bench_gpu", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_gpu", __doc__, body, arguments, __name__)

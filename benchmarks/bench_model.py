@@ -8,17 +8,19 @@ Usage: python -m benchmarks.bench_model [--batch 16 --seq 32 --d-model 256 --rep
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import GPT2, GPT2_SHRUNK, Report, add_repeat_arguments, command, interleaved
+from benchmarks.op_counter import OpCounter
 from benchmarks.plain_twins import plain_twin
 from benchmarks.processes import peak_extra_bytes
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
 from parallel_latent.model import FeatureModel, LatentAutoencoder
 from parallel_latent.model.features import load_decoder
+from parallel_latent.parallel import DropoutRNG, ParallelDropout, vocab_parallel_cross_entropy
+from parallel_latent.parallel.dropout import drop_threshold, keep_mask_core, layer_key
 
 GPT2_VOCAB = 50259  # GPT-2's 50257 tokens plus mask and pad (ids vocab-2, vocab-1 here)
 
@@ -88,21 +90,12 @@ def features_vs_full(args, report: Report) -> None:
     report.ratio("features truncated / full GPT-2", samples, "truncated", "full", at_most=0.87)
 
 
-def gpt2_shaped(dropout: float, quick: bool) -> LatentAutoencoder:
-    """configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape (shrunk when quick)."""
-    cfg = load_config(GPT2, [*(GPT2_SHRUNK if quick else []), f"model.dropout={dropout}"])
-    feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
-    return LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
-
-
 def step_ops(args, report: Report) -> None:
-    from benchmarks.op_counter import OpCounter
-    from parallel_latent.parallel import DropoutRNG, ParallelDropout
-    from parallel_latent.parallel.dropout import drop_threshold, keep_mask_core, layer_key
-
     gen = torch.Generator().manual_seed(0)
-    for dropout in (0.1, 0.0):
-        model = gpt2_shaped(dropout, args.quick)
+    for dropout in (0.1, 0.0):  # configs/gpt2.yaml's autoencoder over a random GPT-2 of gpt2's shape
+        cfg = load_config(GPT2, [*(GPT2_SHRUNK if args.quick else []), f"model.dropout={dropout}"])
+        feature_cfg = FeatureModelConfig(**{**cfg.feature_model.__dict__, "pretrained": False})
+        model = LatentAutoencoder(cfg.model, feature_cfg, seed=0).train()
         ids = torch.randint(0, 50257, (2, model.model_cfg.max_length), generator=gen)
         mask = torch.ones_like(ids)
         model(ids, mask).loss.backward()  # warm-up: caches
@@ -134,8 +127,6 @@ def step_ops(args, report: Report) -> None:
 
 
 def loss_memory(args, report: Report) -> None:
-    from parallel_latent.parallel import vocab_parallel_cross_entropy
-
     rows, vocab, real = (256 if args.quick else 8192), 50304, 50257
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -164,8 +155,7 @@ def loss_memory(args, report: Report) -> None:
 
 def body(args, report: Report) -> None:
     if args.quick:
-        args.batch, args.seq, args.d_model, args.feature_layers, args.repeats = 2, 8, 32, 2, 3
-        args.most_repeats = None
+        args.batch, args.seq, args.d_model, args.feature_layers, args.repeats, args.most_repeats = 2, 8, 32, 2, 3, None
         args.feature_batch, args.feature_width, args.feature_layers_full = 2, 48, 4
     torch.set_num_threads(args.threads)
     logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
@@ -192,6 +182,4 @@ def arguments(parser) -> None:
     parser.add_argument("--only", choices=["model_vs_plain", "features_vs_full", "step_ops", "loss_memory"])
 
 
-main = command("bench_model", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_model", __doc__, body, arguments, __name__)

@@ -7,22 +7,30 @@ Usage: python -m benchmarks.bench_parallel [--batch 16 --seq 128 --hidden 512 --
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.harness import GPT2, Report, add_repeat_arguments, all_ranks_agree, command, interleaved
+from benchmarks.harness import GPT2, Report, add_repeat_arguments, command, interleaved
 from benchmarks.performance import block_activation_bytes
 from benchmarks.plain_twins import plain_mlp
 from benchmarks.processes import on_ranks
-from parallel_latent.parallel import DropoutRNG, ParallelMLP
+from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, load_config
+from parallel_latent.coordination import all_ranks_agree
+from parallel_latent.model import LatentAutoencoder
+from parallel_latent.model.perceiver import PerceiverStack
+from parallel_latent.parallel import DropoutRNG, ParallelMLP, TensorParallelOptions, initialize_model_parallel
+from parallel_latent.parallel.mappings import split_along_sequence
+from parallel_latent.training.flops import model_flops_per_sample
 
 
 def step_time(module: nn.Module, *inputs, before=None, loss=torch.sum) -> float:
-    """Wall time of ``module``'s forward and backward of ``loss(output)``, after ``before()`` (a barrier: when
-    every rank has reached it)."""
+    """Wall time of ``module``'s forward and backward of ``loss(output)``, after ``before()`` (a barrier)."""
     if before:
         before()
     start = time.perf_counter()
@@ -55,12 +63,6 @@ def tp1_overhead(args, report: Report) -> None:
 
 def _tp2_task(args) -> dict:
     """Ours vs torch's DTensor tensor parallelism on one MLP, timed in the same 2 processes."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from parallel_latent.parallel import initialize_model_parallel
-
     state = initialize_model_parallel(2)
     torch.manual_seed(0)
     ours = ParallelMLP(args.hidden, 4 * args.hidden, tp_group=state.tp_group)
@@ -81,25 +83,17 @@ def tp2_vs_torch(samples, args, report: Report) -> None:
     report.ratio("TP=2 MLP ours / torch.distributed.tensor.parallel", samples, "ours", "torch", at_most=1.0)
 
 
-def _configs(d: int, t: int, encoder: int, decoder: int, gpt2_layers: int, vocab: int):
-    from parallel_latent.config import FeatureModelConfig, ModelConfig
-
-    model = ModelConfig(
-        d_model=d, n_heads=4, n_encoder_layers=encoder, n_decoder_layers=decoder, max_length=t, dropout=0.1,
-        vocab_size=vocab, mask_token_id=vocab - 2, pad_token_id=vocab - 1,
-    )  # fmt: skip
-    return model, FeatureModelConfig(n_layer=gpt2_layers, n_head=4, n_embd=d, n_positions=max(64, t))
-
-
-def _batch(batch: int, t: int, vocab: int):
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab - 2, (batch, t), generator=gen), torch.ones(batch, t, dtype=torch.long)
+def _model_and_batch(d: int, t: int, gpt2_layers: int, batch: int, vocab: int = 512):
+    """Configs of 1 + 1 Perceiver blocks of width ``d`` over ``gpt2_layers`` GPT-2 layers, T = ``t``; a batch."""
+    model = ModelConfig(d_model=d, n_heads=4, n_encoder_layers=1, n_decoder_layers=1, max_length=t, dropout=0.1,
+                        vocab_size=vocab, mask_token_id=vocab - 2, pad_token_id=vocab - 1)  # fmt: skip
+    ids = torch.randint(0, vocab - 2, (batch, t), generator=torch.Generator().manual_seed(0))
+    features = FeatureModelConfig(n_layer=gpt2_layers, n_head=4, n_embd=d, n_positions=max(64, t))
+    return model, features, ids, torch.ones(batch, t, dtype=torch.long)
 
 
 def _tasks(tasks: list, args) -> list:
     """Each of ``tasks`` in turn on this rank, in one gloo group (harness.on_ranks starts the ranks once)."""
-    import torch.distributed as dist
-
     dist.init_process_group("gloo")
     out = [task(args) for task in tasks]
     dist.destroy_process_group()
@@ -107,16 +101,10 @@ def _tasks(tasks: list, args) -> list:
 
 
 def _frozen_flops(args) -> list[tuple[int, float, float]]:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from parallel_latent.model import LatentAutoencoder
-    from parallel_latent.parallel import initialize_model_parallel
-
     rows = []
     for tp in (2, 4):
         state = initialize_model_parallel(tp)
-        model_cfg, feature_cfg = _configs(args.flops_width, 64, 1, 1, 12, 512)  # gpt2.yaml's GPT-2, T = 64
-        ids, mask = _batch(8, 64, 512)
+        model_cfg, feature_cfg, ids, mask = _model_and_batch(args.flops_width, 64, 12, 8)  # gpt2.yaml's GPT-2, T=64
         counts = []
         for split in (False, True):
             model = LatentAutoencoder(model_cfg, feature_cfg, tp_group=state.tp_group, split_feature_model=split)
@@ -130,9 +118,6 @@ def _frozen_flops(args) -> list[tuple[int, float, float]]:
 def frozen_pass_flops(rows: list, args, report: Report) -> None:
     # What splitting saves in the real configuration: the replicated frozen pass's share of a rank's
     # model FLOPs in configs/gpt2.yaml, from the formula MFU uses (the trainable part divides by TP).
-    from parallel_latent.config import load_config
-    from parallel_latent.training.flops import model_flops_per_sample
-
     flops = model_flops_per_sample(load_config(GPT2))
     frozen, trainable = flops["frozen_forward"], flops["train"] - flops["frozen_forward"]
     for tp in (2, 4, 8):
@@ -147,11 +132,6 @@ def frozen_pass_flops(rows: list, args, report: Report) -> None:
 
 
 def _saved_bytes(args) -> list[tuple]:
-    from parallel_latent.config import ModelConfig
-    from parallel_latent.model.perceiver import PerceiverStack
-    from parallel_latent.parallel import DropoutRNG, TensorParallelOptions, initialize_model_parallel
-    from parallel_latent.parallel.mappings import split_along_sequence
-
     b, s, h, a, layers = 4, 64, 128, 4, 2
     cfg = ModelConfig(d_model=h, n_heads=a, max_length=s, dropout=0.1)
     rows = []
@@ -187,26 +167,17 @@ def saved_activation_bytes(rows: list, args, report: Report) -> None:
               f"TP={tp}, sequence parallel {'on ' if sp else 'off'}: {measured / 2**20:.2f} MiB measured, "
               f"{predicted / 2**20:.2f} MiB by the accounting")  # fmt: skip
     for tp in (2, 4):
-        (off,) = [r for r in rows if r[0] == tp and not r[1]]
-        (on,) = [r for r in rows if r[0] == tp and r[1]]
+        off, on = [r for r in rows if r[0] == tp]  # sequence parallel off, then on
         print(f"TP={tp}: sequence parallel / not: accounting {on[3] / off[3]:.3f}")
         report.figure(f"saved activations sequence parallel / not, TP={tp}", on[2] / off[2], "x", at_most=1.0)
 
 
 def _timed(args) -> dict:
-    import torch.distributed as dist
-
-    from parallel_latent.config import Config
-    from parallel_latent.model import LatentAutoencoder
-    from parallel_latent.parallel import TensorParallelOptions, initialize_model_parallel
-    from parallel_latent.training.flops import model_flops_per_sample
-
     state = initialize_model_parallel(2)
-    model_cfg, feature_cfg = _configs(128, 32, 1, 1, args.switch_gpt2_layers, 512)  # a deep frozen GPT-2
+    model_cfg, feature_cfg, ids, mask = _model_and_batch(128, 32, args.switch_gpt2_layers, args.batch)  # deep GPT-2
     flops = model_flops_per_sample(Config(model=model_cfg, feature_model=feature_cfg))
     per_rank_trainable = 3 * flops["trainable_forward"] / 2
     share = flops["frozen_forward"] / (flops["frozen_forward"] + per_rank_trainable)
-    ids, mask = _batch(args.batch, 32, 512)
     split = {"split_feature_model": True}
     variants = {"replicated": {"split_feature_model": False}, "split": split,
                 "overlap on": {**split, "tp_options": TensorParallelOptions(overlap_comm=True)},
@@ -263,6 +234,4 @@ def arguments(parser) -> None:
     parser.add_argument("--only", choices=["tp1", "tp2", "flops", "memory", "switches"], default=None)
 
 
-main = command("bench_parallel", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_parallel", __doc__, body, arguments, __name__)

@@ -10,7 +10,6 @@ Usage: python -m benchmarks.bench_projection [--quick] [--feature-model NAME] [-
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 
 from benchmarks.harness import Report, command
@@ -25,13 +24,6 @@ from benchmarks.published_decoders import (
     whole_steps,
 )
 from benchmarks.step_projection import matrix, project, rest_of_step, setting_label
-
-
-def phase_split(result: dict) -> str:
-    parts = defaultdict(float)
-    for k in result["kernel_list"]:
-        parts["matmul" if k.flops else "memory-bound"] += k.device_s * 1e3
-    return ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in sorted(parts.items()))
 
 
 def report_deepspeed(args, report: Report) -> None:
@@ -55,38 +47,20 @@ def report_deepspeed(args, report: Report) -> None:
         report.figure(f"Python hook calls per step, DP={data_parallel}", hooks, at_most=HOOK_CALL_GOAL)
 
 
-def report_range(name: str, result: dict, report: Report) -> None:
-    """The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone (the
-    same trace timed again, not a factor on the pinned figure)."""
-    ranges = result["ranges"]
-    print(f"    MFU overlapped: pinned {result['mfu_overlapped'] * 100:.1f}%, pessimistic "
-          f"{ranges['pessimistic']['mfu_overlapped'] * 100:.1f}%; one assumption pessimistic alone: "
-          + ", ".join(f"{a} {ranges[a]['mfu_overlapped'] * 100:.1f}%" for a in ASSUMPTIONS))  # fmt: skip
-    report.figure(f"projected MFU overlapped, pessimistic, {name}", ranges["pessimistic"]["mfu_overlapped"])
-    report.figure(f"projected MFU summed, pessimistic, {name}", ranges["pessimistic"]["mfu_summed"])
-    for assumption in ASSUMPTIONS:
-        report.figure(f"projected MFU overlapped, {assumption} pessimistic alone, {name}",
-                      ranges[assumption]["mfu_overlapped"])  # fmt: skip
-
-
 def sensitivity_table(results: dict[str, dict]) -> list[str]:
-    """Per row, how much of the pinned MFU each assumption takes away at its pessimistic value."""
+    """Per row, the MFU each assumption takes from the pinned one at its pessimistic value; then the largest."""
     header = f"{'row':18s} {'pinned':>7s} " + " ".join(f"{a:>12s}" for a in [*ASSUMPTIONS, "all"])
     lines = ["", "Sensitivity: points of MFU (overlapped) lost when one assumption is pessimistic", header]
+    largest = []
     for name, result in results.items():
         pinned = result["mfu_overlapped"]
-        lost = [pinned - result["ranges"][a]["mfu_overlapped"] for a in [*ASSUMPTIONS, "pessimistic"]]
-        lines.append(f"{name:18s} {pinned * 100:6.1f}% " + " ".join(f"{x * 100:12.1f}" for x in lost))
-    return lines
-
-
-def largest_uncertainty(result: dict) -> str:
-    """The assumption whose pessimistic value alone takes the most MFU from this row."""
-    return max(ASSUMPTIONS, key=lambda a: result["mfu_overlapped"] - result["ranges"][a]["mfu_overlapped"])
+        lost = {a: pinned - result["ranges"][a]["mfu_overlapped"] for a in [*ASSUMPTIONS, "pessimistic"]}
+        lines.append(f"{name:18s} {pinned * 100:6.1f}% " + " ".join(f"{x * 100:12.1f}" for x in lost.values()))
+        largest.append(f"{name}: the {max(ASSUMPTIONS, key=lost.get)}")
+    return [*lines, "The largest uncertainty, by row: " + "; ".join(largest)]
 
 
 def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], report: Report) -> None:
-    """The table of :func:`whole_steps`, and its figures."""
     print(f"\n{name}, {setting_label(setting)}: the whole step per rank (forward and backward, the optimizer left "
           "out): the Perceiver, its TP collectives and the frozen pass, one after the other")  # fmt: skip
     print(f"{'TP':>3} {'layout':>9} {'Perceiver ms':>12} {'matmul ms':>9} {'collectives':>24} {'frozen ms':>9} "
@@ -102,9 +76,7 @@ def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], re
         print(f"{tp:>3} {layout:>9} {ours['compute']['step_ms_overlapped']:>12.2f} {ours['matmul_ms']:>9.2f} "
               f"{collectives:>24} {step['frozen_ms']:>9.2f} {step['step_ms']:>8.2f} {step['tokens_per_s']:>17,.0f} "
               f"{step['mfu'] * 100:>11.1f}%")  # fmt: skip
-    for step in steps:
-        if "refused" in step:
-            continue
+    for step in [s for s in steps if "refused" not in s]:
         where = f"{step['layout']}, TP={step['tp']}, {row}"
         report.figure(f"{name}: whole step per rank, {where}", step["step_ms"], "ms")
         report.figure(f"{name}: tokens/s per rank, whole step, {where}", step["tokens_per_s"], "tokens/s")
@@ -117,8 +89,6 @@ def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], re
 
 
 def feature_model_body(args, report: Report) -> None:
-    """``--feature-model``: the model's step with that decoder at TP=1, its frozen pass per TP degree,
-    then the whole step per rank at each TP degree and layout."""
     name = args.feature_model
     extra, recorded = feature_model_setting(name), feature_model_record(name)
     rows = [(row, setting) for row, setting, _ in matrix(args.quick) if row in ("default", "micro32")]
@@ -146,18 +116,21 @@ def feature_model_body(args, report: Report) -> None:
 
 def body(args, report: Report) -> None:
     if args.feature_model:
-        feature_model_body(args, report)
-        return
+        return feature_model_body(args, report)
     report_deepspeed(args, report)
     results = {}
     for name, setting, goal in matrix(args.quick):
         result = results[name] = project(setting, args.quick)
         loss = [k for k in result["kernel_list"] if k.part == "loss"]
         loss_ms = sum(k.device_s + PINNED.launch_s for k in loss) * 1e3
+        phases = defaultdict(float)
+        for k in result["kernel_list"]:
+            phases["matmul" if k.flops else "memory-bound"] += k.device_s * 1e3
         print(
             f"\n{setting_label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
             f"(overlapped-summed), MFU {result['mfu_overlapped'] * 100:.1f}-{result['mfu_summed'] * 100:.1f}%; "
-            f"{result['kernels']:,} kernels, device {result['device_ms']:.1f} ms ({phase_split(result)}), launches "
+            f"{result['kernels']:,} kernels, device {result['device_ms']:.1f} ms ("
+            f"{', '.join(f'{kind} {ms:.1f} ms' for kind, ms in sorted(phases.items()))}), launches "
             f"{result['launch_ms']:.1f} ms; traced / model FLOPs {result['traced_flops'] / result['model_flops']:.4f}; "
             f"the loss {loss_ms:.2f} ms in {len(loss)} kernels"
         )
@@ -166,7 +139,17 @@ def body(args, report: Report) -> None:
         quick_goal = None if args.quick else goal
         report.figure(f"projected MFU overlapped, {name}", result["mfu_overlapped"], at_least=quick_goal)
         report.figure(f"projected MFU summed, {name}", result["mfu_summed"])
-        report_range(name, result, report)
+        # The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone (the
+        # same trace timed again, not a factor on the pinned figure).
+        ranges = result["ranges"]
+        print(f"    MFU overlapped: pinned {result['mfu_overlapped'] * 100:.1f}%, pessimistic "
+              f"{ranges['pessimistic']['mfu_overlapped'] * 100:.1f}%; one assumption pessimistic alone: "
+              + ", ".join(f"{a} {ranges[a]['mfu_overlapped'] * 100:.1f}%" for a in ASSUMPTIONS))  # fmt: skip
+        report.figure(f"projected MFU overlapped, pessimistic, {name}", ranges["pessimistic"]["mfu_overlapped"])
+        report.figure(f"projected MFU summed, pessimistic, {name}", ranges["pessimistic"]["mfu_summed"])
+        for assumption in ASSUMPTIONS:
+            report.figure(f"projected MFU overlapped, {assumption} pessimistic alone, {name}",
+                          ranges[assumption]["mfu_overlapped"])  # fmt: skip
         report.figure(f"projected step overlapped, {name}", result["step_ms_overlapped"], "ms")
         report.figure(f"projected step summed, {name}", result["step_ms_summed"], "ms")
         report.figure(f"kernels per step, {name}", result["kernels"])
@@ -176,14 +159,10 @@ def body(args, report: Report) -> None:
             for rank, (cost_label, ms, count) in enumerate(result["top"], 1):
                 report.figure(f"top cost {rank}, {name}: {count} x {cost_label}", ms, "ms")
     print("\n".join(sensitivity_table(results)))
-    print("The largest uncertainty, by row: " + "; ".join(f"{name}: the {largest_uncertainty(r)}"
-                                                          for name, r in results.items()))  # fmt: skip
 
 
 def arguments(parser) -> None:
     parser.add_argument("--feature-model", default=None, help="a decoder of published_decoders.MODELS (see above)")
 
 
-main = command("bench_projection", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_projection", __doc__, body, arguments, __name__)

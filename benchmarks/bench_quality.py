@@ -36,12 +36,10 @@ QUICK = [*SMALLEST, "training.micro_batch_size=8", "training.max_steps=6", "trai
 
 def train_once(config: str, seed: int, nproc: int, overrides: list[str], scratch: Path) -> dict:
     run_dir = scratch / f"seed{seed}"
-    command = [
-        sys.executable, "-m", "parallel_latent", "train", "--config", config, "--nproc", str(nproc),
-        f"training.seed={seed}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.print_samples=0", "checkpoint.export_portable=false",
-        "checkpoint.resume=never", *overrides,
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "parallel_latent", "train", "--config", config, "--nproc", str(nproc),
+               f"training.seed={seed}", f"logging.run_dir={run_dir}", "logging.progress_bar=false",
+               "logging.tensorboard=false", "logging.print_samples=0", "checkpoint.export_portable=false",
+               "checkpoint.resume=never", *overrides]  # fmt: skip
     started = time.perf_counter()
     run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"seed {seed}: training")
     wall = time.perf_counter() - started
@@ -118,8 +116,7 @@ def body(args, report: Report) -> None:
         report.figure(f"{name} median {key.replace('_', ' ')}", summary["median"][key])
         report.figure(f"{name} worst seed {key.replace('_', ' ')}", summary["min"][key], at_least=goals.get(key))
     report.figure(f"{name} slowest seed wall time", summary["max"]["wall_s"], "s", at_most=goals.get("wall_s"))
-    latent_keys = [k for k in LATENT if all(k in r["latent"] for r in rows)]
-    if latent_keys:
+    if latent_keys := [k for k in LATENT if all(k in r["latent"] for r in rows)]:
         print("\n" + f"{'seed':>8} " + " ".join(f"{k:>16}" for k in latent_keys))
         for row in rows:
             print(f"{row['seed']:>8} " + " ".join(f"{row['latent'][k]:>16.4f}" for k in latent_keys))
@@ -138,6 +135,4 @@ def arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (section.key=value)")
 
 
-main = command("bench_quality", __doc__, body, arguments)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_quality", __doc__, body, arguments, __name__)

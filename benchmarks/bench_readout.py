@@ -7,8 +7,6 @@ of a token a k-dimensional linear code of the frozen GPT-2's features holds.
 
 from __future__ import annotations
 
-import sys
-
 from benchmarks.harness import REPO, Report, command, config_with_tokenizer
 
 CONFIG = "configs/compressed.yaml"
@@ -44,21 +42,6 @@ def corpus_features(lines: int):
             ids.append(batch["input_ids"])
     table = model.feature_model.token_table.detach().double()  # every row the heads score
     return torch.cat(features), torch.cat(masks), torch.cat(ids), table
-
-
-def readback(report: Report, table, queries: int) -> None:
-    """Share of ``queries`` random tokens of the vocabulary whose code is read back as themselves."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    asked = torch.randperm(table.shape[0], generator=generator)[:queries]
-    for k in RANKS:
-        codes = (table @ torch.randn(table.shape[1], k, generator=generator, dtype=table.dtype)).float()
-        unit = normalised(codes)
-        for label, scored in (("inner product", codes), ("nearest normalised code", unit)):
-            read = _chunked_argmax(scored[asked], scored)
-            report.figure(f"random code, k={k}: tokens read back by {label}", (read == asked).double().mean() * 100,
-                          "%")  # fmt: skip
 
 
 def _chunked_argmax(queries, keys, rows: int = 1024):
@@ -116,10 +99,16 @@ def body(args, report: Report) -> None:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     features, mask, ids, table = corpus_features(300 if args.quick else 3000)
-    readback(report, table, 512 if args.quick else 8192)
+    # The share of random tokens of the vocabulary whose random code is read back as themselves.
+    generator = torch.Generator().manual_seed(0)
+    asked = torch.randperm(table.shape[0], generator=generator)[: 512 if args.quick else 8192]
+    for k in RANKS:
+        codes = (table @ torch.randn(table.shape[1], k, generator=generator, dtype=table.dtype)).float()
+        for label, scored in (("inner product", codes), ("nearest normalised code", normalised(codes))):
+            read = _chunked_argmax(scored[asked], scored)
+            report.figure(f"random code, k={k}: tokens read back by {label}", (read == asked).double().mean() * 100,
+                          "%")  # fmt: skip
     feature_fits(report, features, mask, ids, table)
 
 
-main = command("bench_readout", __doc__, body)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_readout", __doc__, body, None, __name__)

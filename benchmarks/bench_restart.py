@@ -17,6 +17,7 @@ from pathlib import Path
 
 from benchmarks.harness import REPO, TINY, Report, command
 from benchmarks.processes import child_environment
+from parallel_latent.files import read_jsonl
 
 KILL_AT, EVERY = 30, 20  # the kill comes after the step-20 checkpoint (or a later one), at step 30 or after
 # --quick: the same path in fewer steps (the kill after the step-5 checkpoint or a later one).
@@ -29,8 +30,6 @@ UNTIL_STOPPED = 100_000
 
 def records(run_dir: Path, kind: str = "train") -> list[int]:
     """The steps of ``run_dir``'s metrics records of ``kind`` (``first_step``: one per attempt, at its first step)."""
-    from parallel_latent.files import read_jsonl
-
     metrics = run_dir / "metrics.jsonl"
     return [r["step"] for r in read_jsonl(metrics) if r.get("kind") == kind] if metrics.exists() else []
 
@@ -61,18 +60,10 @@ def wait(condition, job: subprocess.Popen, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
-def newest_checkpoint_step(run_dir: Path) -> int:
-    """The step of the newest published checkpoint (``latest`` names it); 0 if none."""
-    latest = run_dir / "checkpoints" / "latest"
-    return int(latest.read_text().strip().split("_")[1]) if latest.is_file() else 0
-
-
 def body(args, report: Report) -> None:
     kill_at, every = (QUICK_KILL_AT, QUICK_EVERY) if args.quick else (KILL_AT, EVERY)
-    overrides = [
-        f"training.max_steps={UNTIL_STOPPED}", f"checkpoint.save_every={every}",
-        "training.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1",
-    ]  # fmt: skip
+    overrides = [f"training.max_steps={UNTIL_STOPPED}", f"checkpoint.save_every={every}", "training.eval_every=0",
+                 "logging.progress_bar=false", "logging.tensorboard=false", "training.log_every=1"]  # fmt: skip
     if args.quick:
         overrides += ["model.d_model=32", "feature_model.n_embd=32", "feature_model.n_layer=3"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-restart-"))
@@ -87,7 +78,8 @@ def body(args, report: Report) -> None:
         first_step = wait(lambda: records(run_dir), job, 600, "first step") - launched
 
         def past_a_checkpoint() -> bool:
-            step, saved = max(records(run_dir), default=0), newest_checkpoint_step(run_dir)
+            step, latest = max(records(run_dir), default=0), run_dir / "checkpoints" / "latest"
+            saved = int(latest.read_text().strip().split("_")[1]) if latest.is_file() else 0  # the newest published
             return saved >= every and step >= kill_at and step > saved
 
         wait(past_a_checkpoint, job, 600, f"step {kill_at} after a checkpoint")
@@ -118,6 +110,4 @@ def body(args, report: Report) -> None:
     report.figure("restart / cold start (launch to the first step)", restart / first_step, "x")
 
 
-main = command("bench_restart", __doc__, body)
-if __name__ == "__main__":
-    sys.exit(main())
+main = command("bench_restart", __doc__, body, None, __name__)

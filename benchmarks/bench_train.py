@@ -19,6 +19,7 @@ from pathlib import Path
 from benchmarks import harness
 from benchmarks.harness import QUIET_RUN, TINY, Report, add_repeat_arguments, interleaved, started_trainer, visible_gpus
 from benchmarks.processes import child_environment, run_checked
+from parallel_latent.config import load_config
 
 # A small model whose step is dominated by real work, not launch overhead.
 DEFAULT_OVERRIDES = ["model.d_model=64", "model.n_heads=4", "model.n_encoder_layers=2", "model.n_decoder_layers=2",
@@ -28,8 +29,6 @@ QUICK_OVERRIDES = ["model.max_length=16", "training.micro_batch_size=8", "data.m
 
 
 def load(overrides: list[str], run_dir: str):
-    from parallel_latent.config import load_config
-
     return load_config(TINY, [*DEFAULT_OVERRIDES, *QUIET_RUN, *overrides, f"logging.run_dir={run_dir}"])
 
 
@@ -127,23 +126,6 @@ def measure_engine_memory(trainer) -> dict:
             "frozen_parameters": _bytes(frozen)}  # fmt: skip
 
 
-def memory_worker(output: str, run_dir: str, overrides: list[str]) -> None:
-    """One rank of the memory run, in ``run_dir`` made by the launching process (the trainer checks that
-    every rank sees one run directory, as on a cluster)."""
-    if not visible_gpus():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import torch.distributed as dist
-
-    with started_trainer(load(overrides, run_dir)) as trainer:
-        numbers = measure_engine_memory(trainer)
-        numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
-        gathered = [None] * trainer.state.world_size
-        dist.all_gather_object(gathered, numbers)
-        if trainer.state.rank == 0:
-            Path(output).write_text(json.dumps(gathered))
-        dist.barrier()
-
-
 def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "memory.json"
@@ -152,15 +134,6 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
                      "-m", "benchmarks.bench_train", "--memory-worker", str(output), "--run-dir",
                      str(Path(scratch) / "run"), *overrides], env, "memory worker")  # fmt: skip
         return json.loads(output.read_text())
-
-
-def bench_memory(args, precision: str, single: dict | None = None) -> dict:
-    """``single``: the TP1xDP1 run's numbers where they were measured already (--quick)."""
-    common = [*args.overrides, "parallel.zero_stage=2", f"training.precision={precision}"]
-    single = single or run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
-    sharded = run_memory_layout(4, [*common, "parallel.tensor_parallel=2"])
-    worst = max(sharded, key=lambda r: r["total"])
-    return {"tp1_dp1": single, "tp2_dp2_worst_rank": worst, "ratio": worst["total"] / single["total"]}
 
 
 def mib(n: int) -> str:
@@ -189,8 +162,11 @@ def body(args, report: Report) -> None:
         report.ratio("trainer / plain step time", samples, "trainer", "plain", at_most=1.10)
     if args.part in ("memory", "all"):
         for precision in (args.precisions or "bf16,fp32").split(","):
-            memory = bench_memory(args, precision, step.get("tp1_dp1_memory") if precision == "fp32" else None)
-            single, worst = memory["tp1_dp1"], memory["tp2_dp2_worst_rank"]
+            common = [*args.overrides, "parallel.zero_stage=2", f"training.precision={precision}"]
+            # The TP1xDP1 run's numbers where they were measured already (--quick).
+            single = step.get("tp1_dp1_memory") if precision == "fp32" else None
+            single = single or run_memory_layout(1, [*common, "parallel.tensor_parallel=1"])[0]
+            worst = max(run_memory_layout(4, [*common, "parallel.tensor_parallel=2"]), key=lambda r: r["total"])
             print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
                   "AdamW moments):")  # fmt: skip
             for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
@@ -198,7 +174,8 @@ def body(args, report: Report) -> None:
             print(f"  frozen GPT-2, not included: {mib(single['frozen_parameters'])} per rank, replicated")
             report.figure(f"{precision} trainable-part memory, TP1xDP1", single["total"] / 2**20, "MiB")
             report.figure(f"{precision} trainable-part memory, TP2xDP2 worst rank", worst["total"] / 2**20, "MiB")
-            report.figure(f"{precision} memory per rank TP2xDP2 / TP1xDP1", memory["ratio"], "x", at_most=0.30)
+            ratio = worst["total"] / single["total"]
+            report.figure(f"{precision} memory per rank TP2xDP2 / TP1xDP1", ratio, "x", at_most=0.30)
 
 
 def arguments(parser) -> None:
@@ -213,11 +190,23 @@ def arguments(parser) -> None:
 
 def main() -> int:
     parser = harness.script_parser(__doc__, arguments)
-    worker_args, _ = parser.parse_known_args()
-    if worker_args.memory_worker:  # one rank of the memory run: the launching process reports
-        memory_worker(worker_args.memory_worker, worker_args.run_dir, worker_args.overrides)
-        return 0
-    return harness.run("bench_train", parser, body)
+    args, _ = parser.parse_known_args()
+    if not args.memory_worker:
+        return harness.run("bench_train", parser, body)
+    # One rank of the memory run (the launching process reports), in --run-dir made by the launching
+    # process (the trainer checks that every rank sees one run directory, as on a cluster).
+    if not visible_gpus():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from parallel_latent.coordination import all_gather_value, barrier
+
+    with started_trainer(load(args.overrides, args.run_dir)) as trainer:
+        numbers = measure_engine_memory(trainer)
+        numbers.update({"rank": trainer.state.rank, "tp": trainer.state.tp_size, "dp": trainer.state.dp_size})
+        gathered = all_gather_value(numbers)
+        if trainer.state.rank == 0:
+            Path(args.memory_worker).write_text(json.dumps(gathered))
+        barrier()
+    return 0
 
 
 if __name__ == "__main__":

@@ -37,9 +37,8 @@ def attention_kernels(names: dict) -> str:
 def training_row(records: list[dict], log_text: str, positions_per_sample: int) -> dict:
     """A training row's figures from its metrics.jsonl records."""
     train = [r for r in records if r["kind"] == "train"]
-    first = next((r for r in records if r["kind"] == "first_step"), None)
-    syncs = next((r for r in records if r["kind"] == "syncs"), None)
-    kernels = next((r for r in records if r["kind"] == "kernels"), None)
+    first_of_kind = {r["kind"]: r for r in reversed(records)}
+    first, syncs, kernels = (first_of_kind.get(kind) for kind in ("first_step", "syncs", "kernels"))
     steady = train[1:] or train  # the first window holds the first step (allocator, kernel selection, compile)
 
     def mean(key: str) -> float:
@@ -65,9 +64,7 @@ def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
             f"{'peak GiB':>8} {'syncs':>5} {'kernels':>7} {'start-up s':>10} {'1st step s':>10} "
             f"{'attention':>10} {'fallback':>12} {'proj ms':>8} {'proj MFU %':>10}")  # fmt: skip
     print(head)
-    for name, setting, r in rows:
-        if name == "encode-corpus":
-            continue
+    for name, setting, r in [row for row in rows if row[0] != "encode-corpus"]:
         p = projected.get(name)
         cells = [
             f"{setting['model.dropout']:>7}", f"{setting['training.micro_batch_size']:>5}",

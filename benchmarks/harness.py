@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,8 +144,6 @@ def format_value(value: float) -> str:
 
 def machine() -> dict:
     """What the figures were measured on."""
-    from importlib.metadata import version
-
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
@@ -161,8 +161,6 @@ def machine() -> dict:
 
 
 class Report:
-    """The figures of one benchmark run."""
-
     def __init__(self, benchmark: str, args: argparse.Namespace):
         self.benchmark = benchmark
         self.quick = bool(getattr(args, "quick", False))
@@ -267,22 +265,17 @@ def run(benchmark: str, parser: argparse.ArgumentParser, body: Callable[[argpars
 
 
 def command(benchmark: str, doc: str, body: Callable[[argparse.Namespace, Report], None],
-            arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> Callable[[], int]:  # fmt: skip
-    """The ``main`` of script ``benchmark``: :func:`run` of ``body`` under :func:`script_parser`."""
-    return lambda: run(benchmark, script_parser(doc, arguments), body)
+            arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+            module: str = "") -> Callable[[], int]:  # fmt: skip
+    """The ``main`` of script ``benchmark``: :func:`run` of ``body`` under :func:`script_parser`. Where
+    ``module`` (the script's ``__name__``) is ``"__main__"``, run at once, its status the process's."""
+    main = functools.partial(run, benchmark, script_parser(doc, arguments), body)
+    if module == "__main__":
+        sys.exit(main())
+    return main
 
 
 def visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def all_ranks_agree(settled: bool) -> bool:
-    """Every rank's verdict on its ratios' stability, the same on all: they repeat, or stop, together."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(settled)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

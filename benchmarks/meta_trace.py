@@ -2,8 +2,7 @@
 row's batch: the real model in bf16, no FLOP spent, every device choice the code makes on CUDA (or, for
 the CPU check, on the CPU) made as there: attention's kernel, the compiled dropout mask and loss chunks,
 ``training.compile``'s blocks (a ``torch.compiler.disable`` function inside one runs eagerly and starts
-a new graph after it); at TP > 1 one rank's part over a fake process group.
-"""
+a new graph after it); at TP > 1 one rank's part over a fake process group."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from benchmarks.harness import GPT2, GPT2_SHRUNK
 from benchmarks.step_trace import Op, StepTracer
+from parallel_latent.config import load_config
 
 
 def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
@@ -41,9 +41,6 @@ def cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
         attn_mask = torch.where(attn_mask, zero, minus_inf)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-ATTENTION = {"cuda": cuda_attention, "cpu": cpu_attention}
 
 
 def _marked(tracer: StepTracer, owner, name: str, part: str):
@@ -85,19 +82,14 @@ def _feature_model_from(recorded: dict | None):
     record rebuilds it) instead of the random build's few keys (an MLP 4x the width); as is without one."""
     from parallel_latent.model import autoencoder, features
 
-    if recorded is None:
-        return contextlib.nullcontext()
-
     def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None):
         # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
         return features.FeatureModel(feature_cfg, vocab_size, {**recorded, "vocab_size": vocab_size}, tp_group)
 
-    return mock.patch.object(autoencoder, "FeatureModel", rebuilt)
+    return contextlib.nullcontext() if recorded is None else mock.patch.object(autoencoder, "FeatureModel", rebuilt)
 
 
 def row_config(setting: dict, quick: bool):
-    from parallel_latent.config import load_config
-
     overrides = [*(GPT2_SHRUNK if quick else []), "feature_model.pretrained=false", "training.precision=bf16"]
     return load_config(GPT2, overrides + [f"{k}={v}" for k, v in setting.items()])
 
@@ -147,17 +139,17 @@ def trace_model(cfg, device: str = "cuda", tp_group=None, recorded: dict | None 
     fills what the model caches, as a real run's first step does)."""
     from parallel_latent.model import autoencoder
 
-    tracer = StepTracer()
-    tracer.on_meta = True
+    tracer = StepTracer(on_meta=True)
     model = meta_model(cfg, tracer, device, tp_group, recorded)
     micro, length = cfg.training.micro_batch_size, cfg.model.max_length
     ids = torch.zeros(micro, length, dtype=torch.long, device="meta")
     mask = torch.ones(micro, length, dtype=torch.long, device="meta")
+    attention = {"cuda": cuda_attention, "cpu": cpu_attention}[device]
     for _ in range(2):
         tracer.ops.clear()
         with (
             tracer,
-            mock.patch.object(F, "scaled_dot_product_attention", ATTENTION[device]),
+            mock.patch.object(F, "scaled_dot_product_attention", attention),
             _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss"),
             _marked(tracer, model, "features", "features"),
         ):

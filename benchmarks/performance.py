@@ -1,8 +1,7 @@
 """The performance model: what one H200 is taken to do (the pinned roofline and its pessimistic range,
 NVLink, the MFU peak from ``training/flops.py``'s table), the goals, and the kernels CUDA launches for a
 traced operator (benchmarks/step_trace.py) with their cost. Its pinned rules, and what it leaves out:
-docs/development.md, Benchmarks; a step projected with it: benchmarks/step_projection.py.
-"""
+docs/development.md, Benchmarks; a step projected with it: benchmarks/step_projection.py."""
 
 from __future__ import annotations
 
@@ -45,6 +44,10 @@ COLLECTIVE_LATENCY = 10e-6
 def pessimistic_in(assumption: str) -> Roofline:
     """PINNED with one assumption's constants at their pessimistic values."""
     return dataclasses.replace(PINNED, **{name: getattr(PESSIMISTIC, name) for name in ASSUMPTIONS[assumption]})
+
+
+# The range a projection is also timed by: PESSIMISTIC, and PINNED with each assumption pessimistic alone.
+RANGES = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
 
 
 # The goals (an H200, TP=1, bf16): the overlapped MFU at dropout 0.1, projected (bench_projection.py)
@@ -95,9 +98,8 @@ def kernels_per_op(op: Op) -> int:
     if op.host:
         return 0
     base = op.name.rsplit(".", 1)[0]
-    if base in MULTI_TENSOR_LISTS:
-        extra = 1 if base == "aten._foreach_norm" else 0
-        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + extra
+    if base in MULTI_TENSOR_LISTS:  # (and _foreach_norm's cleanup kernel)
+        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + (base == "aten._foreach_norm")
     if base == "aten.cat":
         return max(1, math.ceil(len(op.reads) / 128))
     if op.name.startswith("aten._local_scalar_dense"):
@@ -138,15 +140,6 @@ def _distinct_bytes(accesses) -> int:
     return total
 
 
-def _fused_run(run: list[Op], later_reads: set[int]) -> int:
-    """Bytes of one fused kernel: what it reads of the tensors it did not write, and what it writes
-    of the tensors that someone after it reads."""
-    written = {storage for op in run for storage, *_ in op.writes}
-    inputs = [access for op in run for access in op.reads if access[0] not in written]
-    outputs = [access for op in run for access in op.writes if access[0] in later_reads]
-    return _distinct_bytes(inputs) + _distinct_bytes(outputs)
-
-
 def _fusible(op: Op) -> bool:
     """Whether a compiled region's inductor code can fuse ``op`` with its neighbours."""
     return (op.region is not None and op.kind == "other" and not op.name.startswith(SCATTERS)
@@ -173,8 +166,12 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
     kernels, run, run_region = [], [], None
 
     def close_run(end: int) -> None:
-        if run:
-            seconds = max(_fused_run(run, reads_after[end]) / roofline.bandwidth, roofline.min_kernel_s)
+        if run:  # one fused kernel: it reads what it did not write, and writes what an op after it reads
+            written = {storage for op in run for storage, *_ in op.writes}
+            inputs = [access for op in run for access in op.reads if access[0] not in written]
+            outputs = [access for op in run for access in op.writes if access[0] in reads_after[end]]
+            nbytes = _distinct_bytes(inputs) + _distinct_bytes(outputs)
+            seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
             kernels.append(Kernel(f"{run_region[0]} (fused)", seconds, 0.0, run[0].part))
             run.clear()
 

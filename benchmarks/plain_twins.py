@@ -122,10 +122,5 @@ def plain_twin(ours: LatentAutoencoder) -> PlainAutoencoder:
 
 
 def plain_mlp(hidden: int, dropout: float) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(hidden, 4 * hidden),
-        nn.GELU(),
-        nn.Dropout(dropout),
-        nn.Linear(4 * hidden, hidden),
-        nn.Dropout(dropout),
-    )
+    layers = [nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(4 * hidden, hidden)]
+    return nn.Sequential(*layers, nn.Dropout(dropout))

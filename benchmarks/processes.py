@@ -4,6 +4,7 @@ job on this machine and the port of their store."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import queue
 import socket
@@ -63,8 +64,6 @@ def status_kb(key: str, pid: int | str = "self") -> int | None:
 
 def peak_extra_bytes(fn) -> int:
     """Peak resident memory over ``fn()`` above what was resident before (the high-water mark reset first)."""
-    import gc
-
     gc.collect()
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
@@ -111,15 +110,13 @@ def on_ranks(world: int, task, *args):
     for process in processes:
         process.start()
     while True:
-        try:
+        with contextlib.suppress(queue.Empty):
             value = results.get(timeout=5)
             break
-        except queue.Empty:
-            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if failed:
-                for process in processes:
-                    process.kill()
-                raise RuntimeError(f"a rank exited with status {failed[0]}") from None
+        if failed := [p.exitcode for p in processes if p.exitcode not in (None, 0)]:
+            for process in processes:
+                process.kill()
+            raise RuntimeError(f"a rank exited with status {failed[0]}")
     for process in processes:
         process.join()
     return value

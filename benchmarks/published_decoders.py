@@ -12,6 +12,7 @@ from benchmarks.meta_trace import fake_tp_group, row_config, trace_model
 from benchmarks.performance import PEAK_FLOPS, PINNED, collective_seconds, kernels_of, matmul_seconds, projection
 from benchmarks.step_projection import model_flops
 from benchmarks.step_trace import Op
+from parallel_latent.config import ConfigError, FeatureModelConfig
 
 BYTES = 2  # bf16
 TP_DEGREES = (1, 2, 4, 8)
@@ -71,14 +72,8 @@ def held_on_meta(name: str) -> Held:
     return Held(len(stack), per_layer, replicated, hidden, family_name, config)
 
 
-def frozen_bytes(held: Held, tp: int, layout: str) -> float:
-    split = tp if layout == "shard" else 1
-    return BYTES * (held.replicated + held.layers * held.layer_matrices / split)
-
-
 def shard_refusal(held: Held, tp: int) -> str | None:
     """Why ``shard`` refuses this decoder at ``tp`` (model/sharded.py's check itself), or None."""
-    from parallel_latent.config import ConfigError, FeatureModelConfig
     from parallel_latent.model.families import FAMILIES
     from parallel_latent.model.sharded import check_shardable
 
@@ -110,11 +105,10 @@ def frozen_rows(held: Held, batch: int, length: int):
     for layout in LAYOUTS:
         for tp in TP_DEGREES:
             refusal = shard_refusal(held, tp) if layout == "shard" else None
-            if refusal:
-                yield layout, tp, refusal, None, None
-            else:
-                ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
-                yield layout, tp, None, frozen_bytes(held, tp, layout) / 2**30, ms
+            split = tp if layout == "shard" else 1
+            gib = BYTES * (held.replicated + held.layers * held.layer_matrices / split) / 2**30
+            ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
+            yield (layout, tp, refusal, None, None) if refusal else (layout, tp, None, gib, ms)
 
 
 def feature_model_setting(name: str) -> dict:
@@ -167,9 +161,8 @@ def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
     kernels = [k for k in kernels_of(ops) if k.part != "features" and not k.collective]
     collectives = [collective_of(op) for op in ours if op.kind == "collective"]
     return {
-        "compute": projection(kernels, 0.0), "kernels": kernels,
+        "compute": projection(kernels, 0.0), "kernels": kernels, "collectives": collectives,
         "matmul_flops": sum(op.flops for op in ours), "matmul_ms": sum(k.device_s for k in kernels if k.flops) * 1e3,
-        "collectives": collectives,
         "collective_ms": sum(collective_seconds(kind, nbytes, tp) for kind, nbytes in collectives) * 1e3,
     }  # fmt: skip
 
@@ -177,8 +170,6 @@ def perceiver_at(name: str, setting: dict, quick: bool, tp: int) -> dict:
 def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | None = None) -> list[dict]:
     """Per TP degree (``tps``, by default all) and layout, one rank's forward and backward: the Perceiver
     (:func:`perceiver_at`), then the frozen pass; a rank's tokens and FLOPs are 1/tp of its group's."""
-    from parallel_latent.config import ConfigError
-
     held, cfg = held_on_meta(name), row_config({**setting, **feature_model_setting(name)}, quick)
     batch, length = cfg.training.micro_batch_size, cfg.model.max_length
     flops = model_flops(cfg, feature_model_record(name))
@@ -190,8 +181,7 @@ def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | No
             rows += [{"tp": tp, "layout": layout, "refused": str(refusal)} for layout in LAYOUTS]
             continue
         for layout in LAYOUTS:
-            refusal = shard_refusal(held, tp) if layout == "shard" else None
-            if refusal:
+            if refusal := (shard_refusal(held, tp) if layout == "shard" else None):
                 rows.append({"tp": tp, "layout": layout, "refused": refusal})
                 continue
             frozen_ms = frozen_seconds(held, tp, layout, batch, length) * 1e3

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, Spread, format_value
+from benchmarks.harness import REPO, Spread, format_value, visible_gpus
 
 RESULTS = REPO / "docs" / "benchmarks"
 PAGE = REPO / "docs" / "benchmarks.md"
@@ -83,6 +83,10 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
 
 GPU = "gpu"
 GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (benchmarks/gpu.sh)"
+NO_GPU_RUN = (
+    "no GPU run has been recorded: the development machines have no GPU, and no session that was lent one has "
+    "run `benchmarks/gpu.sh --json docs/benchmarks/gpu.json` yet."
+)
 
 
 def run_benchmark(name: str, results: Path, quick: bool) -> bool:
@@ -104,19 +108,17 @@ def value_cell(figure: dict) -> str:
     return f"{value} ({Spread(**figure['spread']).words()})" if figure.get("spread") else value
 
 
-def render_section(title: str, record: dict | None, failed: bool, missing_reason: str) -> list[str]:
-    lines = [f"## {title}", ""]
-    if record is None:
-        lines += [f"Not measured: {missing_reason}", ""]
-        return lines
+def render_section(results: Path, name: str, title: str, failed: set[str], missing_reason: str) -> list[str]:
+    path = results / f"{name}.json"
+    if not path.exists():
+        return [f"## {title}", "", f"Not measured: {missing_reason}", ""]
+    record = json.loads(path.read_text())
     machine = record.get("machine", {})
     where = ", ".join(f"{k} {v}" for k, v in machine.items() if k not in ("cpu", "cores"))
-    lines += [
-        f"`{record['command']}`: {record['date']}, {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores), "
-        f"{where}{' (quick mode: tiny shapes, not a measurement)' if record.get('quick') else ''}",
-        "",
-    ]
-    if failed:
+    quick = " (quick mode: tiny shapes, not a measurement)" if record.get("quick") else ""
+    when = f"`{record['command']}`: {record['date']}, {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"
+    lines = [f"## {title}", "", f"{when}, {where}{quick}", ""]
+    if name in failed:
         lines += ["**The last run of this benchmark failed; the figures below are from the run dated above.**", ""]
     lines += ["| figure | value | goal | met |", "| --- | --- | --- | --- |"]
     for figure in record["figures"]:
@@ -127,10 +129,6 @@ def render_section(title: str, record: dict | None, failed: bool, missing_reason
 
 def render_page(results: Path, failed: set[str] = frozenset()) -> str:
     """The page, from whatever JSON files ``results`` holds (pure: no benchmark is run)."""
-    records = {}
-    for name in [*BENCHMARKS, GPU]:
-        path = results / f"{name}.json"
-        records[name] = json.loads(path.read_text()) if path.exists() else None
     lines = [
         "# Benchmark figures",
         "",
@@ -144,14 +142,8 @@ def render_page(results: Path, failed: set[str] = frozenset()) -> str:
         "",
     ]
     for name, (title, _) in BENCHMARKS.items():
-        lines += render_section(title, records[name], name in failed, "the script has not been run on this page yet")
-    lines += render_section(
-        GPU_TITLE,
-        records[GPU],
-        GPU in failed,
-        "no GPU run has been recorded: the development machines have no GPU, and no session that was lent one has "
-        "run `benchmarks/gpu.sh --json docs/benchmarks/gpu.json` yet.",
-    )
+        lines += render_section(results, name, title, failed, "the script has not been run on this page yet")
+    lines += render_section(results, GPU, GPU_TITLE, failed, NO_GPU_RUN)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -167,12 +159,7 @@ def main() -> int:
     results.mkdir(parents=True, exist_ok=True)
     failed: set[str] = set()
     if not args.render:
-        names = args.only or list(BENCHMARKS)
-        if args.only is None:
-            import torch
-
-            if torch.cuda.is_available():
-                names.append(GPU)
+        names = args.only or [*BENCHMARKS, *([GPU] if visible_gpus() else [])]
         for name in names:
             if not run_benchmark(name, results, args.quick):
                 failed.add(name)

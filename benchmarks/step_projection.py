@@ -10,19 +10,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.meta_trace import row_config, trace_model
-from benchmarks.performance import (
-    ASSUMPTIONS,
-    MFU_GOALS,
-    PESSIMISTIC,
-    PINNED,
-    Kernel,
-    Roofline,
-    cuda_only,
-    kernels_of,
-    pessimistic_in,
-    projection,
-    top_costs,
-)
+from benchmarks.performance import MFU_GOALS, PINNED, RANGES, Kernel, cuda_only, kernels_of, projection, top_costs
 from benchmarks.step_trace import Op, real_step, real_step_on_ranks, real_step_overrides
 
 
@@ -54,7 +42,7 @@ def rest_of_step(quick: bool, data_parallel: int = 1):
     return traced.rest, traced.hook_calls
 
 
-def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline: Roofline) -> list[Kernel]:
+def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline=PINNED) -> list[Kernel]:
     """The kernels of one step: the traced model's, and with ``rest`` the rest of the step's."""
     kernels = kernels_of(ops, roofline)
     if rest:
@@ -63,16 +51,14 @@ def step_kernels(cfg, ops: list[Op], quick: bool, rest: bool, roofline: Roofline
 
 
 def project(setting: dict, quick: bool = False, rest: bool = True, recorded: dict | None = None) -> dict:
-    """The projection of one gpu.sh setting, with its kernels and traced FLOPs; under ``ranges`` the same
-    trace timed by the pessimistic roofline and by PINNED with each assumption pessimistic alone.
-    ``recorded``: the feature model's whole transformers config (published_decoders.feature_model_record)."""
+    """The projection of one gpu.sh setting, with its kernels and traced FLOPs; under ``ranges`` the same trace
+    timed by each of RANGES. ``recorded``: the feature model's whole transformers config (feature_model_record)."""
     cfg = row_config(setting, quick)
     ops = trace_model(cfg, "cuda", recorded=recorded)
-    kernels = step_kernels(cfg, ops, quick, rest, PINNED)
+    kernels = step_kernels(cfg, ops, quick, rest)
     flops = model_flops(cfg, recorded)
-    rooflines = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
     ranges = {name: projection(step_kernels(cfg, ops, quick, rest, roofline), flops, roofline)
-              for name, roofline in rooflines.items()}  # fmt: skip
+              for name, roofline in RANGES.items()}  # fmt: skip
     return {**projection(kernels, flops), "ranges": ranges, "model_flops": flops,
             "traced_flops": sum(op.flops for op in ops), "top": top_costs(kernels),
             "kernel_list": kernels}  # fmt: skip

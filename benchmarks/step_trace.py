@@ -20,6 +20,7 @@ from torch.utils.flop_counter import flop_registry
 
 from benchmarks.harness import GPT2, GPT2_SHRUNK, QUIET_RUN, started_trainer
 from benchmarks.processes import on_ranks
+from parallel_latent.config import load_config
 
 # Operators that launch nothing: allocation, metadata, aliasing.
 NO_KERNEL = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
@@ -27,6 +28,7 @@ NO_KERNEL = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_
              "aten._unsafe_view.default", "aten.lift_fresh.default", "aten.set_.source_Storage_storage_offset",
              "aten.resize_.default"}  # fmt: skip
 COLLECTIVE_PREFIXES = ("c10d.", "_c10d_functional.", "c10d_functional.")
+STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 @dataclasses.dataclass
@@ -51,31 +53,25 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _grad_fns(tree) -> list:
-    return [t.grad_fn for t in _tensors(tree) if t.grad_fn is not None]
-
-
-def _claim(nodes: list, stop: set, owner: dict, value, keep=lambda node: True) -> None:
-    """Every autograd node reachable from ``nodes`` short of ``stop``, not yet in ``owner``, is ``value``'s."""
+def _claim(outputs, inputs, owner: dict, value, keep=lambda node: True) -> None:
+    """Every autograd node reachable from ``outputs`` short of ``inputs``' own, not yet in ``owner``, is ``value``'s."""
+    nodes = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    stop = {t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None}
     while nodes:
         node = nodes.pop()
-        if node is None or node in stop or node in owner or not keep(node):
-            continue
-        owner[node] = value
-        nodes.extend(next_node for next_node, _ in node.next_functions)
+        if node is not None and node not in stop and node not in owner and keep(node):
+            owner[node] = value
+            nodes.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensors an operator writes in place (``self`` of ``add_``, ``out=``), and those it only writes."""
     written, only_written = [], []
     for index, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
-        tensors = _tensors(value)
-        written += tensors
-        if argument.is_out:
-            only_written += tensors
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+            written += _tensors(value)
+            only_written += _tensors(value) if argument.is_out else []
     return written, only_written
 
 
@@ -83,12 +79,12 @@ class StepTracer(TorchDispatchMode):
     """Records every operator that launches a kernel, with its compiled region (in backward: the one whose
     forward made the node being run) and the part of the step (:attr:`part`, set by the caller) asking."""
 
-    def __init__(self):
+    def __init__(self, on_meta: bool = False):
         super().__init__()
         self.ops: list[Op] = []
         self.part = "model"  # what the caller is running: "model", "trainer", "backward", "optimizer"
         self.within: str | None = None  # inside the model: "loss" or "features" (the frozen pass), see _marked
-        self.on_meta = False  # a meta trace: what it makes on the CPU stays on the host
+        self.on_meta = on_meta  # a meta trace: what it makes on the CPU stays on the host
         self._region: tuple[str, int] | None = None
         self._calls = 0
         self._node_regions: dict = {}
@@ -101,12 +97,6 @@ class StepTracer(TorchDispatchMode):
         span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
         view = (tensor.storage_offset(), span if tensor.numel() else 0, tensor.element_size())
         return storage._cdata, view, tensor.numel() * tensor.element_size()
-
-    def _current_region(self) -> tuple[str, int] | None:
-        if self._region is not None:
-            return self._region
-        node = torch._C._current_autograd_node()
-        return None if node is None else self._node_regions.get(node)
 
     def _phase_and_part(self) -> tuple[str, str]:
         node = torch._C._current_autograd_node()
@@ -137,7 +127,8 @@ class StepTracer(TorchDispatchMode):
         multi = name.startswith(("aten._foreach_", "aten._fused_"))
         tensors = [t.numel() for t in first_list if isinstance(t, torch.Tensor)] if multi else []
         host = self.on_meta and all(t.device.type == "cpu" for t in _tensors(out))
-        self.ops.append(Op(name, kind, flops, read, written, self._current_region(), phase, part, tensors, host))
+        region = self._region or self._node_regions.get(torch._C._current_autograd_node())  # (backward: its node's)
+        self.ops.append(Op(name, kind, flops, read, written, region, phase, part, tensors, host))
         return out
 
     def region(self, fn, label: str):
@@ -152,7 +143,7 @@ class StepTracer(TorchDispatchMode):
                 out = fn(*args, **kwargs)
             finally:
                 self._region = None
-            _claim(_grad_fns(out), set(_grad_fns((args, kwargs))), self._node_regions, region,
+            _claim(out, (args, kwargs), self._node_regions, region,
                    keep=lambda node: not node.name().endswith("AccumulateGrad"))  # fmt: skip
             return out
 
@@ -165,7 +156,7 @@ class StepTracer(TorchDispatchMode):
             with self.running("model"):
                 out = fn(*args, **kwargs)
             outputs = vars(out) if dataclasses.is_dataclass(out) else out
-            _claim(_grad_fns(outputs), set(_grad_fns((args, kwargs))), self._model_nodes, True)
+            _claim(outputs, (args, kwargs), self._model_nodes, True)
             return out
 
         return model
@@ -187,7 +178,8 @@ class StepTracer(TorchDispatchMode):
 
     @contextlib.contextmanager
     def running(self, part: str):
-        """Operators dispatched inside the block (outside backward's nodes) count as ``part``'s."""
+        """Operators dispatched inside the block (outside backward's nodes) count as ``part``'s; as a
+        decorator, those of each call."""
         before, self.part = self.part, part
         try:
             yield
@@ -219,9 +211,6 @@ def real_step_overrides(scratch: Path, quick: bool, micro_batch: int = 1) -> lis
     ]  # fmt: skip
 
 
-STDLIB = sysconfig.get_paths()["stdlib"]
-
-
 class HookCalls:
     """Python hook calls (``sys.setprofile``): the autograd engine's direct Python callees other than
     custom Functions, and the hook functions registered on the modules."""
@@ -250,39 +239,25 @@ class HookCalls:
         sys.setprofile(None)
 
 
-def traced_train_step(trainer) -> RealStep:
-    """One ``train_step`` of a real trainer (after an untraced one) under a :class:`StepTracer`, its parts
-    marked; the hook calls counted in a step of their own (the tracer's dispatch runs Python too)."""
-    trainer.train_step()
-    with HookCalls(trainer.engine.module) as hooks:
-        trainer.train_step()
-    tracer, engine = StepTracer(), trainer.engine
-    module_forward, backward, step = engine.module.forward, engine.backward, engine.step
-
-    def marked(fn, part):
-        def run(*args, **kwargs):
-            with tracer.running(part):
-                return fn(*args, **kwargs)
-
-        return run
-
-    engine.module.forward = tracer.model_call(module_forward)
-    engine.backward, engine.step = marked(backward, "backward"), marked(step, "optimizer")
-    try:
-        with tracer.running("trainer"), tracer:
-            trainer.train_step()
-    finally:
-        del engine.module.forward, engine.backward, engine.step
-    return RealStep(tracer.ops, hooks.calls)
-
-
 def real_step(overrides: list[str]) -> RealStep:
-    """:func:`traced_train_step` of a trainer of gpt2.yaml with ``overrides``, in this process."""
+    """One ``train_step`` of a trainer of gpt2.yaml with ``overrides`` in this process (after an untraced one)
+    under a :class:`StepTracer`, its parts marked; the hook calls counted in a step of their own (the tracer's
+    dispatch runs Python too)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from parallel_latent.config import load_config
-
     with started_trainer(load_config(GPT2, overrides), source=str(GPT2)) as trainer:
-        return traced_train_step(trainer)
+        trainer.train_step()
+        with HookCalls(trainer.engine.module) as hooks:
+            trainer.train_step()
+        tracer, engine = StepTracer(), trainer.engine
+        engine.module.forward = tracer.model_call(engine.module.forward)
+        engine.backward = tracer.running("backward")(engine.backward)
+        engine.step = tracer.running("optimizer")(engine.step)
+        try:
+            with tracer.running("trainer"), tracer:
+                trainer.train_step()
+        finally:
+            del engine.module.forward, engine.backward, engine.step
+    return RealStep(tracer.ops, hooks.calls)
 
 
 def _traced_rank(scratch: str, quick: bool) -> RealStep:

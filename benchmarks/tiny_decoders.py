@@ -44,10 +44,8 @@ def small_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB, special_tokens=[END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )  # fmt: skip
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=[END], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator(BUNDLED.read_text(encoding="utf-8").splitlines(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, bos_token=END)
 
