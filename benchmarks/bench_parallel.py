@@ -167,7 +167,7 @@ def saved_activation_bytes(rows: list, args, report: Report) -> None:
               f"TP={tp}, sequence parallel {'on ' if sp else 'off'}: {measured / 2**20:.2f} MiB measured, "
               f"{predicted / 2**20:.2f} MiB by the accounting")  # fmt: skip
     for tp in (2, 4):
-        off, on = [r for r in rows if r[0] == tp]  # sequence parallel off, then on
+        (off,), (on,) = ([r for r in rows if r[:2] == (tp, sp)] for sp in (False, True))
         print(f"TP={tp}: sequence parallel / not: accounting {on[3] / off[3]:.3f}")
         report.figure(f"saved activations sequence parallel / not, TP={tp}", on[2] / off[2], "x", at_most=1.0)
 

@@ -99,7 +99,7 @@ def kernels_per_op(op: Op) -> int:
         return 0
     base = op.name.rsplit(".", 1)[0]
     if base in MULTI_TENSOR_LISTS:  # (and _foreach_norm's cleanup kernel)
-        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + (base == "aten._foreach_norm")
+        return multi_tensor_launches(op.tensors, MULTI_TENSOR_LISTS[base]) + int(base == "aten._foreach_norm")
     if base == "aten.cat":
         return max(1, math.ceil(len(op.reads) / 128))
     if op.name.startswith("aten._local_scalar_dense"):

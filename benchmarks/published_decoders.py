@@ -104,11 +104,12 @@ def frozen_rows(held: Held, batch: int, length: int):
     """(layout, tp, refusal or None, GiB per rank, ms per rank) at every layout and TP degree."""
     for layout in LAYOUTS:
         for tp in TP_DEGREES:
-            refusal = shard_refusal(held, tp) if layout == "shard" else None
+            if refusal := (shard_refusal(held, tp) if layout == "shard" else None):
+                yield layout, tp, refusal, None, None
+                continue
             split = tp if layout == "shard" else 1
             gib = BYTES * (held.replicated + held.layers * held.layer_matrices / split) / 2**30
-            ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
-            yield (layout, tp, refusal, None, None) if refusal else (layout, tp, None, gib, ms)
+            yield layout, tp, None, gib, frozen_seconds(held, tp, layout, batch, length) * 1e3
 
 
 def feature_model_setting(name: str) -> dict:

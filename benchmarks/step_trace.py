@@ -70,8 +70,9 @@ def _written_arguments(func, args, kwargs) -> tuple[list[torch.Tensor], list[tor
     for index, argument in enumerate(func._schema.arguments):
         if argument.alias_info is not None and argument.alias_info.is_write:
             value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
-            written += _tensors(value)
-            only_written += _tensors(value) if argument.is_out else []
+            tensors = _tensors(value)
+            written += tensors
+            only_written += tensors if argument.is_out else []
     return written, only_written
 
 
