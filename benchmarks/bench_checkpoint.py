@@ -56,7 +56,7 @@ def body(args, report: Report) -> None:
     from parallel_latent.model import LatentAutoencoder
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)
+    logging.getLogger("parallel_latent.feature_model.features").setLevel(logging.ERROR)
     started = time.perf_counter()
     cfg = load_config(REPO / "configs" / args.config)
     feature_cfg = dataclasses.replace(cfg.feature_model, pretrained=False)

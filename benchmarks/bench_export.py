@@ -27,8 +27,8 @@ def make_checkpoint(directory: Path, config: Path = TINY) -> Path:
     """``config``'s model (its initial weights, a random GPT-2 where it has one: the speed does not
     depend on them), saved as a portable checkpoint."""
     from parallel_latent.checkpoint import save_portable
+    from parallel_latent.feature_model.tokenizer import tokenizer_facts
     from parallel_latent.model import build_model
-    from parallel_latent.model.tokenizer import tokenizer_facts
 
     cfg, tokenizer = config_with_tokenizer(config, ["parallel.tensor_parallel=1", "feature_model.pretrained=false"])
     save_portable(build_model(cfg), directory, cfg, tokenizer_facts(tokenizer))
@@ -38,8 +38,8 @@ def make_checkpoint(directory: Path, config: Path = TINY) -> Path:
 def prepare(checkpoint: Path, corpus: Path, cache: Path, shard_size: int):
     """The prepared copy of ``corpus`` that the export reads (made once: no measured run pays for tokenising)."""
     from parallel_latent.data import open_for_training
+    from parallel_latent.feature_model.tokenizer import load_tokenizer
     from parallel_latent.latents import plan_export
-    from parallel_latent.model.tokenizer import load_tokenizer
 
     plan = plan_export(checkpoint, corpus, [*SETTINGS, f"data.cache_dir={cache}", f"export.shard_size={shard_size}"])
     return open_for_training(plan.cfg, load_tokenizer(plan.cfg.tokenizer), announce=False)

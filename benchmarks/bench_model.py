@@ -17,8 +17,9 @@ from benchmarks.op_counter import OpCounter
 from benchmarks.plain_twins import plain_twin
 from benchmarks.processes import peak_extra_bytes
 from parallel_latent.config import FeatureModelConfig, ModelConfig, load_config
-from parallel_latent.model import FeatureModel, LatentAutoencoder
-from parallel_latent.model.features import load_decoder
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.features import load_decoder
+from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import DropoutRNG, ParallelDropout, vocab_parallel_cross_entropy
 from parallel_latent.parallel.dropout import drop_threshold, keep_mask_core, layer_key
 
@@ -158,7 +159,7 @@ def body(args, report: Report) -> None:
         args.batch, args.seq, args.d_model, args.feature_layers, args.repeats, args.most_repeats = 2, 8, 32, 2, 3, None
         args.feature_batch, args.feature_width, args.feature_layers_full = 2, 48, 4
     torch.set_num_threads(args.threads)
-    logging.getLogger("parallel_latent.model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
+    logging.getLogger("parallel_latent.feature_model.features").setLevel(logging.ERROR)  # random GPT-2 on purpose
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     for part in (model_vs_plain, features_vs_full, step_ops, loss_memory):
         if args.only in (None, part.__name__):

@@ -25,8 +25,8 @@ def corpus_features(lines: int):
     import torch
 
     from parallel_latent.data import read_samples
+    from parallel_latent.feature_model.features import random_features_unannounced
     from parallel_latent.model import LatentAutoencoder
-    from parallel_latent.model.features import random_features_unannounced
 
     cfg, tokenizer = config_with_tokenizer(REPO / CONFIG, [])
     with random_features_unannounced():

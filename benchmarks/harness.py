@@ -221,7 +221,7 @@ def started_trainer(cfg, source: str = "bench"):
 def config_with_tokenizer(path: Path, overrides: list[str]):
     """(the config at ``path`` with ``overrides`` and its tokenizer's facts, the tokenizer)."""
     from parallel_latent.config import load_config
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
     cfg = load_config(path, overrides)
     tokenizer = load_tokenizer(cfg.tokenizer)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel_latent.config import ModelConfig
-from parallel_latent.model import FeatureModel, LatentAutoencoder
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.model import LatentAutoencoder
 
 
 class PlainAttention(nn.Module):

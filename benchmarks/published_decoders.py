@@ -35,7 +35,7 @@ QUICK_MODELS = ("gpt2 (124M)", "pythia-1.4b", "llama-3.2-1b")
 
 def transformers_config(family: str, hidden, layers, heads, kv_heads, mlp, vocab, positions):
     """The published shape as its family's own config mapping builds it."""
-    from parallel_latent.model.families import FAMILIES
+    from parallel_latent.feature_model.families import FAMILIES
 
     return FAMILIES[family].random_config(vocab, layers, heads, hidden, positions, kv_heads, mlp)
 
@@ -49,15 +49,15 @@ class Held:
     replicated: int  # token table, positions, norms: whole on every rank
     width: int
     family: str
-    config: object  # the transformers config, for model/sharded.py's check
+    config: object  # the transformers config, for feature_model/sharded.py's check
 
 
 def held_on_meta(name: str) -> Held:
     import torch
     from transformers import AutoModel
 
-    from parallel_latent.model.families import FAMILIES, held_layers
-    from parallel_latent.model.features import truncate_to_hidden_state
+    from parallel_latent.feature_model.families import FAMILIES, held_layers
+    from parallel_latent.feature_model.features import truncate_to_hidden_state
 
     family_name, hidden, layers, *_ = MODELS[name]
     family = FAMILIES[family_name]
@@ -73,9 +73,9 @@ def held_on_meta(name: str) -> Held:
 
 
 def shard_refusal(held: Held, tp: int) -> str | None:
-    """Why ``shard`` refuses this decoder at ``tp`` (model/sharded.py's check itself), or None."""
-    from parallel_latent.model.families import FAMILIES
-    from parallel_latent.model.sharded import check_shardable
+    """Why ``shard`` refuses this decoder at ``tp`` (feature_model/sharded.py's check itself), or None."""
+    from parallel_latent.feature_model.families import FAMILIES
+    from parallel_latent.feature_model.sharded import check_shardable
 
     try:
         check_shardable(FeatureModelConfig(parallel="shard"), FAMILIES[held.family], held.config, tp)

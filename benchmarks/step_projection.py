@@ -19,8 +19,8 @@ def model_flops(cfg, recorded: dict | None = None) -> float:
     ``recorded``, a whole transformers config, if given)."""
     import torch
 
-    from parallel_latent.model import FeatureModel
-    from parallel_latent.model.features import random_features_unannounced
+    from parallel_latent.feature_model import FeatureModel
+    from parallel_latent.feature_model.features import random_features_unannounced
     from parallel_latent.training.flops import model_flops_per_sample
 
     vocab = cfg.model.vocab_size

@@ -27,7 +27,7 @@ SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
 def decoder_config(family: str, vocab_size: int):
     """``family``'s tiny decoder: its random build (parallel_latent's ``Family.random_config``), its end of text
     id 0, and the keys of :data:`SHAPES`."""
-    from parallel_latent.model.families import FAMILIES as BUILDS
+    from parallel_latent.feature_model.families import FAMILIES as BUILDS
 
     kv_heads, mlp_width, changes = SHAPES[family]
     built = BUILDS[family].random_config(vocab_size, LAYERS, HEADS, WIDTH, POSITIONS, kv_heads, mlp_width)

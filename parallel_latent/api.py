@@ -38,12 +38,16 @@ from parallel_latent.config import FeatureModelConfig, ModelConfig, build_datacl
 from parallel_latent.data import tokenize_samples
 from parallel_latent.evaluation.latent_space import LatentStats
 from parallel_latent.evaluation.records import detokenize
+from parallel_latent.feature_model.features import random_features_unannounced
+from parallel_latent.feature_model.from_record import (
+    feature_config_from_record,
+    recorded_feature_model,
+    tokenizer_from_record,
+)
 from parallel_latent.latents import export_latents, plan_export
 from parallel_latent.launching.rendezvous import join_job
 from parallel_latent.model import LatentAutoencoder, eval_mode
 from parallel_latent.model.autoencoder import length_mask, predicted_lengths
-from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.from_record import feature_config_from_record, recorded_feature_model, tokenizer_from_record
 from parallel_latent.parallel import device_kind
 from parallel_latent.training.watchdog import Progress, Watchdog, collective_timeout_s
 
@@ -78,7 +82,7 @@ def load_autoencoder(path: str | Path, tp_group=None, *, verify_checksums: bool 
     ``path``: a portable directory, a consolidated directory or a training checkpoint (its
     ``model/``). With ``tp_group=None`` it runs in a single process without any process group. The
     GPT-2 is rebuilt from the recorded architecture and filled from the checkpoint: no path or hub
-    id that the manifest names is read (:mod:`parallel_latent.model.from_record`).
+    id that the manifest names is read (:mod:`parallel_latent.feature_model.from_record`).
     """
     directory = resolve_portable_dir(path)
     manifest = PortableCheckpoint(directory, verify_checksums=False).manifest

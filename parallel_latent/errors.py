@@ -102,7 +102,7 @@ def in_release_range(version: str, supported: tuple[Release, Release]) -> bool:
     """Whether ``version`` (``"0.19.8"``, ``"5.25.1.dev0"``, ``"0.19.9+cu130"``) lies in
     ``supported`` = [first, end): the releases a dependency's internals were used as. Its refusal
     outside is one line of bad input (DeepSpeed's in ``zero/version.py``, transformers' in
-    ``model/transformers_api.py``)."""
+    ``feature_model/transformers_api.py``)."""
     numbers = [int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3]]
     release = tuple(numbers + [0] * (3 - len(numbers)))
     return supported[0] <= release < supported[1]

@@ -56,6 +56,20 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
             *USERS,
         ),
     ),
+    # The frozen decoder and its cache: where the features come from, below the autoencoder.
+    (
+        "feature_model",
+        (
+            "parallel_latent.model",
+            "parallel_latent.checkpoint",
+            "parallel_latent.latents",
+            "parallel_latent.pretrained",
+            "parallel_latent.evaluation",
+            "parallel_latent.zero",
+            "parallel_latent.launching",
+            *USERS,
+        ),
+    ),
     (
         "model",
         (
@@ -330,11 +344,11 @@ def test_every_module_reads_in_a_sitting():
         ),
         (
             ("_attn_implementation", "pytorch_utils", "rotary_emb", "split_size", "position_embeddings="),
-            "model/transformers_api.py",
+            "feature_model/transformers_api.py",
         ),
         (
             ("snapshot_download", "try_to_load_from_cache", "HfApi", "validate_repo_id", "HF_ENDPOINT"),
-            "model/hub.py",
+            "feature_model/hub.py",
         ),
     ],
 )
@@ -351,14 +365,14 @@ def test_each_delicate_dependency_is_touched_in_one_module(names, home):
 
 
 def test_the_rest_of_the_package_asks_the_family_and_never_names_one():
-    """A decoder family's name or model type, as a string, lives in its file under model/families/;
+    """A decoder family's name or model type, as a string, lives in its file under feature_model/families/;
     config/sections.py lists them as feature_model.architecture's choices. (Prose may name them.)"""
-    from parallel_latent.model.families import FAMILIES
+    from parallel_latent.feature_model.families import FAMILIES
 
     names = {name for family in FAMILIES.values() for name in (family.name, *family.model_types)}
     for path in sorted(PACKAGE.rglob("*.py")):
         where = path.relative_to(PACKAGE)
-        if where.is_relative_to("model/families") or where == Path("config/sections.py"):
+        if where.is_relative_to("feature_model/families") or where == Path("config/sections.py"):
             continue
         named = sorted(
             node.value

@@ -47,7 +47,7 @@ def import_failure(module: str) -> str | None:
 
 
 def tokenizer_files_failure() -> str | None:
-    from parallel_latent.model.tokenizer import gpt2_bpe_files
+    from parallel_latent.feature_model.tokenizer import gpt2_bpe_files
 
     try:
         gpt2_bpe_files()

@@ -20,7 +20,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from parallel_latent.data.prepare import describe, make_spec, prepare
     from parallel_latent.data.sampler import held_out_size
     from parallel_latent.errors import DataError
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
     cfg = load_config(args.config, args.overrides)
     tokenizer = load_tokenizer(cfg.tokenizer)

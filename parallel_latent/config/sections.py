@@ -46,7 +46,7 @@ class ModelConfig:
     dropout: float = setting(0.1, "dropout of the blocks' MLP hidden layer and residual branches", FRACTION)
     init_std: float = setting(0.02, "standard deviation of the initial weights", POSITIVE)
     # Defaults only: the trainer overwrites these three with the tokenizer's facts
-    # (see parallel_latent.model.tokenizer.apply_tokenizer_facts).
+    # (see parallel_latent.feature_model.tokenizer.apply_tokenizer_facts).
     vocab_size: int = setting(50259, "tokens of the vocabulary (set by the trainer from the tokenizer)", at_least(1))
     mask_token_id: int = setting(50257, "the mask token every decoder query starts from (set from the tokenizer)")
     pad_token_id: int = setting(50258, "the padding token (set from the tokenizer)")

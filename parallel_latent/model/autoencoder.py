@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig, ModelConfig
+from parallel_latent.feature_model.features import FeatureModel, check_feature_model
 from parallel_latent.parallel import (
     CompiledWithFallback,
     CompileOutcome,
@@ -32,7 +33,6 @@ from parallel_latent.parallel import (
 )
 
 from .feature_norm import FeatureStandardizer, measure_feature_statistics
-from .features import FeatureModel, check_feature_model
 from .perceiver import LatentDecoder, PerceiverEncoder
 
 IGNORE_INDEX = -100

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parallel_latent.model.families import FAMILIES, SHAPE_RECORDED
+from parallel_latent.feature_model.families import FAMILIES, SHAPE_RECORDED
 
 from .directory import LIBRARY
 from .record import METRICS, TrainingRecord, dataset_of, latent_figures

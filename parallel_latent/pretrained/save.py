@@ -19,7 +19,7 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.coordination import barrier, broadcast_value, is_main
 from parallel_latent.errors import first_line
-from parallel_latent.model.tokenizer import tokenizer_facts
+from parallel_latent.feature_model.tokenizer import tokenizer_facts
 
 from .card import build_model_card
 from .directory import CARD_FILE, CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, PRETRAINED_FORMAT_VERSION

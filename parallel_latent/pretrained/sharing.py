@@ -1,6 +1,6 @@
 """A pretrained directory shared through the Hugging Face hub: found by path or downloaded by
 repository id (once per node), and pushed. The hub is reached through
-:mod:`parallel_latent.model.hub` (``huggingface_hub``'s snapshot download and folder upload);
+:mod:`parallel_latent.feature_model.hub` (``huggingface_hub``'s snapshot download and folder upload);
 its ``ModelHubMixin`` is not used: its ``save_pretrained`` writes straight
 into the target on every process that calls it (no single writer, no staged publish, and it replaces
 files in place), and its ``from_pretrained`` fetches ``config.json`` on every rank before the class
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from parallel_latent.checkpoint import CheckpointError
 from parallel_latent.coordination import barrier, broadcast_value, is_main, main_first
-from parallel_latent.model.hub import download_snapshot, hub_repo_id, push_folder
+from parallel_latent.feature_model.hub import download_snapshot, hub_repo_id, push_folder
 
 from .directory import CONFIG_FILE, LIBRARY, PRETRAINED_FORMAT, read_pretrained_config
 from .save import save_pretrained

@@ -25,7 +25,7 @@ from parallel_latent.checkpoint import (
 )
 from parallel_latent.checkpoint.background import HostCopies
 from parallel_latent.checkpoint.saving import PendingSave
-from parallel_latent.model.tokenizer import OFFLINE
+from parallel_latent.feature_model.tokenizer import OFFLINE
 
 __all__ = ["Checkpointer"]
 

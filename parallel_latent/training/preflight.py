@@ -44,7 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 logger.addFilter(SaidOnce())  # preflight and every rank's start-up compare the models: one notice
 
-# Model keys the tokenizer sets (:func:`parallel_latent.model.tokenizer.apply_tokenizer_facts`): before it is
+# Model keys the tokenizer sets (:func:`parallel_latent.feature_model.tokenizer.apply_tokenizer_facts`): before it is
 # loaded they hold the YAML's defaults, so a check without it leaves them to the ranks.
 TOKENIZER_KEYS = ("vocab_size", "mask_token_id", "pad_token_id")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from parallel_latent.config import Config
-from parallel_latent.model.features import random_features_notice
+from parallel_latent.feature_model.features import random_features_notice
 
 __all__ = ["banner_lines", "summary_text", "tp_options_line"]
 

@@ -28,15 +28,15 @@ from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
 from parallel_latent.errors import CheckpointError
+from parallel_latent.feature_model.features import check_feature_model, random_features_unannounced
+from parallel_latent.feature_model.from_record import loaded_decoder_difference
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.feature_model.weight_files import check_decoder_files
 from parallel_latent.launching.cluster import launcher_environment
 from parallel_latent.launching.rendezvous import StartupTimeout, join_job
 from parallel_latent.launching.reports import restart_line
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model, eval_mode
-from parallel_latent.model.features import check_feature_model, random_features_unannounced
-from parallel_latent.model.from_record import loaded_decoder_difference
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
-from parallel_latent.model.weight_files import check_decoder_files
 from parallel_latent.parallel import ParallelState
 
 from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine

@@ -264,8 +264,8 @@ def paths(tmp_path_factory):
 
     from parallel_latent.checkpoint import save_portable
     from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
     from parallel_latent.model import build_model
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
     root = tmp_path_factory.mktemp("paths")
     (root / "a_file").write_text("some text\n")

@@ -27,7 +27,7 @@ from parallel_latent.data import (
     read_samples,
     tokenize_samples,
 )
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
 PAD = 50258
 

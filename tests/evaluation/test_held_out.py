@@ -14,8 +14,8 @@ from parallel_latent.data import tokenize_samples
 from parallel_latent.evaluation.bleu import corpus_bleu
 from parallel_latent.evaluation.held_out import evaluate_texts
 from parallel_latent.evaluation.records import detokenize
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.model import build_model
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.helpers.tp_compare import autoencoder_reduction_length, max_abs, order_bound, terms_scale
 
 TEXTS = ["It is a truth universally acknowledged.", "Mr. Darcy bowed.", "She smiled at her sister."]

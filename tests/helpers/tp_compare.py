@@ -186,8 +186,8 @@ def collectives_of(forward) -> tuple[list, list]:
 def model_collectives_task(tp: int, cfg, batch: int) -> list:
     """A pool task: the collectives the model of ``cfg`` issues in one training forward and backward
     (its summed loss) of ``batch`` samples over ``tp`` real ranks (float32 on the CPU)."""
+    from parallel_latent.feature_model.features import random_features_unannounced
     from parallel_latent.model import build_model
-    from parallel_latent.model.features import random_features_unannounced
     from parallel_latent.parallel import initialize_model_parallel
 
     group = initialize_model_parallel(tp).tp_group

@@ -34,6 +34,7 @@ from parallel_latent.cli import main
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig
 from parallel_latent.data import read_samples, tokenize_samples
 from parallel_latent.data.prepared import PreparedDataset
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.latents import (
     INDEX_FILE,
     PAUSE_IN_SHARD_ENV,
@@ -45,7 +46,6 @@ from parallel_latent.latents import (
 )
 from parallel_latent.latents.export import _rows_of_files
 from parallel_latent.model import build_model
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.helpers.filesystems import directory_bytes, tmpfs
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.tp_compare import order_bound, terms_scale

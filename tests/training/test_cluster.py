@@ -40,7 +40,7 @@ def load_twice(gpt2_dir: str, tokenizer_dir: str, log: str) -> tuple[int, int]:
     import transformers
 
     from parallel_latent.config import Config, FeatureModelConfig, ModelConfig, TokenizerConfig
-    from parallel_latent.model.tokenizer import apply_tokenizer_facts, tokenizer_facts
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, tokenizer_facts
     from parallel_latent.parallel import initialize_model_parallel
     from parallel_latent.training.startup import build_model_once_per_node, load_tokenizer_once_per_node
 
@@ -88,7 +88,7 @@ def test_the_first_process_of_a_node_fetches_first(pool4, tmp_path):
     from transformers import GPT2Config, GPT2Model
 
     from parallel_latent.config import TokenizerConfig
-    from parallel_latent.model.tokenizer import load_tokenizer
+    from parallel_latent.feature_model.tokenizer import load_tokenizer
 
     load_tokenizer(TokenizerConfig()).save_pretrained(tmp_path / "tokenizer")
     config = GPT2Config(n_layer=3, n_head=2, n_embd=32, vocab_size=50257, bos_token_id=None, eos_token_id=None)

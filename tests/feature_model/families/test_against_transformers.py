@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 from parallel_latent.config import FeatureModelConfig
-from parallel_latent.model import FeatureModel
-from parallel_latent.model.families import FAMILIES
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.families import FAMILIES
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.tp_compare import order_bound, terms_scale
 

@@ -1,4 +1,4 @@
-"""A pretrained decoder's files checked whole before a job is accepted (model/weight_files.py):
+"""A pretrained decoder's files checked whole before a job is accepted (feature_model/weight_files.py):
 each kind of damage named in one line with its file, a hub name neither cached nor reachable said
 at once, and ``train --nproc 2`` refusing such a decoder with the run directory never made."""
 
@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from parallel_latent import cli
 from parallel_latent.config import ConfigError
 from parallel_latent.errors import ExitStatus
-from parallel_latent.model.weight_files import check_decoder_files, weight_files_problem
+from parallel_latent.feature_model.weight_files import check_decoder_files, weight_files_problem
 from tests.helpers.decoders import HUB_COMMIT, into_hub_cache, offline_hub
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG
 

@@ -12,8 +12,8 @@ import pytest
 
 from parallel_latent.config import TokenizerConfig
 from parallel_latent.errors import BadInput, CheckpointError
-from parallel_latent.model.from_record import feature_config_from_record, tokenizer_from_record
-from parallel_latent.model.tokenizer import OFFLINE, load_tokenizer, tokenizer_facts
+from parallel_latent.feature_model.from_record import feature_config_from_record, tokenizer_from_record
+from parallel_latent.feature_model.tokenizer import OFFLINE, load_tokenizer, tokenizer_facts
 from tests.helpers.self_contained import HUB_ID, OUTSIDE_PATH, guard_outside_reads
 
 SHAPE = {"n_layer": 6, "n_head": 4, "n_embd": 32, "n_positions": 64}
@@ -140,7 +140,7 @@ def test_a_loaded_decoder_is_compared_with_the_checkpoints_by_its_config_alone(c
     from transformers import GPT2Config
 
     from parallel_latent.config import FeatureModelConfig
-    from parallel_latent.model.from_record import loaded_decoder_difference
+    from parallel_latent.feature_model.from_record import loaded_decoder_difference
 
     directory = _decoder_directory(tmp_path / "gpt2", GPT2Config(vocab_size=50, **{**SHAPE, **changes}))
     feature_cfg = FeatureModelConfig(name_or_path=str(directory), pretrained=True)
@@ -155,7 +155,7 @@ def test_a_loaded_decoder_of_another_family_is_named(tmp_path):
     from transformers import GPT2Config, LlamaConfig
 
     from parallel_latent.config import FeatureModelConfig
-    from parallel_latent.model.from_record import loaded_decoder_difference
+    from parallel_latent.feature_model.from_record import loaded_decoder_difference
 
     llama = LlamaConfig(vocab_size=50, num_hidden_layers=6, num_attention_heads=4, hidden_size=32,
                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip

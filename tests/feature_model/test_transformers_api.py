@@ -1,4 +1,4 @@
-"""The one gate on transformers' release (model/transformers_api.py): a release outside the range
+"""The one gate on transformers' release (feature_model/transformers_api.py): a release outside the range
 whose internals the feature model uses is refused in one line, exit status 2, before a decoder is
 built; the range is the one pyproject.toml pins."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-import parallel_latent.model.transformers_api as api
+import parallel_latent.feature_model.transformers_api as api
 from parallel_latent.config import config_from_dict
 from parallel_latent.errors import ExitStatus, exit_status
 from parallel_latent.model import build_model
@@ -29,7 +29,7 @@ def test_the_supported_range(version, inside):
     assert exit_status(error.value) == ExitStatus.BAD_INPUT
     assert str(error.value) == (
         f"transformers {version} is installed; the feature model runs and shards transformers' decoder layers "
-        "through internals written for transformers>=5.17.0,<5.26 (parallel_latent/model/transformers_api.py): "
+        "through internals written for transformers>=5.17.0,<5.26 (parallel_latent/feature_model/transformers_api.py): "
         "pip install 'transformers>=5.17.0,<5.26'"
     )
 

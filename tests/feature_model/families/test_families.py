@@ -23,9 +23,10 @@ from parallel_latent.config import (
     TokenizerConfig,
     config_from_dict,
 )
-from parallel_latent.model import FeatureModel, LatentAutoencoder, build_model
-from parallel_latent.model.sharded import _weights_directory
-from parallel_latent.model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.sharded import _weights_directory
+from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+from parallel_latent.model import LatentAutoencoder, build_model
 from parallel_latent.parallel import initialize_model_parallel
 from tests.helpers.checkpoint_stack import gathered_state
 from tests.helpers.decoders import (
@@ -187,7 +188,7 @@ def test_a_sliding_window_shorter_than_max_length_is_refused(tmp_path, window, r
     full causal attention, the same thing only when the window holds every position."""
     from transformers import MistralConfig
 
-    from parallel_latent.model.features import check_feature_model
+    from parallel_latent.feature_model.features import check_feature_model
 
     config = MistralConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=window

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parallel_latent.config import Config, ConfigError, TokenizerConfig
-from parallel_latent.model.tokenizer import (
+from parallel_latent.feature_model.tokenizer import (
     MASK_TOKEN,
     PAD_TOKEN,
     _offline_gpt2_tokenizer,

