@@ -1,10 +1,14 @@
-"""``parallel-latent prepare``: tokenise a corpus into the cache ahead of training.
+"""``parallel-latent prepare``: tokenise a corpus into the cache ahead of training; ``parallel-latent
+feature-cache build|show|remove``: the frozen decoder's features of that corpus, computed once.
 
     parallel-latent prepare --config configs/gpt2.yaml data.path=/data/corpus.jsonl
+    parallel-latent feature-cache build --config configs/smollm2.yaml
 
-It prepares exactly what ``parallel-latent train`` with the same config and overrides would read
-(same fingerprint), prints where the copy is, how many samples it holds, how many were truncated
-and its fingerprint; a second run finds the copy and does nothing.
+``prepare`` prepares exactly what ``parallel-latent train`` with the same config and overrides would
+read (same fingerprint), prints where the copy is, how many samples it holds, how many were truncated
+and its fingerprint; a second run finds the copy and does nothing. ``feature-cache`` names the cache
+the same training would read (same key), builds it in this one process (training builds it over all
+its ranks), says where it is and whether it is complete, or removes it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_subcommands", "cmd_prepare"]
+__all__ = ["add_subcommands", "cmd_feature_cache", "cmd_prepare"]
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -41,6 +45,35 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_feature_cache(args: argparse.Namespace) -> int:
+    from parallel_latent.config import load_config
+    from parallel_latent.data import build_datasets
+    from parallel_latent.feature_model import cache
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+    from parallel_latent.model import build_model
+
+    # One process: the decoder whole, whatever layout training uses (the key does not depend on it).
+    layout = ["parallel.tensor_parallel=1", "feature_model.parallel=replicate"]
+    cfg = load_config(args.config, [*args.overrides, *layout])
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    train_set, eval_set = build_datasets(cfg, tokenizer)
+    feature_model = build_model(cfg).feature_model
+    rows = len(train_set) + len(eval_set)
+    spec = cache.job_spec(cfg, feature_model, train_set.data, rows)
+    if args.action == "build":
+        cache.job_cache(cfg, feature_model, train_set.data, rows)
+    elif args.action == "remove":
+        size = sum(p.stat().st_size for p in spec.directory.glob("*") if p.is_file()) if spec.directory.is_dir() else 0
+        gone = cache.removed(spec.directory)
+        print(
+            f"removed {spec.directory} ({size / 2**20:,.1f} MiB)" if gone else f"{spec.directory}: no cache to remove"
+        )
+        return 0
+    print(cache.status(spec), flush=True)
+    return 0
+
+
 def add_subcommands(sub) -> None:
     prepare = sub.add_parser(
         "prepare",
@@ -52,3 +85,18 @@ def add_subcommands(sub) -> None:
     prepare.add_argument("--config", required=True, help="YAML config file (see configs/)")
     prepare.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     prepare.set_defaults(handler=cmd_prepare)
+    feature_cache = sub.add_parser(
+        "feature-cache",
+        help="build, show or remove the frozen decoder's feature cache of a config's corpus",
+        description="The feature cache that train reads with the same config and overrides (feature_model.cache).",
+    )
+    actions = feature_cache.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, words in (
+        ("build", "compute the features of every sample once, in this process"),
+        ("show", "say where the cache is and whether it is complete"),
+        ("remove", "delete the cache"),
+    ):
+        parser = actions.add_parser(action, help=words, description=f"{words[0].upper()}{words[1:]}.")
+        parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+        parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+        parser.set_defaults(handler=cmd_feature_cache)

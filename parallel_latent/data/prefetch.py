@@ -80,10 +80,14 @@ class BatchPrefetcher:
         self._thread.join(timeout=5)
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's ids and mask on ``device``. Pinned host memory (the prefetcher's, on a GPU) copies
-    without blocking the host."""
+def to_device(
+    batch: dict[str, torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A batch's ids, mask and features (those of the feature cache, or None: the model computes
+    them) on ``device``. Pinned host memory (the prefetcher's, on a GPU) copies without blocking the host."""
+    features = batch.get("features")
     return (
         batch["input_ids"].to(device, non_blocking=True),
         batch["attention_mask"].to(device, non_blocking=True),
+        None if features is None else features.to(device, non_blocking=True),
     )

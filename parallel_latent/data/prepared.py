@@ -183,11 +183,16 @@ class DatasetView:
     """A split of a prepared copy (train or held out): ``len()`` samples whose ``i``-th is the
     sample row ``rows_of([i])``. Nothing per sample is held in memory."""
 
-    def __init__(self, data: PreparedDataset, rows_of, length: int, tokenizer: Any = None):
+    def __init__(self, data: PreparedDataset, rows_of, length: int, tokenizer: Any = None, features: Any = None):
         self.data = data
         self._rows_of = rows_of
         self._length = length
         self.tokenizer = tokenizer
+        self.features = features  # the feature cache (``.rows(rows)`` -> [B, T, f]), or None
+
+    def with_features(self, features: Any) -> DatasetView:
+        """This view, its batches carrying their ``features`` from the feature cache ``features``."""
+        return DatasetView(self.data, self._rows_of, self._length, self.tokenizer, features)
 
     def __len__(self) -> int:
         return self._length
@@ -196,7 +201,12 @@ class DatasetView:
         return self._rows_of(np.asarray(indices, dtype=np.int64))
 
     def batch(self, indices) -> dict[str, torch.Tensor]:
-        return self.data.rows(self.rows(indices))
+        """``{"input_ids", "attention_mask"}`` [B, T], and ``"features"`` [B, T, f] with a feature cache."""
+        rows = self.rows(indices)
+        batch = self.data.rows(rows)
+        if self.features is not None:
+            batch["features"] = self.features.rows(rows)
+        return batch
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         batch = self.batch([index])

@@ -33,7 +33,9 @@ def evaluate_ids(
     model = autoencoder.model
     with eval_mode(model):
         scored = score_samples(
-            lambda ids, mask: model(ids, mask, return_predictions=True, return_latents=True),
+            lambda ids, mask, features: model(
+                ids, mask, return_predictions=True, return_latents=True, features=features
+            ),
             input_ids, attention_mask, batch_size, autoencoder.device,
         )  # fmt: skip
         world = EvaluationWorld(model.model_cfg, model.feature_model.width, autoencoder.tokenizer)

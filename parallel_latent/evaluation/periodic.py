@@ -112,8 +112,10 @@ class Evaluator:
         engine = self.run.engine
         mine = get_batch(self.run.eval_set, list(range(first, first + total // self.state.dp_size)))
         return score_samples(
-            lambda ids, mask: engine(ids, mask, return_predictions=True, return_latents=True),
-            mine["input_ids"], mine["attention_mask"], self.micro_batch, engine.device,
+            lambda ids, mask, features: engine(
+                ids, mask, return_predictions=True, return_latents=True, features=features
+            ),
+            mine["input_ids"], mine["attention_mask"], self.micro_batch, engine.device, mine.get("features"),
         )  # fmt: skip
 
     def latent_stats_at(self, step: int) -> LatentStats | None:
@@ -190,9 +192,9 @@ class Evaluator:
         else:
             count = min(count, len(run.eval_set))
             batch = get_batch(run.eval_set, list(range(count)))
-            input_ids, attention_mask = to_device(batch, run.engine.device)
+            input_ids, attention_mask, features = to_device(batch, run.engine.device)
             with gathered(run.model.parameters()), eval_mode(run.model), torch.no_grad():
-                predicted = run.model(input_ids, attention_mask, return_predictions=True).predictions
+                predicted = run.model(input_ids, attention_mask, return_predictions=True, features=features).predictions
             records = reconstruction_records(
                 run.tokenizer, batch["input_ids"], batch["attention_mask"], predicted.cpu(), self._truncated(count)
             )

@@ -28,19 +28,24 @@ class Scored:
     length_exact: int  # samples whose predicted length is exact (model.predict_length; else 0)
 
 
-def score_samples(forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, device) -> Scored:
+def score_samples(
+    forward, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, device,
+    features: torch.Tensor | None = None,
+) -> Scored:  # fmt: skip
     """The statistics, predicted ids and latents of the samples [N, T], run through ``forward(ids,
-    mask)`` (an AutoencoderOutput with predictions and latents) in batches of ``batch_size``,
-    without autograd."""
+    mask, features)`` (an AutoencoderOutput with predictions and latents) in batches of ``batch_size``,
+    without autograd. ``features``: the samples' [N, T, f] from the feature cache, or None."""
     stats = torch.zeros(NUM_STATS, dtype=torch.float64)
     predictions, latents, length_exact = [], [], 0
     with torch.no_grad():
         for start in range(0, input_ids.shape[0], batch_size):
             rows = slice(start, start + batch_size)
-            ids, mask = to_device({"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}, device)
-            out = forward(ids, mask)
+            batch = {"input_ids": input_ids[rows], "attention_mask": attention_mask[rows]}
+            if features is not None:
+                batch["features"] = features[rows]
+            out = forward(*to_device(batch, device))
             stats[:SAMPLES] += output_totals(out).cpu()
-            stats[SAMPLES] += ids.shape[0]
+            stats[SAMPLES] += batch["input_ids"].shape[0]
             predictions.append(out.predictions)
             latents.append(out.latents.cpu())
             if out.num_length_exact is not None:

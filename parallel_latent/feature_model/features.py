@@ -22,12 +22,14 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from parallel_latent.config import Config, ConfigError, FeatureModelConfig
 from parallel_latent.parallel import group_size
 
+from .cache import tensors_digest
 from .families import FAMILIES, Family, family_of, held_layers, load_config
 from .hub import from_directory_or_hub
 from .packaged import local_decoder
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
 from .tokenizer import OFFLINE
 from .transformers_api import require_supported_transformers, use_sdpa
+from .weight_files import decoder_files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +236,13 @@ class FeatureModel(nn.Module):
         built = load_decoder(feature_cfg, vocab_size, recorded, self.shard_group)
         self.family, self.decoder_config = built.family, built.config
         decoder = truncate_to_hidden_state(built.decoder, self.hidden_state, built.family.depth(built.config))
+        # What the feature cache's key holds of the weights (weights_digest): a loaded decoder's files;
+        # a built one's tensors, read here while they are whole if they are about to be sharded.
+        self.source = feature_cfg.name_or_path if recorded is None and feature_cfg.pretrained else None
+        self._whole_digest = None
         if self.shard_group is not None:
+            if self.source is None:
+                self._whole_digest = tensors_digest(decoder.state_dict())
             shard_layers(decoder, self.family, self.shard_group)
         self.add_module(self.family.name, self.family.prepare(decoder))
         self.matmul_weights = self._count_matmul_weights()
@@ -299,6 +307,14 @@ class FeatureModel(nn.Module):
         if family.records_shape_alone:
             return shape
         return {"architecture": family.name, **shape, "transformers_config": config.to_dict()}
+
+    def weights_digest(self) -> str:
+        """The content of the weights, whatever the layout over the TP group: a pretrained decoder's
+        files (its token table's added rows, drawn per seed, are not among them), or every tensor of
+        a built one (the cache's key; :mod:`.cache`)."""
+        if self.source is not None:
+            return decoder_files_digest(self.source)
+        return self._whole_digest or tensors_digest(self.decoder.state_dict())
 
     def train(self, mode: bool = True) -> FeatureModel:
         return super().train(mode and not self.frozen)

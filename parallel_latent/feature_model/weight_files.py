@@ -9,12 +9,14 @@ garbage weights as a loss that turns NaN ten steps in.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zipfile
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 
 from parallel_latent.config import ConfigError
@@ -23,7 +25,7 @@ from parallel_latent.files import link_leaving
 from .hub import cached_snapshot_or_reachable
 from .packaged import local_decoder
 
-__all__ = ["check_decoder_files", "weight_files_problem"]
+__all__ = ["check_decoder_files", "decoder_files_digest", "weight_files_problem"]
 
 # Bytes per element of each safetensors dtype.
 ITEM_BYTES = {
@@ -32,19 +34,47 @@ ITEM_BYTES = {
 }  # fmt: skip
 
 
+def _decoder_directory(name_or_path: str, where: str) -> Path | None:
+    """The local directory of the decoder ``name_or_path`` names, or None (a hub name not yet cached)."""
+    directory = Path(local_decoder(name_or_path, where))
+    return directory if directory.is_dir() else cached_snapshot_or_reachable(str(name_or_path), where)
+
+
 def check_decoder_files(name_or_path: str) -> None:
     """ConfigError (one line starting with the key) when the decoder ``name_or_path`` names cannot
     be had or its files are not whole. A hub name the hub would still have to send is left to the
     ranks' download once the hub answers."""
     where = f"feature_model.name_or_path={name_or_path}"
-    directory = Path(local_decoder(name_or_path, where))
-    if not directory.is_dir():
-        found = cached_snapshot_or_reachable(str(name_or_path), where)
-        if found is None:
-            return
-        directory = found
-    if (problem := weight_files_problem(directory)) is not None:
+    directory = _decoder_directory(name_or_path, where)
+    if directory is not None and (problem := weight_files_problem(directory)) is not None:
         raise ConfigError(f"{where}: {problem}")
+
+
+def decoder_files_digest(name_or_path: str) -> str:
+    """The content of the decoder's config.json and weight files (the feature cache's key: two
+    directories holding the same weights share a cache, a file changed in place does not)."""
+    where = f"feature_model.name_or_path={name_or_path}"
+    directory = _decoder_directory(name_or_path, where)
+    if directory is None:
+        raise ConfigError(f"{where}: its weight files are not in the local cache")
+    weights = _weight_files(directory)
+    if isinstance(weights, str):
+        raise ConfigError(f"{where}: {weights}")
+    paths = [directory / "config.json", *weights]
+    return _digest_of(tuple((p.name, str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in paths))
+
+
+@functools.lru_cache(maxsize=8)
+def _digest_of(files: tuple) -> str:
+    """(name, path, size, mtime) of each file -> the digest of their names and contents (read once
+    per process for an unchanged file)."""
+    digest = xxhash.xxh3_128()
+    for name, path, _, _ in files:
+        digest.update(f"{name};".encode())
+        with open(path, "rb") as handle:
+            while block := handle.read(8 << 20):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def weight_files_problem(directory: Path) -> str | None:

@@ -187,16 +187,26 @@ class LatentAutoencoder(nn.Module):
                 f"for {length} positions)"
             )
 
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cached: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The feature model's output [B, T, f], every row on every rank (computed once per TP
-        group when the pass is split)."""
+        group when the pass is split). ``cached``: those features as the feature cache holds them
+        (:mod:`parallel_latent.feature_model.cache`), taken instead of running the frozen decoder."""
+        if cached is not None:
+            expected = (*input_ids.shape, self.feature_model.width)
+            if tuple(cached.shape) != expected:
+                raise ValueError(f"cached features of shape {tuple(cached.shape)}, expected {expected}")
+            return cached.to(torch.float32)
         if self.split_feature_model:
             return split_batch_and_gather(self.feature_model, (input_ids, attention_mask), self.tp_group)
         return self.feature_model(input_ids, attention_mask)
 
-    def encoder_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """What the encoder reads: the features, standardised with ``model.feature_norm``."""
-        features = self.features(input_ids, attention_mask)
+    def encoder_input(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cached: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What the encoder reads: the features (``cached``, or computed), standardised with ``model.feature_norm``."""
+        features = self.features(input_ids, attention_mask, cached)
         return features if self.feature_norm is None else self.feature_norm(features)
 
     def measure_feature_norm(self, batches, dp_group=None) -> None:
@@ -209,18 +219,22 @@ class LatentAutoencoder(nn.Module):
         count, mean, variance = measure_feature_statistics(self.features, batches, device, dp_group)
         self.feature_norm.set_statistics(count, mean, variance)
 
-    def _encode_local(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _encode_local(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cached: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Latents of this rank's positions (all of them unless sequence parallel)."""
         self._check_length(input_ids.shape[1])
-        return self.encoder(self.encoder_input(input_ids, attention_mask), attention_mask)
+        return self.encoder(self.encoder_input(input_ids, attention_mask, cached), attention_mask)
 
     def _whole(self, latents: torch.Tensor) -> torch.Tensor:
         return gather_from_sequence_parallel_region(latents, self.tp_group) if self.sequence_parallel else latents
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def encode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Latents [B, N, k] of ``input_ids`` [B, T] (N = T and k = d_model by default; see
         ``model.num_latents`` and ``model.latent_dim``; differentiable: wrap in no_grad for inference)."""
-        return self._whole(self._encode_local(input_ids, attention_mask))
+        return self._whole(self._encode_local(input_ids, attention_mask, features))
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,9 +260,12 @@ class LatentAutoencoder(nn.Module):
         attention_mask: torch.Tensor,
         return_latents: bool = False,
         return_predictions: bool = False,
+        features: torch.Tensor | None = None,
     ) -> AutoencoderOutput:
+        """``features``: the frozen decoder's features of ``input_ids`` from the feature cache (the
+        decoder does not run); None computes them."""
         cfg = self.model_cfg
-        latents = self._encode_local(input_ids, attention_mask)
+        latents = self._encode_local(input_ids, attention_mask, features)
         # This rank's vocabulary slice, never gathered; in training from noised latents (model.latent_noise).
         logits = self.decoder(self.latent_noise(latents), input_ids.shape[1])
         is_token = attention_mask.bool()

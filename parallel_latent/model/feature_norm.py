@@ -85,21 +85,24 @@ def _combine(parts: list[tuple[float, torch.Tensor, torch.Tensor]]) -> tuple[int
 
 
 def measure_feature_statistics(
-    features_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    features_of: Callable[..., torch.Tensor],
     batches: Iterable[dict[str, torch.Tensor]],
     device: torch.device | str = "cpu",
     dp_group=None,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(token count, mean, variance) in float64 of the features of every non-pad token of
-    ``batches`` (this rank's share; ``features_of(input_ids, attention_mask)`` -> [B, T, f]),
-    combined over ``dp_group`` in rank order, so that every rank gets the same numbers. Each batch
-    contributes its own (count, mean, squared deviations): no sum of squares of the massive
-    features loses the small ones' variance to cancellation."""
+    ``batches`` (this rank's share; ``features_of(input_ids, attention_mask)`` -> [B, T, f], called
+    with the batch's ``features`` third where it carries them from the feature cache), combined over
+    ``dp_group`` in rank order, so that every rank gets the same numbers. Each batch contributes its
+    own (count, mean, squared deviations): no sum of squares of the massive features loses the small
+    ones' variance to cancellation."""
     parts = []
     with torch.no_grad():
         for batch in batches:
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            tokens = features_of(ids, mask)[mask.bool()].double()
+            cached = batch.get("features")  # the feature cache's, where the batches come from it
+            features = features_of(ids, mask) if cached is None else features_of(ids, mask, cached.to(device))
+            tokens = features[mask.bool()].double()
             if tokens.shape[0]:
                 mean = tokens.mean(0)
                 parts.append((tokens.shape[0], mean, ((tokens - mean) ** 2).sum(0)))

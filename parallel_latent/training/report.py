@@ -59,7 +59,13 @@ def features_line(run: Any, frozen_share: float) -> str:
     if norm is not None:
         source = "read from the checkpoint" if run.resume_path is not None else "measured at the start"
         line += f", standardised per feature (statistics of {int(norm.tokens):,} tokens, {source})"
-    if cfg.feature_model.frozen:
+    cache = getattr(run.train_set, "features", None)
+    if cache is not None:
+        line += (
+            f"; read from the feature cache ({cache.spec.directory}), not computed: {100 * frozen_share:.0f}% of a "
+            "training step's FLOPs saved"
+        )
+    elif cfg.feature_model.frozen:
         line += f"; the frozen feature pass is {100 * frozen_share:.0f}% of a training step's FLOPs"
     return line
 

@@ -28,6 +28,7 @@ from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
 from parallel_latent.errors import CheckpointError
+from parallel_latent.feature_model.cache import cache_wanted, job_cache
 from parallel_latent.feature_model.features import check_feature_model, random_features_unannounced
 from parallel_latent.feature_model.from_record import loaded_decoder_difference
 from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
@@ -297,6 +298,12 @@ def _accept(cfg, deepspeed_overrides, source, state, device: str) -> Accepted:
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)
     bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides, device=device)
+    if cache_wanted(cfg.feature_model):  # the frozen pass once per sample: batches carry their features
+        cache = job_cache(
+            cfg, bundle.engine.module.feature_model, train_set.data, len(train_set) + len(eval_set), state,
+            bundle.engine.device,
+        )  # fmt: skip
+        train_set, eval_set = train_set.with_features(cache), eval_set.with_features(cache)
     if resume_path is None:  # a resume reads the statistics from its checkpoint
         measure_feature_norm(bundle.engine.module, cfg, train_set, state)
     return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle, device)

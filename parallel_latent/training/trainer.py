@@ -213,8 +213,10 @@ class Trainer:
         self.nonfinite = NonFiniteWatch(self.cfg)
         features = self.model.feature_model  # the decoder that was loaded, not the YAML's widths
         flops = model_flops_per_sample(self.cfg, features.blocks, features.width, features.matmul_weights)
-        self.flops_per_sample = flops["train"]
         self.frozen_share = flops["frozen_forward"] / flops["train"] if flops["train"] else 0.0
+        # What a step computes: with the feature cache, no frozen pass.
+        cached = getattr(self.train_set, "features", None) is not None
+        self.flops_per_sample = flops["train"] - (flops["frozen_forward"] if cached else 0.0)
         self.peak_flops, self.peak_flops_source = peak_flops_per_device(run.device_kind, training.precision)
         self._resume()
         if self.is_main:
@@ -336,13 +338,13 @@ class Trainer:
         weight_per_token = state.dp_size * self.grad_accum / max(trained, 1.0)
         step_stats = torch.zeros(NUM_STATS, dtype=torch.float64, device=self.device)
         for micro_step, batch in enumerate(batches.micro_batches):
-            input_ids, attention_mask = to_device(batch, self.device)
+            input_ids, attention_mask, features = to_device(batch, self.device)
             # Masks keyed on (optimizer step, position in the step's global batch): the same masks
             # however the global batch is cut into micro-batches and data-parallel ranks.
             rng.step = self.step
             rng.sample_offset = (micro_step * state.dp_size + state.dp_rank) * self.micro_batch
             progress.enter("forward")
-            out = engine(input_ids, attention_mask)
+            out = engine(input_ids, attention_mask, features=features)
             progress.enter("backward")
             engine.backward(out.trained_loss_sum * weight_per_token)
             progress.enter("optimizer")

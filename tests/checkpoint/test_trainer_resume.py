@@ -3,7 +3,7 @@
 (tests/helpers/pool_training.py), TP=2 x DP=2, dropout on. A straight 4-step run saves at step 2 and 4;
 a fresh job given only the step-2 checkpoint resumes and trains steps 3-4: every loss and the final
 weights are bit-identical. Then the same checkpoint resumes at another layout (TP=4 x DP=1, ZeRO-3)
-with Adam's moments."""
+with Adam's moments. A run on the feature cache is the straight run, and resumes at TP=4 on the same cache."""
 
 from __future__ import annotations
 
@@ -107,3 +107,40 @@ def test_resume_at_another_layout_keeps_adam_state(pool, straight_run, tmp_path)
     )
     for key in ("model_class", "model_config", "feature_model_config", "feature_model_architecture"):
         assert universal[key] == portable[key], key
+
+
+@pytest.mark.parametrize("straight_run", [2], indirect=True, ids=["zero2"])
+def test_a_run_on_the_feature_cache_is_the_same_run_and_a_resume_at_tp4_reads_the_same_cache(
+    pool, straight_run, tmp_path
+):
+    """``feature_model.cache=on``: the four ranks build the cache (one shard each), the steps read it
+    instead of running the decoder, and the run is the straight run: the same batches and schedule,
+    step 1's loss within the derived bound (identical here: a row's features do not depend on the
+    batch it was encoded in on these kernels; tests/feature_model/test_cache.py bounds them). Its
+    step-2 checkpoint resumed at TP=4 x DP=1 reads the same cache, building nothing."""
+    _, straight = straight_run
+    cached = tmp_path / "cached"
+    stdout, _ = train_in_pool(pool, cached, *RECIPE, "feature_model.cache=on")
+    assert "building the feature cache (4 of 4 shards" in stdout and "read from the feature cache" in stdout
+    assert any(line.startswith("feature cache built in") for line in stdout.splitlines())
+    directory = next(line.split(" into ")[1].removesuffix(" ...") for line in stdout.splitlines() if "cache (4" in line)
+    want, got = by_step(straight), by_step(cached)
+    assert sorted(got) == sorted(want)
+    for step in got:
+        assert (got[step]["tokens"], got[step]["samples"], got[step]["lr"]) == (
+            want[step]["tokens"], want[step]["samples"], want[step]["lr"]
+        ), step  # fmt: skip
+    model_cfg = load_config(TINY_CONFIG, [*TINY, "model.vocab_size=50259"]).model
+    n = autoencoder_reduction_length(model_cfg, tokens=8 * model_cfg.max_length, tp=2)
+    assert abs(got[1]["loss"] - want[1]["loss"]) <= order_bound(n, terms_scale(want[1]["loss"], n))
+
+    resumed = tmp_path / "resumed"
+    copy_checkpoint(cached, HALF, resumed)
+    stdout, _ = train_in_pool(
+        pool, resumed, *RECIPE, "feature_model.cache=on", "parallel.tensor_parallel=4", "training.micro_batch_size=8"
+    )
+    assert f"feature cache: {directory} (" in stdout and "building" not in stdout
+    assert "resharded from another layout" in stdout
+    n4 = autoencoder_reduction_length(model_cfg, tokens=8 * model_cfg.max_length, tp=4)
+    loss = by_step(cached)[HALF + 1]["loss"]
+    assert abs(by_step(resumed)[HALF + 1]["loss"] - loss) <= order_bound(n4, terms_scale(loss, n4))

@@ -102,7 +102,7 @@ def _evaluation(tp_group, model_overrides: dict):
     mask = torch.cat([tiny_batch(seed=10)[1], tiny_batch(seed=11)[1]])
     with eval_mode(model):
         scored = score_samples(
-            lambda i, m: model(i, m, return_predictions=True, return_latents=True), ids, mask, 3, "cpu"
+            lambda i, m, f: model(i, m, return_predictions=True, return_latents=True, features=f), ids, mask, 3, "cpu"
         )
         world = EvaluationWorld(model.model_cfg, model.feature_model.width, IdsAsWords())
         metrics, stats = latent_space_metrics(scored, model.decode, world, ids, mask, 3, "cpu")
