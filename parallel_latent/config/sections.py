@@ -212,14 +212,10 @@ class FeatureModelConfig:
         "holding 1/tp of them, for a decoder too big for one GPU",
     )
     cache: Literal["off", "auto", "on"] = setting(
-        "off",
-        "the feature cache: on: the frozen decoder's features of every sample are computed once (in parallel, "
-        "into memory-mapped shards keyed by the weights, decoder, hidden state, dtype and prepared corpus) and read "
-        "instead of running it at every step; auto: on for a frozen pretrained decoder; off: computed at every step",
-    )
-    cache_dtype: Literal["fp32", "bf16"] = setting(
-        "fp32", "the feature cache's dtype: fp32 (exact) or bf16 (half the disk; rounds the features)"
-    )
+        "off", "on: every sample's features computed once, then read instead of running the decoder at every step "
+        "(the feature cache); auto: on for a frozen pretrained decoder",
+    )  # fmt: skip
+    cache_dtype: Literal["fp32", "bf16"] = setting("fp32", "the feature cache's: fp32 exact, bf16 half the disk")
     cache_dir: str = setting("", "where feature caches live; '': <data cache>/features, beside the prepared data")
 
     def difference(self, record: dict | None) -> str | None:
@@ -227,11 +223,7 @@ class FeatureModelConfig:
         return feature_model_difference(self, record)
 
     def validate(self, source: str) -> None:
-        require(
-            self.cache != "on" or self.frozen,
-            source,
-            "feature_model.cache=on needs feature_model.frozen=true: a trained decoder's features change at every step",
-        )
+        require(self.cache != "on" or self.frozen, source, "feature_model.cache=on needs feature_model.frozen=true")
         require(
             self.parallel == "replicate" or self.frozen,
             source,

@@ -34,6 +34,11 @@ QUICK_FIGURES = {
     ],
     "bench_restart": ["restart: kill to the first step after it", "restart / cold start"],
     "bench_data": ["prepare / plain tokenizer call", "time to first step", "peak RSS"],
+    "bench_feature_cache": [
+        "step time, frozen decoder run / feature cache read",
+        "build of the cache, every sample once",
+        "private memory added by the 10x corpus's cache",
+    ],
     "bench_export": ["export / bare encode loop", "peak RSS", "rerun after a kill at 50% / uninterrupted run"],
     "bench_frontier": [
         "4 x 16 (8 floats per token) worst seed bleu",
