@@ -24,8 +24,7 @@ from parallel_latent.files import fsync, tree_bytes
 
 
 def save_stalls(cfg, model, scratch: Path, repeats: int) -> tuple[float, float, float]:
-    """Medians of (the synchronous save, the background save's stall, the background save's whole
-    write), seconds, for a training checkpoint of ``model`` under the project's DeepSpeed engine."""
+    """Medians (s) of a training checkpoint's synchronous save, background save's stall and whole write."""
     from parallel_latent.checkpoint import finish_background_save, save_training_checkpoint, start_background_save
     from parallel_latent.checkpoint.background import HostCopies
     from parallel_latent.launching.rendezvous import join_job
@@ -86,7 +85,6 @@ def body(args, report: Report) -> None:
             sizes = {"portable": tree_bytes(portable_dir), "torch_save": tree_bytes(torch_file)}
             shutil.rmtree(portable_dir)
             torch_file.unlink()
-        # The last load must have produced the saved weights exactly.
         pairs = zip(model.state_dict().values(), target.state_dict().values(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
     medians = {k: statistics.median(v) for k, v in times.items()}
@@ -105,7 +103,6 @@ def body(args, report: Report) -> None:
     report.figure(f"portable load (checksums verified) / torch.load, {args.config}", ratios["load"], "x", at_most=1.0)
     report.figure(f"portable load (no checksums) / torch.load, {args.config}", ratios["load_unverified"], "x")
     report.figure(f"portable bytes / torch.save bytes, {args.config}", ratios["bytes"], "x", at_most=1.02)
-
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-saves-") as scratch:
         sync, stall, whole = save_stalls(cfg, model, Path(scratch), args.repeats)

@@ -35,18 +35,12 @@ def write_corpus(path: Path, lines: int) -> None:
         handle.write("".join(line + "\n" for line in sentences[:rest]))
 
 
-def config(cache: Path, corpus: Path):
-    return config_with_tokenizer(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}"])
-
-
 def bench_prepare(corpus: Path, cache: Path, repeats: int) -> dict:
-    """Each round prepares into a fresh cache; the last copy is moved into ``cache`` (its name does
-    not depend on the cache directory), where training finds it later."""
+    """Each round prepares into a fresh cache; the last copy (named alike anywhere) moves to ``cache`` for training."""
     from parallel_latent.data import make_spec, prepare
 
-    cfg, tokenizer = config(cache, corpus)
-    lines = corpus.read_text(encoding="utf-8").splitlines()
-    plain_times, prepare_times, data = [], [], None
+    cfg, tokenizer = config_with_tokenizer(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}"])
+    lines, plain_times, prepare_times, data = corpus.read_text(encoding="utf-8").splitlines(), [], [], None
     for round_index in range(repeats):
         started = time.perf_counter()
         tokenizer(lines)
@@ -83,8 +77,7 @@ def bench_random_access(copy: Path, work: Path, batches: int = 400, batch_size: 
     arrow_dir = work / "arrow-copy"
     datasets.Dataset(table).save_to_disk(str(arrow_dir))
     del table
-    arrow = datasets.load_from_disk(str(arrow_dir)).with_format("numpy")
-    rng = np.random.default_rng(0)
+    arrow, rng = datasets.load_from_disk(str(arrow_dir)).with_format("numpy"), np.random.default_rng(0)
     index_sets = [rng.integers(0, n, size=batch_size) for _ in range(batches)]
 
     def arrow_batch(rows):
@@ -134,8 +127,7 @@ def body(args, report: Report) -> None:
     if args.quick:
         args.lines, args.lines_large, args.repeats, args.train_repeats = 5_000, 10_000, 1, 1
     with tempfile.TemporaryDirectory(prefix="bench-data-") as scratch:
-        work = Path(scratch)
-        cache = work / "cache"
+        work, cache = Path(scratch), Path(scratch) / "cache"
         print(f"work directory {work}; {os.cpu_count()} CPUs", flush=True)
         small = work / f"corpus-{args.lines}.txt"
         write_corpus(small, args.lines)
@@ -159,7 +151,7 @@ def body(args, report: Report) -> None:
         write_corpus(large, args.lines_large)
         print(f"\n3. training start; preparing the large corpus first ({large.stat().st_size / 1e6:.0f} MB) ...")
         for corpus in (small, large):
-            cfg, tokenizer = config(cache, corpus)
+            cfg, tokenizer = config_with_tokenizer(TINY, [f"data.path={corpus}", f"data.cache_dir={cache}"])
             started = time.perf_counter()
             data, _ = prepare(make_spec(cfg, tokenizer))
             print(f"  prepared {len(data):,} samples in {time.perf_counter() - started:.0f} s", flush=True)

@@ -24,8 +24,7 @@ SETTINGS = ["parallel.tensor_parallel=1", "logging.progress_bar=false"]
 
 
 def make_checkpoint(directory: Path, config: Path = TINY) -> Path:
-    """``config``'s model (its initial weights, a random GPT-2 where it has one: the speed does not
-    depend on them), saved as a portable checkpoint."""
+    """``config``'s model with its initial weights (the speed does not depend on them), saved portable."""
     from parallel_latent.checkpoint import save_portable
     from parallel_latent.feature_model.tokenizer import tokenizer_facts
     from parallel_latent.model import build_model
@@ -88,8 +87,7 @@ def bench_throughput(checkpoint: Path, corpus: Path, cache: Path, work: Path, ar
 
 
 def run_export(checkpoint: Path, corpus: Path, cache: Path, out: Path, shard_size: int, kill_at_shards=None) -> dict:
-    """One run of the command: seconds, peak RSS in MB; with ``kill_at_shards``, SIGKILLed once that
-    many shards are published."""
+    """One run of the command (seconds, peak RSS in MB), SIGKILLed once ``kill_at_shards`` shards are published."""
     args = [sys.executable, "-m", "parallel_latent", "encode-corpus", "--checkpoint", str(checkpoint), "--data",
             str(corpus), "--out", str(out), *SETTINGS, f"data.cache_dir={cache}",
             f"export.shard_size={shard_size}"]  # fmt: skip
@@ -114,11 +112,9 @@ def body(args, report: Report) -> None:
     if args.quick:
         args.lines, args.repeats, args.shard_size = 1_000, 1, 128
     with tempfile.TemporaryDirectory(prefix="bench-export-") as scratch:
-        work = Path(scratch)
-        cache = work / "cache"
+        work, cache = Path(scratch), Path(scratch) / "cache"
         print(f"work directory {work}; {os.cpu_count()} CPUs; device {args.device}", flush=True)
-        checkpoint = make_checkpoint(work / "checkpoint", Path(args.config))
-        large = work / f"corpus-{args.lines}.txt"
+        checkpoint, large = make_checkpoint(work / "checkpoint", Path(args.config)), work / f"corpus-{args.lines}.txt"
         write_corpus(large, args.lines)
         large_samples = len(prepare(checkpoint, large, cache, args.shard_size))
 
@@ -131,8 +127,7 @@ def body(args, report: Report) -> None:
         report.figure("bare encode samples/s", speed["bare_per_s"], "samples/s")
         if args.throughput_only:
             return
-        # The baseline corpus: the bundled one; in --quick a quarter of --lines (the same two runs,
-        # without encoding the whole bundled corpus).
+        # The baseline: the bundled corpus; in --quick a quarter of --lines (not encoding the whole bundled one).
         base, base_name, base_label = BUNDLED, "bundled corpus", "bundled (4,874)"
         if args.quick:
             base_lines = max(1, args.lines // 4)
@@ -153,8 +148,7 @@ def body(args, report: Report) -> None:
         report.figure(f"peak RSS, {args.lines:,} lines - {base_name}", growth, "MB", at_most=100)
 
         print(f"\n3. resume after SIGKILL at half of the shards, {args.lines:,} lines:", flush=True)
-        shards = -(-large_samples // args.shard_size)
-        out, uninterrupted = work / "resume", larger
+        shards, out, uninterrupted = -(-large_samples // args.shard_size), work / "resume", larger
         shutil.rmtree(out, ignore_errors=True)
         # One process publishes the shards in order: after `half` of them, half of the samples are done.
         half = -(-large_samples // (2 * args.shard_size))

@@ -25,7 +25,6 @@ OUT_OF_DOMAIN_GAP = 5.0
 WALL_S = 900.0  # every run within 15 minutes on 2 cores
 LD4LG = {32: 97.6, 16: 92.4}
 
-
 # Training with noise costs the narrower points their clean BLEU (at k = 16, step 250: BLEU 45 with
 # latent_noise 0.5 against 77 without), and only the 32 x 32 point has a noise goal.
 CLEAN = ["model.latent_noise=0"]
@@ -41,12 +40,10 @@ class Point:
     goals: dict[str, float] = field(default_factory=dict)
 
 
-POINTS = [
-    Point("32 x 32", 32, [], {"bleu": 99.5, "bleu_noise_0.5": 90.0}),
-    Point("16 x 64", 32, ["model.num_latents=16", "model.latent_dim=64", *CLEAN], {"bleu": 97.6}),
-    Point("32 x 16", 16, ["model.latent_dim=16", *CLEAN], {"bleu": 95.0}),
-    Point("32 x 8", 8, ["model.latent_dim=8", *CLEAN], {"bleu": 90.0}),
-]
+POINTS = [Point("32 x 32", 32, [], {"bleu": 99.5, "bleu_noise_0.5": 90.0}),
+          Point("16 x 64", 32, ["model.num_latents=16", "model.latent_dim=64", *CLEAN], {"bleu": 97.6}),
+          Point("32 x 16", 16, ["model.latent_dim=16", *CLEAN], {"bleu": 95.0}),
+          Point("32 x 8", 8, ["model.latent_dim=8", *CLEAN], {"bleu": 90.0})]  # fmt: skip
 # The quick run's model (bench_quality's, 8 tokens of width 32): fewer and narrower latents.
 QUICK_POINTS = [Point("4 x 16", 8, ["model.num_latents=4", "model.latent_dim=16"])]
 COLUMNS = ("bleu", "exact_match", "bleu_noise_0.1", "bleu_noise_0.3", "bleu_noise_0.5", "length_accuracy")
@@ -74,8 +71,7 @@ def spread(rows: list[dict], key: str) -> tuple[float, float, float]:
 
 
 def plot(results: list[tuple[Point, list[dict]]], path: Path) -> None:
-    """BLEU against floats per token: each point's median with its min-max range, held-out and out of
-    domain, and LD4LG's two points."""
+    """BLEU by floats per token: each point's median and min-max, held-out and out of domain; LD4LG's points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,8 +88,8 @@ def plot(results: list[tuple[Point, list[dict]]], path: Path) -> None:
             if key == "bleu":
                 axis.annotate(point.name, (x, y), textcoords="offset points", xytext=(-34, -12), fontsize=7)
     axis.plot(list(LD4LG), list(LD4LG.values()), "k^", label="LD4LG (BART-base, ROCStories)")
-    axis.set(xlabel="floats per token (N x k / T)", ylabel="BLEU")
-    axis.set_title("Reconstruction against compression (min-max over seeds)")
+    axis.set(xlabel="floats per token (N x k / T)", ylabel="BLEU",
+             title="Reconstruction against compression (min-max over seeds)")  # fmt: skip
     axis.set_xscale("log", base=2)
     axis.legend(fontsize=8, loc="lower right")
     axis.grid(alpha=0.3)
@@ -123,8 +119,7 @@ def body(args, report: Report) -> None:
     for point, rows in results:
         cells = []
         for key in keys:
-            digits = ".3f" if key == "exact_match" else ".1f"
-            measured = all(key in r for r in rows)
+            digits, measured = ".3f" if key == "exact_match" else ".1f", all(key in r for r in rows)
             cells.append(" /".join(f"{v:>6{digits}}" for v in spread(rows, key)) if measured else f"{'-':>22}")
         anchor = LD4LG.get(point.floats_per_token) if point.name.startswith("32 ") else None
         print(f"{point.floats_per_token:>12} {point.name:>8} " + " ".join(f"{c:>22}" for c in cells)

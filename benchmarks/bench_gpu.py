@@ -104,8 +104,7 @@ def run_training(setting: dict, extra: list[str], run_dir: Path, timeout: float,
 
 def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
     """benchmarks/bench_export.py's throughput part on this device: export / bare encode samples/s."""
-    device = "cuda" if context["gpus"] else "cpu"
-    figures = run_dir.with_suffix(".json")
+    device, figures = "cuda" if context["gpus"] else "cpu", run_dir.with_suffix(".json")
     lines, shard, config = ("500", "64", "tiny") if context["quick"] else ("20000", "2048", "gpt2")
     command = [sys.executable, "-m", "benchmarks.bench_export", "--throughput-only", "--device", device, "--config",
                f"configs/{config}.yaml", "--lines", lines, "--shard-size", shard, "--repeats", "1", "--json",
@@ -117,17 +116,13 @@ def run_export(run_dir: Path, timeout: float, context: dict) -> dict:
             "ratio": values["export / bare encode loop, samples per second"]}  # fmt: skip
 
 
-PROJECT_ROWS = (
-    "import json, sys\n"
-    "from benchmarks.step_projection import project_row\n"
-    "rows = {name: project_row(setting, quick=sys.argv[2] == '1') for name, setting in json.loads(sys.argv[1])}\n"
-    "print(json.dumps(rows))\n"
-)
+PROJECT_ROWS = ("import json, sys\nfrom benchmarks.step_projection import project_row\n"
+                "rows = {name: project_row(setting, quick=sys.argv[2] == '1') for name, setting in "
+                "json.loads(sys.argv[1])}\nprint(json.dumps(rows))\n")  # fmt: skip
 
 
 def projection_after(rows: list[tuple[str, dict, dict]], quick: bool, seconds: float) -> dict:
-    """name -> projected step and MFU of each training row, computed now (the GPU runs are over) in a
-    process that sees no GPU, within ``seconds``; {} where it cannot be."""
+    """name -> projected step and MFU per training row, by a process that sees no GPU, in ``seconds``; else {}."""
     if os.environ.get("PROJECTION", "1") != "1":
         return {}
     if seconds < 30:
@@ -161,12 +156,9 @@ def run_rows(planned, extra, deadline: float, context: dict):
             if left < 5:
                 unfinished.append((name, "not started: deadline reached"))
                 continue
-            run_dir = Path(scratch) / f"row{index}"
-            limit = min(timeout, left)
-            if name == "encode-corpus":
-                result = run_export(run_dir, limit, context)
-            else:
-                result = run_training(setting, extra, run_dir, limit, context)
+            run_dir, limit = Path(scratch) / f"row{index}", min(timeout, left)
+            result = (run_export(run_dir, limit, context) if name == "encode-corpus"
+                      else run_training(setting, extra, run_dir, limit, context))  # fmt: skip
             if "timeout" in result:
                 unfinished.append((name, f"ran out of time ({'its timeout' if limit == timeout else 'deadline'}, "
                                          f"{limit:.0f} s)"))  # fmt: skip
@@ -192,8 +184,7 @@ def body(args, report: Report) -> None:
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), DeepSpeed {version('deepspeed')}, "
           f"Triton {version('triton')}, transformers {version('transformers')}; device: {device}; "
           f"C compiler: {compiler or 'none'}", flush=True)  # fmt: skip
-    gpus = visible_gpus()
-    nproc = int(os.environ.get("NPROC", "1"))
+    gpus, nproc = visible_gpus(), int(os.environ.get("NPROC", "1"))
     if gpus and nproc > gpus:
         print(f"NPROC={nproc} clamped to the {gpus} visible GPU(s)", flush=True)
         nproc = gpus

@@ -34,11 +34,10 @@ def model_vs_plain(args, report: Report) -> None:
     ids = ids.masked_fill(mask == 0, args.vocab - 1)
     feature_cfg = FeatureModelConfig(n_layer=args.feature_layers, n_head=args.heads, n_embd=args.d_model)
     for dropout in args.dropouts:
-        model_cfg = ModelConfig(
-            d_model=args.d_model, n_heads=args.heads, n_encoder_layers=args.layers, n_decoder_layers=args.layers,
-            max_length=args.seq, dropout=dropout, vocab_size=args.vocab, mask_token_id=args.vocab - 2,
-            pad_token_id=args.vocab - 1, head="normal",  # the plain twin has a head of its own
-        )  # fmt: skip
+        model_cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_encoder_layers=args.layers,
+                                n_decoder_layers=args.layers, max_length=args.seq, dropout=dropout,
+                                vocab_size=args.vocab, mask_token_id=args.vocab - 2, pad_token_id=args.vocab - 1,
+                                head="normal")  # the plain twin has a head of its own  # fmt: skip
         ours = LatentAutoencoder(model_cfg, feature_cfg, seed=0).train()
         plain = plain_twin(ours).train()
         if dropout == 0.0:
@@ -69,8 +68,7 @@ def features_vs_full(args, report: Report) -> None:
     full = load_decoder(cfg, GPT2_VOCAB).decoder.eval()  # a random build is whole: not cut
     torch.manual_seed(0)
     truncated = FeatureModel(cfg, GPT2_VOCAB)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 50257, (args.feature_batch, args.seq), generator=gen)
+    ids = torch.randint(0, 50257, (args.feature_batch, args.seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     # The same function (the fused tanh GELU, causal attention without a mask), equal up to rounding:
     # tests/model/test_features.py holds it to the bound of that rounding.
@@ -122,9 +120,8 @@ def step_ops(args, report: Report) -> None:
     row_index, columns = rng.indices(tuple(x.shape), (0, 0, 0), tuple(x.shape), x.device)
     with OpCounter() as hash_only:
         keep_mask_core(row_index, columns, *layer_key((1, 5, site.layer_id)), drop_threshold(0.1))
-    outside = whole.total - hash_only.total
     print(f"one dropout site: {whole.total} operators, {hash_only.total} of them the mask hash (eager, CPU)")
-    report.figure("operators per dropout site outside the mask hash", outside, at_most=3)
+    report.figure("operators per dropout site outside the mask hash", whole.total - hash_only.total, at_most=3)
 
 
 def loss_memory(args, report: Report) -> None:

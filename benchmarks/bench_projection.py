@@ -12,17 +12,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from benchmarks import published_decoders
 from benchmarks.harness import Report, command
 from benchmarks.meta_trace import row_config
 from benchmarks.performance import ASSUMPTIONS, DEEPSPEED_KERNEL_GOALS, HOOK_CALL_GOAL, PINNED, kernels_of, projection
-from benchmarks.published_decoders import (
-    feature_model_record,
-    feature_model_setting,
-    frozen_rows,
-    frozen_seconds,
-    held_on_meta,
-    whole_steps,
-)
 from benchmarks.step_projection import matrix, project, rest_of_step, setting_label
 
 
@@ -90,13 +83,14 @@ def report_whole_steps(name: str, row: str, setting: dict, steps: list[dict], re
 
 def feature_model_body(args, report: Report) -> None:
     name = args.feature_model
-    extra, recorded = feature_model_setting(name), feature_model_record(name)
+    extra, recorded = published_decoders.feature_model_setting(name), published_decoders.feature_model_record(name)
     rows = [(row, setting) for row, setting, _ in matrix(args.quick) if row in ("default", "micro32")]
-    held, length = held_on_meta(name), row_config({}, args.quick).model.max_length
+    held, length = published_decoders.held_on_meta(name), row_config({}, args.quick).model.max_length
     for row, setting in rows:
         result = project({**setting, **extra}, args.quick, rest=False, recorded=recorded)
         traced = sum(k.device_s for k in result["kernel_list"] if k.part == "features") * 1e3
-        roofline = frozen_seconds(held, 1, "replicate", int(setting["training.micro_batch_size"]), length) * 1e3
+        micro = int(setting["training.micro_batch_size"])
+        roofline = published_decoders.frozen_seconds(held, 1, "replicate", micro, length) * 1e3
         print(f"{name}, {setting_label(setting)}: model alone {result['step_ms_overlapped']:.1f} ms, MFU "
               f"{result['mfu_overlapped'] * 100:.1f}%; traced / model FLOPs "
               f"{result['traced_flops'] / result['model_flops']:.4f}; its frozen pass as traced {traced:.1f} ms "
@@ -104,14 +98,15 @@ def feature_model_body(args, report: Report) -> None:
         report.figure(f"{name}: projected MFU overlapped, model alone, {row}", result["mfu_overlapped"])
         report.figure(f"{name}: traced / model FLOPs, {row}", result["traced_flops"] / result["model_flops"], "x")
         report.figure(f"{name}: frozen pass as traced at TP=1, device, {row}", traced, "ms")
-    for layout, tp, refusal, gib, ms in frozen_rows(held, int(rows[0][1]["training.micro_batch_size"]), length):
+    micro = int(rows[0][1]["training.micro_batch_size"])
+    for layout, tp, refusal, gib, ms in published_decoders.frozen_rows(held, micro, length):
         if refusal:
             print(f"{name}, frozen pass at TP={tp}, shard: refused ({refusal})")
             continue
         print(f"{name}, frozen pass at TP={tp}, {layout}: {ms:.2f} ms, {gib:.2f} GiB per rank")
         report.figure(f"{name}: frozen pass per rank, {layout}, TP={tp}", ms, "ms")
     for row, setting in rows:
-        report_whole_steps(name, row, setting, whole_steps(name, setting, args.quick), report)
+        report_whole_steps(name, row, setting, published_decoders.whole_steps(name, setting, args.quick), report)
 
 
 def body(args, report: Report) -> None:
@@ -126,21 +121,18 @@ def body(args, report: Report) -> None:
         phases = defaultdict(float)
         for k in result["kernel_list"]:
             phases["matmul" if k.flops else "memory-bound"] += k.device_s * 1e3
-        print(
-            f"\n{setting_label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
-            f"(overlapped-summed), MFU {result['mfu_overlapped'] * 100:.1f}-{result['mfu_summed'] * 100:.1f}%; "
-            f"{result['kernels']:,} kernels, device {result['device_ms']:.1f} ms ("
-            f"{', '.join(f'{kind} {ms:.1f} ms' for kind, ms in sorted(phases.items()))}), launches "
-            f"{result['launch_ms']:.1f} ms; traced / model FLOPs {result['traced_flops'] / result['model_flops']:.4f}; "
-            f"the loss {loss_ms:.2f} ms in {len(loss)} kernels"
-        )
+        print(f"\n{setting_label(setting)}: {result['step_ms_overlapped']:.1f}-{result['step_ms_summed']:.1f} ms "
+              f"(overlapped-summed), MFU {result['mfu_overlapped'] * 100:.1f}-{result['mfu_summed'] * 100:.1f}%; "
+              f"{result['kernels']:,} kernels, device {result['device_ms']:.1f} ms ("
+              f"{', '.join(f'{kind} {ms:.1f} ms' for kind, ms in sorted(phases.items()))}), launches "
+              f"{result['launch_ms']:.1f} ms; traced / model FLOPs {result['traced_flops'] / result['model_flops']:.4f}"
+              f"; the loss {loss_ms:.2f} ms in {len(loss)} kernels")  # fmt: skip
         for cost_label, ms, count in result["top"]:
             print(f"    {ms:8.2f} ms  {count:5d} x {cost_label}")
         quick_goal = None if args.quick else goal
         report.figure(f"projected MFU overlapped, {name}", result["mfu_overlapped"], at_least=quick_goal)
         report.figure(f"projected MFU summed, {name}", result["mfu_summed"])
-        # The row's MFU under the pessimistic roofline, and with each assumption pessimistic alone (the
-        # same trace timed again, not a factor on the pinned figure).
+        # The same trace timed again by the pessimistic roofline, and with each assumption pessimistic alone.
         ranges = result["ranges"]
         print(f"    MFU overlapped: pinned {result['mfu_overlapped'] * 100:.1f}%, pessimistic "
               f"{ranges['pessimistic']['mfu_overlapped'] * 100:.1f}%; one assumption pessimistic alone: "

@@ -71,8 +71,7 @@ def unseen_token_share(config: str, overrides: list[str]) -> float:
 def body(args, report: Report) -> None:
     config = str(Path(args.config))
     overrides = [*(QUICK if args.quick else []), *args.overrides]
-    seeds = args.seeds[:1] if args.quick else args.seeds
-    nproc = 1 if args.quick else args.nproc
+    seeds, nproc = (args.seeds[:1], 1) if args.quick else (args.seeds, args.nproc)
     name = Path(config).name
     # A config's goals are for the config as written: overrides make it another model.
     goals = {} if args.quick or args.overrides or args.tiny_decoder else GOALS.get(name, {})

@@ -20,8 +20,7 @@ def normalised(x):
 
 
 def corpus_features(lines: int):
-    """(features [S, T, d] layer-normalised, mask [S, T], ids [S, T], the token table [V, d]) of the
-    corpus's first ``lines`` lines, in float64."""
+    """(features [S, T, d] normalised, mask, ids [S, T], token table [V, d]) of the first ``lines`` lines, float64."""
     import torch
 
     from parallel_latent.data import read_samples
@@ -56,8 +55,7 @@ def feature_fits(report: Report, features, mask, ids, table) -> None:
 
     samples = features.shape[0]
     train = torch.arange(samples) < int(0.8 * samples)
-    position = F.one_hot(torch.arange(T), T).double().expand(samples, T, T)
-    rows = normalised(table)
+    position, rows = F.one_hot(torch.arange(T), T).double().expand(samples, T, T), normalised(table)
     previous = torch.roll(ids, 1, dims=1)
     previous[:, 0] = ids[:, 0]
 
@@ -74,7 +72,6 @@ def feature_fits(report: Report, features, mask, ids, table) -> None:
         inputs = torch.cat(parts, -1)
         residual = held_out(features) - held_out(inputs) @ fit(inputs, features)
         report.figure(f"features explained linearly by {label} (R^2)", 1 - residual.pow(2).mean() / total)
-
     inputs = torch.cat([position, features], -1)
     recovered = fit(inputs, rows[ids])  # the token's row from its feature
     residual = inputs[train][mask[train]] @ recovered - rows[ids][train][mask[train]]
@@ -82,8 +79,7 @@ def feature_fits(report: Report, features, mask, ids, table) -> None:
     inverse = torch.linalg.inv(torch.linalg.cholesky(residual.t() @ residual / len(residual)
                                                      + 1e-6 * torch.eye(rows.shape[1], dtype=rows.dtype)))  # fmt: skip
     _, directions = torch.linalg.eigh(inverse @ (signal.t() @ signal / len(signal)) @ inverse.t())
-    estimate, truth = held_out(inputs) @ recovered, held_out(ids)
-    generator = torch.Generator().manual_seed(1)
+    estimate, truth, generator = held_out(inputs) @ recovered, held_out(ids), torch.Generator().manual_seed(1)
     for k in RANKS:
         for label, basis in (
             ("a random subspace", torch.randn(rows.shape[1], k, generator=generator, dtype=rows.dtype)),
@@ -99,7 +95,6 @@ def body(args, report: Report) -> None:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     features, mask, ids, table = corpus_features(300 if args.quick else 3000)
-    # The share of random tokens of the vocabulary whose random code is read back as themselves.
     generator = torch.Generator().manual_seed(0)
     asked = torch.randperm(table.shape[0], generator=generator)[: 512 if args.quick else 8192]
     for k in RANKS:

@@ -42,7 +42,6 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
     overrides = [*args.overrides, "parallel.tensor_parallel=1", "parallel.zero_stage=2"]
     with tempfile.TemporaryDirectory() as run_dir, started_trainer(load(overrides, run_dir)) as trainer:
         cfg, device = trainer.cfg, trainer.device  # the config with the tokenizer's facts
-
         plain_model = build_model(cfg).to(device).train()
         trainable = plain_model.trainable_parameters()
         # The trainer's own optimizer (class and flags); ZeRO hands it one flat partition per group,
@@ -51,10 +50,7 @@ def bench_step_time(args, measure_memory: bool = False) -> dict:
         scheduler = build_lr_scheduler(optimizer, cfg)
         sampler = ShardedBatchSampler(len(trainer.train_set), cfg.training.micro_batch_size, seed=cfg.training.seed)
         optimizer_times = []  # one per plain step done
-
-        def synchronize() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
         def plain_step() -> float:
             # The batch is fetched before the clock starts, as the trainer's is read ahead.
@@ -97,8 +93,7 @@ def _bytes(tensors) -> int:
 
 
 def measure_engine_memory(trainer) -> dict:
-    """Parameters + gradients + optimizer state of the trainable part on this rank, in bytes, right
-    before the optimizer step of a second step (the first makes AdamW's state)."""
+    """Trainable parameters + gradients + optimizer state on this rank (bytes) before a second step's update."""
     import torch
 
     from parallel_latent.data import get_batch
@@ -108,7 +103,6 @@ def measure_engine_memory(trainer) -> dict:
     batch = get_batch(trainer.train_set, trainer.sampler.next_batch())
     out = engine(batch["input_ids"].to(trainer.device), batch["attention_mask"].to(trainer.device))
     engine.backward(out.loss_sum.float() / out.num_tokens.clamp(min=1))
-
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
     # No ZeRO wrapper: the module's own parameters are the master copy, their .grad the gradients.
@@ -136,18 +130,13 @@ def run_memory_layout(nproc: int, overrides: list[str]) -> list[dict]:
         return json.loads(output.read_text())
 
 
-def mib(n: int) -> str:
-    return f"{n / 2**20:8.2f} MiB"
-
-
 def body(args, report: Report) -> None:
     if not visible_gpus():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.quick:
         args.overrides = [*QUICK_OVERRIDES, *args.overrides]
-        args.repeats, args.most_repeats, args.warmup = 4, None, 1
-        args.precisions = args.precisions or "fp32"
+        args.repeats, args.most_repeats, args.warmup, args.precisions = 4, None, 1, args.precisions or "fp32"
     step = {}
     if args.part in ("step", "all"):
         step = bench_step_time(args, measure_memory=args.quick and args.part == "all")
@@ -170,8 +159,9 @@ def body(args, report: Report) -> None:
             print(f"trainable-part memory per rank, ZeRO-2, {precision} (parameters + fp32 master + gradients + "
                   "AdamW moments):")  # fmt: skip
             for name in ("parameters", "master_weights", "gradients", "optimizer_state", "total"):
-                print(f"  {name:16s} TP1xDP1 {mib(single[name])}   TP2xDP2 (rank {worst['rank']}) {mib(worst[name])}")
-            print(f"  frozen GPT-2, not included: {mib(single['frozen_parameters'])} per rank, replicated")
+                print(f"  {name:16s} TP1xDP1 {single[name] / 2**20:8.2f} MiB   TP2xDP2 (rank {worst['rank']}) "
+                      f"{worst[name] / 2**20:8.2f} MiB")  # fmt: skip
+            print(f"  frozen GPT-2, not included: {single['frozen_parameters'] / 2**20:8.2f} MiB per rank, replicated")
             report.figure(f"{precision} trainable-part memory, TP1xDP1", single["total"] / 2**20, "MiB")
             report.figure(f"{precision} trainable-part memory, TP2xDP2 worst rank", worst["total"] / 2**20, "MiB")
             ratio = worst["total"] / single["total"]

@@ -36,8 +36,7 @@ def attention_kernels(names: dict) -> str:
 
 def training_row(records: list[dict], log_text: str, positions_per_sample: int) -> dict:
     """A training row's figures from its metrics.jsonl records."""
-    train = [r for r in records if r["kind"] == "train"]
-    first_of_kind = {r["kind"]: r for r in reversed(records)}
+    train, first_of_kind = [r for r in records if r["kind"] == "train"], {r["kind"]: r for r in reversed(records)}
     first, syncs, kernels = (first_of_kind.get(kind) for kind in ("first_step", "syncs", "kernels"))
     steady = train[1:] or train  # the first window holds the first step (allocator, kernel selection, compile)
 
@@ -58,12 +57,10 @@ def training_row(records: list[dict], log_text: str, positions_per_sample: int) 
 
 
 def print_table(rows: list[tuple[str, dict, dict]], projected: dict) -> None:
-    """The training rows (the first three columns keep their places: tests and readers parse them),
-    then the export row."""
-    head = (f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} "
-            f"{'peak GiB':>8} {'syncs':>5} {'kernels':>7} {'start-up s':>10} {'1st step s':>10} "
-            f"{'attention':>10} {'fallback':>12} {'proj ms':>8} {'proj MFU %':>10}")  # fmt: skip
-    print(head)
+    """The training rows (tests and readers parse the first three columns: they keep their places), then export."""
+    print(f"{'dropout':>7} {'micro':>5} {'compile':>7} {'tokens/s':>12} {'step ms':>8} {'MFU %':>6} "
+          f"{'peak GiB':>8} {'syncs':>5} {'kernels':>7} {'start-up s':>10} {'1st step s':>10} "
+          f"{'attention':>10} {'fallback':>12} {'proj ms':>8} {'proj MFU %':>10}")  # fmt: skip
     for name, setting, r in [row for row in rows if row[0] != "encode-corpus"]:
         p = projected.get(name)
         cells = [

@@ -85,21 +85,14 @@ class Samples:  # per variant, wall and CPU seconds of each repeat; the load ave
         return statistics.median(self.wall[name])
 
 
-def interleaved(
-    fns: dict[str, Callable[[], float | None]],
-    repeats: int,
-    *,
-    warmup: int = 2,
-    ratios: list[tuple[str, str]] = (),
-    most: int | None = None,
-    agree: Callable[[bool], bool] = bool,
-) -> Samples:
+def interleaved(fns: dict[str, Callable[[], float | None]], repeats: int, *, warmup: int = 2,
+                ratios: list[tuple[str, str]] = (), most: int | None = None,
+                agree: Callable[[bool], bool] = bool) -> Samples:  # fmt: skip
     """Time ``fns`` in turn ``repeats`` times after ``warmup`` rounds, the order reversed on odd repeats (a
     function returning a float reports its own wall time). With ``ratios`` and ``most``, repeats go on in
     steps until every ratio's halves agree or ``most`` are done; ``agree``: every process stops together."""
     names = list(fns)
-    samples = Samples({name: [] for name in names}, {name: [] for name in names})
-    done, target = 0, repeats
+    samples, done, target = Samples({name: [] for name in names}, {name: [] for name in names}), 0, repeats
     for _ in range(warmup):
         for name in names:
             fns[name]()
@@ -162,8 +155,7 @@ def machine() -> dict:
 
 class Report:
     def __init__(self, benchmark: str, args: argparse.Namespace):
-        self.benchmark = benchmark
-        self.quick = bool(getattr(args, "quick", False))
+        self.benchmark, self.quick = benchmark, bool(getattr(args, "quick", False))
         self.json_path = getattr(args, "json", None)
         self.figures: list[Figure] = []
 
@@ -180,22 +172,21 @@ class Report:
         print(figure.line(), flush=True)
         return figure
 
-    def ratio(self, name: str, samples: Samples, numerator: str, denominator: str, at_most: float | None = None):
+    def ratio(self, name: str, samples: Samples, numerator: str, denominator: str, at_most: float | None = None,
+              at_least: float | None = None):  # fmt: skip
         """The figure of an :func:`interleaved` timing ratio: its median, with its spread."""
         spread = samples.spread(numerator, denominator)
-        return self.figure(name, spread.median, "x", at_most=at_most, spread=spread)
+        return self.figure(name, spread.median, "x", at_most=at_most, at_least=at_least, spread=spread)
 
     def write(self) -> None:
         if not self.json_path:
             return
         # The command that reproduces the figures, less where they went (each --json and the word after it).
         argv = [arg for i, arg in enumerate(sys.argv[1:]) if "--json" not in sys.argv[i : i + 2]]
-        record = {
-            "benchmark": self.benchmark, "quick": self.quick,
-            "command": " ".join(["python", "-m", f"benchmarks.{self.benchmark}", *argv]),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(), "figures": [asdict(f) for f in self.figures],
-        }  # fmt: skip
+        record = {"benchmark": self.benchmark, "quick": self.quick,
+                  "command": " ".join(["python", "-m", f"benchmarks.{self.benchmark}", *argv]),
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "machine": machine(), "figures": [asdict(f) for f in self.figures]}  # fmt: skip
         path = Path(self.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
@@ -229,8 +220,7 @@ def config_with_tokenizer(path: Path, overrides: list[str]):
 
 
 def script_parser(doc: str, arguments: Callable[[argparse.ArgumentParser], None] | None = None):
-    """A benchmark script's parser: ``doc`` its description, ``arguments(parser)`` its own options, then
-    ``--quick`` and ``--json``."""
+    """A script's parser: ``doc`` its description, ``arguments(parser)`` its options, then --quick and --json."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if arguments:
         arguments(parser)

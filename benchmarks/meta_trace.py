@@ -20,15 +20,13 @@ from parallel_latent.config import load_config
 
 
 def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    """What a masked bf16 SDPA runs on CUDA: memory-efficient attention with an additive bias
-    (the boolean mask turned into one by one kernel, as torch's CUDA path does)."""
+    """What a masked bf16 SDPA runs on CUDA: memory-efficient attention, a boolean mask made a bias by one kernel."""
     bias = None
     if attn_mask is not None:
-        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         if attn_mask.dtype == torch.bool:
             zero = torch.zeros((), dtype=query.dtype, device=query.device)
             attn_mask = torch.where(attn_mask, zero, torch.finfo(query.dtype).min)
-        bias = attn_mask.expand(shape)
+        bias = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention
     return efficient(query, key, value, bias, needs_grad, dropout_p, is_causal and bias is None, scale=scale)[0]
@@ -80,7 +78,8 @@ def fake_tp_group(tp: int):
 def _feature_model_from(recorded: dict | None):
     """The model's feature model rebuilt from ``recorded`` (a whole transformers config, as a checkpoint's
     record rebuilds it) instead of the random build's few keys (an MLP 4x the width); as is without one."""
-    from parallel_latent.model import autoencoder, features
+    from parallel_latent.feature_model import features
+    from parallel_latent.model import autoencoder
 
     def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None):
         # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
@@ -147,12 +146,9 @@ def trace_model(cfg, device: str = "cuda", tp_group=None, recorded: dict | None 
     attention = {"cuda": cuda_attention, "cpu": cpu_attention}[device]
     for _ in range(2):
         tracer.ops.clear()
-        with (
-            tracer,
-            mock.patch.object(F, "scaled_dot_product_attention", attention),
-            _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss"),
-            _marked(tracer, model, "features", "features"),
-        ):
+        with (tracer, mock.patch.object(F, "scaled_dot_product_attention", attention),
+              _marked(tracer, autoencoder, "vocab_parallel_cross_entropy", "loss"),
+              _marked(tracer, model, "features", "features")):  # fmt: skip
             out = tracer.model_call(model)(ids, mask)
             with tracer.running("trainer"):  # the trainer's weighting of the loss: the rest of the step's
                 loss = out.trained_loss_sum * 1.0

@@ -17,8 +17,7 @@ FROM_PYTHON_DATA = ("aten.lift_fresh", "aten.lift_fresh_copy")
 
 
 def package_caller(instruments: tuple[str, ...] = (__file__,), package: str = PACKAGE) -> str | None:
-    """``file:line`` of the innermost frame outside torch and the ``instruments`` (the counters' files), if it
-    is ``package``'s; None when it is a third party's."""
+    """``file:line`` of the innermost frame outside torch and the ``instruments`` if ``package``'s, else None."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         if "/torch/" in frame.filename or frame.filename in instruments:
             continue

@@ -49,7 +49,6 @@ def pessimistic_in(assumption: str) -> Roofline:
 # The range a projection is also timed by: PESSIMISTIC, and PINNED with each assumption pessimistic alone.
 RANGES = {"pessimistic": PESSIMISTIC, **{name: pessimistic_in(name) for name in ASSUMPTIONS}}
 
-
 # The goals (an H200, TP=1, bf16): the overlapped MFU at dropout 0.1, projected (bench_projection.py)
 # and measured (bench_gpu.py); DeepSpeed's backward work + its step per DP size; Python hook calls.
 MFU_GOALS = {"default": 0.43, "compile": 0.50, "micro32": 0.30}
@@ -122,8 +121,7 @@ def matmul_seconds(flops: float, nbytes: int, roofline: Roofline = PINNED) -> fl
 
 
 def _distinct_bytes(accesses) -> int:
-    """Bytes of the views ``accesses`` touch, each element once: per tensor, the union of the views'
-    element ranges (no more than their elements)."""
+    """Bytes the views ``accesses`` touch, each element once: per tensor, the union of their ranges (<= their bytes)."""
     by_storage = defaultdict(list)
     for storage, view, nbytes in accesses:
         by_storage[storage].append((view, nbytes))
@@ -140,15 +138,8 @@ def _distinct_bytes(accesses) -> int:
     return total
 
 
-def _fusible(op: Op) -> bool:
-    """Whether a compiled region's inductor code can fuse ``op`` with its neighbours."""
-    return (op.region is not None and op.kind == "other" and not op.name.startswith(SCATTERS)
-            and kernels_per_op(op) == 1 and not op.host)  # fmt: skip
-
-
 def op_bytes(op: Op) -> int:
-    """Bytes an eager kernel moves: every operand, except a gather's source, of which it reads as many
-    elements as it writes."""
+    """Bytes an eager kernel moves: every operand, of a gather's source only as many elements as it writes."""
     if not op.name.startswith(GATHERS):
         return op.bytes
     source, *others = op.reads
@@ -176,7 +167,9 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
             run.clear()
 
     for i, op in enumerate(ops):
-        fusible = _fusible(op)
+        # Whether a compiled region's inductor code can fuse it with its neighbours.
+        fusible = (op.region is not None and op.kind == "other" and not op.name.startswith(SCATTERS)
+                   and kernels_per_op(op) == 1 and not op.host)  # fmt: skip
         if run and (not fusible or op.region != run_region):
             close_run(i - 1)
         if fusible:
@@ -189,7 +182,6 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
         matmul = op.kind == "matmul"
         seconds = matmul_seconds(op.flops, op.bytes, roofline) if matmul else op_bytes(op) / roofline.bandwidth
         label = f"{op.name} [{op.phase if op.phase != 'step' else op.part}]"
-        # The bytes spread over the kernels, each no shorter than the minimum.
         per_kernel = max(seconds / count, roofline.min_kernel_s)
         kernels += [Kernel(label, per_kernel, op.flops / count, op.part, op.kind == "collective")] * count
     close_run(len(ops) - 1)
@@ -197,23 +189,19 @@ def kernels_of(ops: list[Op], roofline: Roofline = PINNED) -> list[Kernel]:
 
 
 def cuda_only(cfg, roofline: Roofline = PINNED) -> list[Kernel]:
-    """What CUDA runs that a CPU trace cannot show: the micro-batch's ids and mask copied to the device
-    (pinned host memory, one copy each)."""
+    """What a CPU trace cannot show: the micro-batch's ids and mask copied to the device (pinned, one copy each)."""
     nbytes = cfg.training.micro_batch_size * cfg.model.max_length * 8  # int64
     seconds = max(nbytes / roofline.bandwidth, roofline.min_kernel_s)
     return [Kernel("host-to-device copy of the batch [step]", seconds, 0.0, "trainer")] * 2
 
 
 def projection(kernels: list[Kernel], model_flops: float, roofline: Roofline = PINNED) -> dict:
-    device = sum(k.device_s for k in kernels)
-    launch = roofline.launch_s * len(kernels)
+    device, launch = sum(k.device_s for k in kernels), roofline.launch_s * len(kernels)
     overlapped, summed = max(device, launch), device + launch
-    return {
-        "step_ms_overlapped": overlapped * 1e3, "step_ms_summed": summed * 1e3,
-        "mfu_overlapped": model_flops / overlapped / PEAK_FLOPS if overlapped else 0.0,
-        "mfu_summed": model_flops / summed / PEAK_FLOPS if summed else 0.0,
-        "device_ms": device * 1e3, "launch_ms": launch * 1e3, "kernels": len(kernels),
-    }  # fmt: skip
+    return {"step_ms_overlapped": overlapped * 1e3, "step_ms_summed": summed * 1e3,
+            "mfu_overlapped": model_flops / overlapped / PEAK_FLOPS if overlapped else 0.0,
+            "mfu_summed": model_flops / summed / PEAK_FLOPS if summed else 0.0,
+            "device_ms": device * 1e3, "launch_ms": launch * 1e3, "kernels": len(kernels)}  # fmt: skip
 
 
 def top_costs(kernels: list[Kernel], n: int = 10) -> list[tuple[str, float, int]]:

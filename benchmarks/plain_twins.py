@@ -48,8 +48,7 @@ class PlainBlock(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.ln_query, self.ln_context, self.ln_mlp = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = PlainAttention(d, cfg.n_heads, cfg.dropout)
-        self.mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
+        self.attn, self.mlp = PlainAttention(d, cfg.n_heads, cfg.dropout), PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
 
     def forward(self, x, context, context_mask=None):
         x = x + self.attn(self.ln_query(x), self.ln_context(context), context_mask)
@@ -85,17 +84,14 @@ class PlainDecoder(nn.Module):
         d = cfg.d_model
         self.positions = nn.Parameter(torch.empty(cfg.max_length, d))
         self.register_buffer("mask_vector", torch.empty(d))
-        self.query_mlp = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout)
-        self.query_scale = nn.Parameter(torch.ones(1))
+        self.query_mlp, self.query_scale = PlainMLP(d, cfg.mlp_ratio * d, cfg.dropout), nn.Parameter(torch.ones(1))
         self.stack, self.ln_f = PlainStack(cfg, cfg.n_decoder_layers), nn.LayerNorm(d)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
 
     def forward(self, latents):
         b, t, d = latents.shape
-        if self.training and self.query_mlp.dropout > 0:
-            queries = self.query_mlp(self.mask_vector.expand(b, t, d))
-        else:
-            queries = self.query_mlp(self.mask_vector.view(1, 1, d)).expand(b, t, d)
+        queries = (self.query_mlp(self.mask_vector.expand(b, t, d)) if self.training and self.query_mlp.dropout > 0
+                   else self.query_mlp(self.mask_vector.view(1, 1, d)).expand(b, t, d))  # fmt: skip
         queries = queries * self.query_scale + self.positions
         return self.head(self.ln_f(self.stack(queries, latents + self.positions)))
 

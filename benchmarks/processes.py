@@ -65,8 +65,7 @@ def status_kb(key: str, pid: int | str = "self") -> int | None:
 def peak_extra_bytes(fn) -> int:
     """Peak resident memory over ``fn()`` above what was resident before (the high-water mark reset first)."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
+    Path("/proc/self/clear_refs").write_text("5")
     before = status_kb("VmRSS:")
     fn()
     return (status_kb("VmHWM:") - before) * 1024

@@ -91,8 +91,7 @@ def frozen_seconds(held: Held, tp: int, layout: str, batch: int, length: int) ->
     tokens = samples * length
     per_layer = matmul_seconds(2 * tokens * held.layer_matrices / split, BYTES * held.layer_matrices / split, PINNED)
     per_layer += 4 * samples * length * length * held.width / split / PINNED.big_matmul_rate
-    seconds = held.layers * per_layer
-    features = BYTES * batch * length * held.width
+    seconds, features = held.layers * per_layer, BYTES * batch * length * held.width
     if tp > 1 and layout == "replicate":
         seconds += collective_seconds("all_gather", features, tp)
     if tp > 1 and layout == "shard":
@@ -113,14 +112,11 @@ def frozen_rows(held: Held, batch: int, length: int):
 
 
 def feature_model_setting(name: str) -> dict:
-    """The overrides that make the rows' model read the features of decoder ``name`` (its shape; the
-    decoder itself is rebuilt from :func:`feature_model_record`)."""
+    """The overrides that make the rows' model read decoder ``name``'s features (its shape: feature_model_record)."""
     family, hidden, layers, heads, kv_heads, _, _, positions = MODELS[name]
-    setting = {
-        "feature_model.architecture": family, "feature_model.n_layer": layers, "feature_model.n_head": heads,
-        "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
-        "model.n_heads": hidden // 128,
-    }  # fmt: skip
+    setting = {"feature_model.architecture": family, "feature_model.n_layer": layers, "feature_model.n_head": heads,
+               "feature_model.n_embd": hidden, "feature_model.n_positions": positions, "model.d_model": hidden,
+               "model.n_heads": hidden // 128}  # fmt: skip
     if kv_heads != heads:  # grouped-query attention
         setting["feature_model.n_kv_head"] = kv_heads
     return {key: str(value) for key, value in setting.items()}
@@ -187,8 +183,7 @@ def whole_steps(name: str, setting: dict, quick: bool, tps: tuple[int, ...] | No
                 continue
             frozen_ms = frozen_seconds(held, tp, layout, batch, length) * 1e3
             step_ms = ours["compute"]["step_ms_overlapped"] + ours["collective_ms"] + frozen_ms
-            rows.append({
-                "tp": tp, "layout": layout, "perceiver": ours, "frozen_ms": frozen_ms, "step_ms": step_ms,
-                "tokens_per_s": batch * length / tp / (step_ms / 1e3), "mfu": flops / tp / (step_ms / 1e3) / PEAK_FLOPS,
-            })  # fmt: skip
+            rows.append({"tp": tp, "layout": layout, "perceiver": ours, "frozen_ms": frozen_ms, "step_ms": step_ms,
+                         "tokens_per_s": batch * length / tp / (step_ms / 1e3),
+                         "mfu": flops / tp / (step_ms / 1e3) / PEAK_FLOPS})  # fmt: skip
     return rows

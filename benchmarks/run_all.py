@@ -26,12 +26,8 @@ from benchmarks.harness import REPO, Spread, format_value, visible_gpus
 RESULTS = REPO / "docs" / "benchmarks"
 PAGE = REPO / "docs" / "benchmarks.md"
 # tiny.yaml's 16 tokens in 8 latents of 32 features (16 floats a token), one process.
-TINY_COMPRESSED = [
-    "model.num_latents=8",
-    "model.latent_dim=32",
-    "model.predict_length=true",
-    "parallel.tensor_parallel=1",
-]
+TINY_COMPRESSED = ["model.num_latents=8", "model.latent_dim=32", "model.predict_length=true",
+                   "parallel.tensor_parallel=1"]  # fmt: skip
 QUALITY = ["-m", "benchmarks.bench_quality", "--config"]
 
 # name -> (what it measures, the command after `python`; --json is added). In page order.
@@ -51,6 +47,9 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
                       ["-m", "benchmarks.bench_restart"]),
     "bench_data": ("Preparing a corpus, random batches from the prepared copy, time and memory to the first step at "
                    "10M lines", ["-m", "benchmarks.bench_data"]),
+    "bench_feature_cache": ("The feature cache: configs/smollm2.yaml's step on a warm cache against the frozen "
+                            "decoder's, the cache's build, a reader's private memory at 10x the corpus",
+                            ["-m", "benchmarks.bench_feature_cache"]),
     "bench_export": ("encode-corpus on configs/tiny.yaml's model: export / bare encode throughput, peak RSS against "
                      "the corpus size, a rerun after a kill at 50%", ["-m", "benchmarks.bench_export"]),
     "bench_projection": ("configs/gpt2.yaml's whole step on one H200, projected (the model traced on the meta device, "
@@ -83,10 +82,8 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
 
 GPU = "gpu"
 GPU_TITLE = "configs/gpt2.yaml on one GPU, bf16, through the real trainer (benchmarks/gpu.sh)"
-NO_GPU_RUN = (
-    "no GPU run has been recorded: the development machines have no GPU, and no session that was lent one has "
-    "run `benchmarks/gpu.sh --json docs/benchmarks/gpu.json` yet."
-)
+NO_GPU_RUN = ("no GPU run has been recorded: the development machines have no GPU, and no session that was lent one "
+              "has run `benchmarks/gpu.sh --json docs/benchmarks/gpu.json` yet.")  # fmt: skip
 
 
 def run_benchmark(name: str, results: Path, quick: bool) -> bool:
@@ -129,18 +126,15 @@ def render_section(results: Path, name: str, title: str, failed: set[str], missi
 
 def render_page(results: Path, failed: set[str] = frozenset()) -> str:
     """The page, from whatever JSON files ``results`` holds (pure: no benchmark is run)."""
-    lines = [
-        "# Benchmark figures",
-        "",
-        "Written by `python -m benchmarks.run_all` from the JSON files in `docs/benchmarks/` (one per script; "
-        "`--only NAME` re-runs one, `--render` rewrites this page). A timing is a ratio against a baseline run in "
-        "the same process, one repeat of each in turn: the median of the per-repeat ratios, then in brackets their "
-        "min-max, the ratio of CPU time (steadier than wall time on a shared machine), the load average while it "
-        'ran, and "unstable" where the two halves of the repeats still disagreed by more than 2.5% on the median '
-        "after the most repeats the script allows (it repeats until they agree). A goal not met is reported here, "
-        "not hidden. Each section names the command, date and machine of its figures.",
-        "",
-    ]
+    lines = ["# Benchmark figures", "",
+             "Written by `python -m benchmarks.run_all` from the JSON files in `docs/benchmarks/` (one per script; "
+             "`--only NAME` re-runs one, `--render` rewrites this page). A timing is a ratio against a baseline run "
+             "in the same process, one repeat of each in turn: the median of the per-repeat ratios, then in brackets "
+             "their min-max, the ratio of CPU time (steadier than wall time on a shared machine), the load average "
+             'while it ran, and "unstable" where the two halves of the repeats still disagreed by more than 2.5% on '
+             "the median after the most repeats the script allows (it repeats until they agree). A goal not met "
+             "is reported here, not hidden. Each section names the command, date and machine of its figures.",
+             ""]  # fmt: skip
     for name, (title, _) in BENCHMARKS.items():
         lines += render_section(results, name, title, failed, "the script has not been run on this page yet")
     lines += render_section(results, GPU, GPU_TITLE, failed, NO_GPU_RUN)
@@ -157,12 +151,8 @@ def main() -> int:
     args = parser.parse_args()
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    failed: set[str] = set()
-    if not args.render:
-        names = args.only or [*BENCHMARKS, *([GPU] if visible_gpus() else [])]
-        for name in names:
-            if not run_benchmark(name, results, args.quick):
-                failed.add(name)
+    names = [] if args.render else args.only or [*BENCHMARKS, *([GPU] if visible_gpus() else [])]
+    failed = {name for name in names if not run_benchmark(name, results, args.quick)}
     Path(args.page).write_text(render_page(results, failed))
     print(f"wrote {args.page}" + (f"; FAILED: {', '.join(sorted(failed))}" if failed else ""))
     return 1 if failed else 0

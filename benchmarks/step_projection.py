@@ -15,8 +15,7 @@ from benchmarks.step_trace import Op, real_step, real_step_on_ranks, real_step_o
 
 
 def model_flops(cfg, recorded: dict | None = None) -> float:
-    """The step's model FLOPs, the feature model's from the layers it holds (built on meta; from
-    ``recorded``, a whole transformers config, if given)."""
+    """The step's model FLOPs, the feature model's from its held layers (built on meta, from ``recorded`` if given)."""
     import torch
 
     from parallel_latent.feature_model import FeatureModel
@@ -32,8 +31,7 @@ def model_flops(cfg, recorded: dict | None = None) -> float:
 
 @functools.cache
 def rest_of_step(quick: bool, data_parallel: int = 1):
-    """The real step's operators outside the model's forward and backward, and its hook calls (one real
-    CPU step per size and DP, cached)."""
+    """The real step's operators outside the model's forward and backward, and its hook calls (cached per size, DP)."""
     if data_parallel > 1:
         traced = real_step_on_ranks(data_parallel, quick)
     else:

@@ -115,9 +115,8 @@ class StepTracer(TorchDispatchMode):
         name = str(func)
         if func.is_view or name in NO_KERNEL:
             return out
-        flops = 0.0
-        if func.overloadpacket in flop_registry:
-            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        packet = func.overloadpacket
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         kind = "collective" if name.startswith(COLLECTIVE_PREFIXES) else ("matmul" if flops > 0 else "other")
         mutated, out_args = _written_arguments(func, args, kwargs)
         inputs = [t for t in _tensors((args, kwargs)) if not any(t is o for o in out_args)]
@@ -179,8 +178,7 @@ class StepTracer(TorchDispatchMode):
 
     @contextlib.contextmanager
     def running(self, part: str):
-        """Operators dispatched inside the block (outside backward's nodes) count as ``part``'s; as a
-        decorator, those of each call."""
+        """Operators dispatched in the block (outside backward's nodes) are ``part``'s; as a decorator, each call's."""
         before, self.part = self.part, part
         try:
             yield

@@ -25,8 +25,7 @@ SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
 
 
 def decoder_config(family: str, vocab_size: int):
-    """``family``'s tiny decoder: its random build (parallel_latent's ``Family.random_config``), its end of text
-    id 0, and the keys of :data:`SHAPES`."""
+    """``family``'s tiny decoder: its random build, its end of text id 0, and the keys of :data:`SHAPES`."""
     from parallel_latent.feature_model.families import FAMILIES as BUILDS
 
     kv_heads, mlp_width, changes = SHAPES[family]
@@ -37,8 +36,7 @@ def decoder_config(family: str, vocab_size: int):
 
 
 def small_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE of ``TOKENIZER_VOCAB`` tokens learnt from the bundled corpus (id 0: the end
-    of text), as ``transformers`` would load one from a model's directory."""
+    """A byte-level BPE of ``TOKENIZER_VOCAB`` tokens learnt from the bundled corpus (id 0: the end of text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -50,9 +48,8 @@ def small_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END, bos_token=END)
 
 
-def save_tiny_decoder(
-    directory: Path, family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, **changes
-) -> Path:
+def save_tiny_decoder(directory: Path, family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
+                      **changes) -> Path:  # fmt: skip
     """A random ``family`` decoder with an LM head, and ``tokenizer``, saved into ``directory``;
     ``changes``: config keys set otherwise (another decoder under the same family)."""
     config = decoder_config(family, len(tokenizer))

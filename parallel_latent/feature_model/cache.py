@@ -224,8 +224,14 @@ class FeatureCache:
         index = _read_json(spec.directory / INDEX)
         if index is None or index.get("key") != spec.key:
             raise DataError(f"{spec.directory / INDEX}: not the index of feature cache {spec.key}")
-        self.shards = [range(a, b) for a, b in index["shards"]]
-        self.per = self.shards[0].stop - self.shards[0].start
+        try:
+            self.shards = [range(int(a), int(b)) for a, b in index["shards"]]
+            self.per = len(self.shards[0])
+            expected = [range(a, min(a + self.per, spec.num_rows)) for a in range(0, spec.num_rows, self.per)]
+        except (KeyError, TypeError, ValueError, IndexError):
+            expected, self.shards = None, []
+        if not self.shards or self.shards != expected:
+            raise DataError(f"{spec.directory / INDEX}: its shards do not cover the cache's {spec.num_rows} rows")
         self.maps = [
             _open_shard(spec.directory / _shard_name(i), len(r), spec.length, spec.width, spec.dtype)
             for i, r in enumerate(self.shards)

@@ -296,3 +296,14 @@ def test_features_at_padding_are_zeros_and_rows_come_back_in_any_order(tmp_path)
     assert (got[real] - computed[real]).abs().max().item() <= bound  # encoded in other batches
     with pytest.raises(IndexError):
         cache.rows(np.array([ROWS]))
+
+
+def test_an_index_that_does_not_cover_the_rows_is_refused_in_one_line(tmp_path):
+    cache, _ = one_process_cache(cache_config(tmp_path))
+    index_path = cache.spec.directory / "index.json"
+    index = json.loads(index_path.read_text())
+    index["shards"] = [[0, ROWS - 1]]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(DataError, match="its shards do not cover the cache's 40 rows") as error:
+        feature_cache.FeatureCache(cache.spec)
+    assert "\n" not in str(error.value)
