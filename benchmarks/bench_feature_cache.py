@@ -16,32 +16,20 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import harness
 from benchmarks.bench_data import write_corpus
-from benchmarks.harness import (
-    BUNDLED,
-    QUIET_RUN,
-    REPO,
-    TINY,
-    Report,
-    add_repeat_arguments,
-    command,
-    interleaved,
-    started_trainer,
-)
+from benchmarks.harness import BUNDLED, QUIET_RUN, TINY, Report, add_repeat_arguments, command, interleaved
 from parallel_latent.config import load_config
 
-SMOLLM2 = REPO / "configs" / "smollm2.yaml"
-# The memory part's decoder: SmolLM2's width, two random layers (the build is what it costs, not the point).
+SMOLLM2 = TINY.with_name("smollm2.yaml")
 WIDE = ["feature_model.n_embd=576", "feature_model.n_head=6", "feature_model.n_layer=3", "model.d_model=576",
         "model.n_heads=6", "model.n_encoder_layers=1", "model.n_decoder_layers=1"]  # fmt: skip
 
 
 def private_bytes() -> int:
     """This process's anonymous resident memory (RssAnon): what a memory map's pages never count in."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("RssAnon:"))  # fmt: skip
 
 
 def bench_speed(args, report: Report, work: Path) -> None:
@@ -49,21 +37,18 @@ def bench_speed(args, report: Report, work: Path) -> None:
     overrides = ["parallel.tensor_parallel=1", "feature_model.cache=on", f"feature_model.cache_dir={work}/cache",
                  f"logging.run_dir={work}/run", *QUIET_RUN, *args.overrides]  # fmt: skip
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), started_trainer(load_config(base, overrides)) as trainer:
+    with contextlib.redirect_stdout(printed), harness.started_trainer(load_config(base, overrides)) as trainer:
         built = re.search(r"feature cache built in ([\d.]+) s: ([\d,]+) samples, ([\d,.]+) MiB", printed.getvalue())
         cached = trainer.train_set
         sets = {"decoder": cached.with_features(None), "cache": cached}
 
-        def step(name: str):
-            def run() -> None:
-                if trainer.train_set is not sets[name]:
-                    trainer._stop_prefetcher()  # the next step reads from this set
-                    trainer.train_set = sets[name]
-                trainer.train_step()
+        def step(name: str) -> None:
+            if trainer.train_set is not sets[name]:
+                trainer._stop_prefetcher()  # the next step reads from this set
+                trainer.train_set = sets[name]
+            trainer.train_step()
 
-            return run
-
-        samples = interleaved({name: step(name) for name in sets}, args.repeats, warmup=1,
+        samples = interleaved({name: lambda n=name: step(n) for name in sets}, args.repeats, warmup=1,
                               ratios=[("decoder", "cache")], most=args.most_repeats)  # fmt: skip
     report.ratio("step time, frozen decoder run / feature cache read", samples, "decoder", "cache", at_least=1.8)
     report.figure("build of the cache, every sample once", float(built.group(1)), "s")
@@ -81,8 +66,7 @@ def read_everything(lines: int, work: Path) -> tuple[int, int]:
     corpus = work / f"corpus-{lines}.txt"
     write_corpus(corpus, lines)
     cfg = load_config(TINY, [*WIDE, f"data.path={corpus}", f"data.cache_dir={work}/data", "feature_model.cache=on"])
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer := load_tokenizer(cfg.tokenizer)))
     train, held = build_datasets(cfg, tokenizer, announce=False)
     cache = job_cache(cfg, build_model(cfg).feature_model, train.data, len(train) + len(held), announce=False)
     train = train.with_features(cache)

@@ -7,19 +7,15 @@ bench_quality does: held-out BLEU, exact match, BLEU under noise, length accurac
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.bench_quality import QUICK, train_once
-from benchmarks.harness import REPO, Report, command
-from benchmarks.processes import child_environment, run_checked
+from benchmarks.bench_quality import QUICK, out_of_domain, train_once
+from benchmarks.harness import Report, command
 
 CONFIG = "configs/compressed.yaml"
-OUT_OF_DOMAIN = REPO / "benchmarks" / "data" / "out_of_domain.txt"
 # The out-of-domain corpus keeps its share of the held-out BLEU within this many points.
 OUT_OF_DOMAIN_GAP = 5.0
 WALL_S = 900.0  # every run within 15 minutes on 2 cores
@@ -56,11 +52,7 @@ def measure(point: Point, seed: int, args, scratch: Path) -> dict:
     row = train_once(CONFIG, seed, nproc, overrides, scratch / point.name.replace(" ", ""))
     row = {"seed": seed, "wall_s": row["wall_s"], "bleu": row["bleu"], "exact_match": row["exact_match"],
            **{k: v for k, v in row["latent"].items() if k in COLUMNS}}  # fmt: skip
-    run_dir = scratch / point.name.replace(" ", "") / f"seed{seed}"
-    command = [sys.executable, "-m", "parallel_latent", "evaluate", "--checkpoint", str(run_dir),
-               "--data", str(OUT_OF_DOMAIN)]  # fmt: skip
-    result = run_checked(command, child_environment(TOKENIZERS_PARALLELISM="false"), f"{run_dir}: evaluation")
-    row["out_of_domain_bleu"] = json.loads(result.stdout.strip().splitlines()[-1])["bleu"]
+    row["out_of_domain_bleu"] = out_of_domain(scratch / point.name.replace(" ", "") / f"seed{seed}")["bleu"]
     row["gap"] = row["bleu"] - row["out_of_domain_bleu"]
     return row
 
