@@ -35,6 +35,7 @@ KEYS_ADDED_LATER: dict[str, Any] = {
     "latent_noise": 0.0,
     "feature_norm": "none",
     "feature_norm_samples": 512,
+    "feature_window": 1,
 }
 
 

@@ -107,6 +107,8 @@ class ModelConfig:
         "statistics of model.feature_norm=standardize",
         at_least(1),
     )
+    feature_window: int = setting(1, "positions (odd) a learned convolution mixes into each position's features "
+                                  "for the encoder, the identity at first; 1: none", at_least(1))  # fmt: skip
 
     @property
     def latent_count(self) -> int:
@@ -138,6 +140,7 @@ class ModelConfig:
         return model_difference(self, record)
 
     def validate(self, source: str) -> None:
+        require(self.feature_window % 2 == 1, source, f"model.feature_window={self.feature_window} must be odd")
         require(
             self.d_model % self.n_heads == 0,
             source,
@@ -211,10 +214,9 @@ class FeatureModelConfig:
         "it; shard: attention and MLP of each held layer split over the TP group (Megatron layout), each rank "
         "holding 1/tp of them, for a decoder too big for one GPU",
     )
-    cache: Literal["off", "auto", "on"] = setting(
-        "off", "on: every sample's features computed once, then read instead of running the decoder at every step "
-        "(the feature cache); auto: on for a frozen pretrained decoder",
-    )  # fmt: skip
+    cache: Literal["off", "auto", "on"] = setting("off", "on: every sample's features computed once, then read "
+                                                  "instead of running the decoder (the feature cache); auto: on for a "
+                                                  "frozen pretrained decoder")  # fmt: skip
     cache_dtype: Literal["fp32", "bf16"] = setting("fp32", "the feature cache's: fp32 exact, bf16 half the disk")
     cache_dir: str = setting("", "where feature caches live; '': <data cache>/features, beside the prepared data")
 

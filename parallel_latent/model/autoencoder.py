@@ -33,6 +33,7 @@ from parallel_latent.parallel import (
 )
 
 from .feature_norm import FeatureStandardizer, measure_feature_statistics
+from .feature_window import FeatureWindow
 from .perceiver import LatentDecoder, PerceiverEncoder
 
 IGNORE_INDEX = -100
@@ -125,6 +126,12 @@ class LatentAutoencoder(nn.Module):
             self.feature_norm = (
                 FeatureStandardizer(self.feature_model.width) if model_cfg.feature_norm == "standardize" else None
             )
+            # Drawn from no generator: the seed's draws below are those of a model without it.
+            self.feature_window = (
+                FeatureWindow(self.feature_model.width, model_cfg.feature_window)
+                if model_cfg.feature_window > 1
+                else None
+            )
             torch.default_generator.manual_seed(seed + 1)
             self.encoder = PerceiverEncoder(model_cfg, self.dropout_rng, tp_group, options)
             # The mask vector is the mask row of the feature model's resized token table. That decoder
@@ -205,9 +212,11 @@ class LatentAutoencoder(nn.Module):
     def encoder_input(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cached: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """What the encoder reads: the features (``cached``, or computed), standardised with ``model.feature_norm``."""
+        """What the encoder reads: the features (``cached``, or computed), standardised with
+        ``model.feature_norm``, mixed over ``model.feature_window`` positions."""
         features = self.features(input_ids, attention_mask, cached)
-        return features if self.feature_norm is None else self.feature_norm(features)
+        features = features if self.feature_norm is None else self.feature_norm(features)
+        return features if self.feature_window is None else self.feature_window(features, attention_mask)
 
     def measure_feature_norm(self, batches, dp_group=None) -> None:
         """``model.feature_norm=standardize``: measure the feature statistics on ``batches`` (this

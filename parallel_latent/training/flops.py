@@ -85,6 +85,7 @@ def model_flops_per_sample(
         "perceiver_attention": float(attention),
         "bottleneck": float(4 * n * d * k if model.has_bottleneck else 0),
         "query_mlp": float(4 * r * query_rows * d * d),
+        "feature_window": float(2 * t * model.feature_window * f * f if model.feature_window > 1 else 0),
         "head": float(2 * t * d * model.vocab_size),
         "head_codes": 0.0,
         "feature_linear": float(2 * t * weights),
@@ -96,7 +97,7 @@ def model_flops_per_sample(
         parts["head"] = float(2 * t * d * rank + 2 * t * rank * model.vocab_size)
         parts["head_codes"] = float(2 * model.vocab_size * d * rank / max(1, cfg.training.micro_batch_size))
     perceiver = parts["perceiver_linear"] + parts["perceiver_attention"] + parts["bottleneck"]
-    perceiver += parts["query_mlp"] + parts["head"] + parts["head_codes"]
+    perceiver += parts["query_mlp"] + parts["feature_window"] + parts["head"] + parts["head_codes"]
     features = parts["feature_linear"] + parts["feature_attention"]
     table_read = {"tied": parts["head"], "nearest": parts["head_codes"]}.get(head, 0.0) if feature.frozen else 0.0
     if feature.frozen:
