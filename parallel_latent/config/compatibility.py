@@ -70,7 +70,7 @@ def model_difference(model_cfg: Any, record: dict | None) -> str | None:
 # The feature_model keys that choose the decoder (its weights, the features read from it). A built
 # decoder is its keys; a loaded one is its files, wherever they are now (``name_or_path`` may move:
 # a resume takes the decoder's weights from the checkpoint). ``parallel`` only places the weights.
-DECODER_KEYS = ("pretrained", "frozen", "hidden_state")
+DECODER_KEYS = ("pretrained", "frozen", "hidden_state", "sink_token_id")
 BUILT_DECODER_KEYS = ("architecture", "n_layer", "n_head", "n_embd", "n_positions", "n_kv_head")
 
 

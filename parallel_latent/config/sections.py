@@ -208,6 +208,8 @@ class FeatureModelConfig:
     n_embd: int = setting(64, "width (pretrained: false); equals model.d_model", at_least(1))
     n_positions: int = setting(1024, "positions (pretrained: false)", at_least(1))
     n_kv_head: int = setting(0, "key/value heads of a llama build (grouped-query attention); 0: n_head", at_least(0))
+    sink_token_id: int = setting(-1, "a token before every sample, left out of the features: the decoder's "
+                                 "attention sink sits on it, not on the first; -1: none", at_least(-1))  # fmt: skip
     parallel: Literal["replicate", "shard"] = setting(
         "replicate",
         "at TP > 1: replicate: every TP rank holds the whole (held) decoder and runs 1/tp of the batch through "
@@ -226,12 +228,9 @@ class FeatureModelConfig:
 
     def validate(self, source: str) -> None:
         require(self.cache != "on" or self.frozen, source, "feature_model.cache=on needs feature_model.frozen=true")
-        require(
-            self.parallel == "replicate" or self.frozen,
-            source,
-            "feature_model.parallel=shard needs feature_model.frozen=true: a sharded decoder runs without "
-            "gradients (a trainable feature model stays replicated)",
-        )
+        require(self.parallel == "replicate" or self.frozen, source, "feature_model.parallel=shard needs "
+                "feature_model.frozen=true: a sharded decoder runs without gradients (a trainable feature model "
+                "stays replicated)")  # fmt: skip
         if self.pretrained:  # a pretrained model's shape is only known once its config loads; the loader checks it
             return
         require(

@@ -206,7 +206,7 @@ def check_feature_model(cfg: Config) -> None:
     held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     if (reason := family.unreproduced(config, cfg.model.max_length)) is not None:
         raise ConfigError(f"{where} {reason}")
-    positions = getattr(config, family.positions_key)
+    positions = getattr(config, family.positions_key) - (feature_cfg.sink_token_id >= 0)  # the sink takes one
     if positions < cfg.model.max_length:
         raise ConfigError(f"model.max_length={cfg.model.max_length} exceeds the {positions} positions of {where}")
     if not family.uses_gpt2_bpe and cfg.tokenizer.name_or_path == OFFLINE:
@@ -232,6 +232,7 @@ class FeatureModel(nn.Module):
         super().__init__()
         self.frozen = feature_cfg.frozen
         self.hidden_state = feature_cfg.hidden_state
+        self.sink_token_id = feature_cfg.sink_token_id
         self.shard_group = tp_group if shards_feature_model(feature_cfg, tp_group) else None
         built = load_decoder(feature_cfg, vocab_size, recorded, self.shard_group)
         self.family, self.decoder_config = built.family, built.config
@@ -268,8 +269,8 @@ class FeatureModel(nn.Module):
 
     @property
     def positions(self) -> int:
-        """The longest sequence its positions cover."""
-        return getattr(self.decoder_config, self.family.positions_key)
+        """The longest sample its positions cover (one less with a sink token)."""
+        return getattr(self.decoder_config, self.family.positions_key) - (self.sink_token_id >= 0)
 
     @property
     def blocks(self) -> int:
@@ -302,7 +303,7 @@ class FeatureModel(nn.Module):
             "n_layer": family.depth(config),
             "n_head": getattr(config, family.heads_key),
             "n_embd": self.width,
-            "n_positions": self.positions,
+            "n_positions": getattr(config, family.positions_key),
         }
         if family.records_shape_alone:
             return shape
@@ -321,10 +322,16 @@ class FeatureModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Features of right-padded ``input_ids``. ``attention_mask`` is not needed: the decoder is
-        causal (see :meth:`.families.Family.run_layers`)."""
-        decoder, family = self.decoder, self.family
+        causal (see :meth:`.families.Family.run_layers`). With ``feature_model.sink_token_id`` that
+        token runs first, at position 0, and its features are left out: a pretrained decoder's
+        attention sink (a massive activation on whatever comes first) sits on it, not on the sample's
+        first token."""
+        decoder, family, sink = self.decoder, self.family, self.sink_token_id >= 0
+        if sink:
+            input_ids = torch.cat([input_ids.new_full((input_ids.shape[0], 1), self.sink_token_id), input_ids], 1)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             hidden = family.embed(decoder, input_ids, positions)
             hidden = family.run_layers(decoder, hidden, positions)
-            return getattr(decoder, family.final_norm)(hidden)  # the identity unless the last state
+            hidden = getattr(decoder, family.final_norm)(hidden)  # the identity unless the last state
+        return hidden[:, 1:] if sink else hidden

@@ -189,6 +189,7 @@ def test_the_key_holds_what_changes_a_feature_and_nothing_else(tmp_path):
     assert key(training={"seed": 99}) == base
     assert key(parallel={"split_feature_model": False}) == base
     assert key(fm={"hidden_state": -2}) != base
+    assert key(fm={"sink_token_id": 0}) != base
     assert key(fm={"cache_dtype": "bf16"}) != base
     assert key(Rows(fingerprint="corpus-b")) != base  # another tokenizer or max_length: another fingerprint
     with_mask = Rows()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -174,3 +175,23 @@ def test_tied_head_needs_the_feature_width_to_be_the_model_width(saved_gpt2):
         LatentAutoencoder(model_cfg, FeatureModelConfig(name_or_path=str(saved_gpt2), pretrained=True))
     message = str(caught.value)
     assert "\n" not in message and "has width 32 but model.d_model=48" in message and "model.head=tied" in message
+
+
+def test_a_sink_token_runs_first_and_is_left_out_of_the_features():
+    """``feature_model.sink_token_id``: the decoder reads the sink, then the sample; the features are
+    those of the sample's positions, which the sink changes (the decoder attends to it), and the
+    sink's position is counted against the decoder's positions."""
+    cfg = FeatureModelConfig(n_layer=3, n_head=4, n_embd=32, n_positions=16)
+    torch.manual_seed(0)
+    plain = FeatureModel(cfg, 300)
+    torch.manual_seed(0)
+    sinked = FeatureModel(dataclasses.replace(cfg, sink_token_id=7), 300)
+    ids = torch.randint(0, 298, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        got = sinked(ids, mask)
+        want = plain(torch.cat([torch.full((3, 1), 7), ids], 1), torch.ones(3, 9, dtype=torch.long))[:, 1:]
+        assert torch.equal(got, want)
+        assert got.shape == plain(ids, mask).shape and not torch.allclose(got, plain(ids, mask))
+    assert (plain.positions, sinked.positions) == (16, 15)
+    assert sinked.architecture()["n_positions"] == 16  # the decoder's own, which rebuilds it
