@@ -399,8 +399,10 @@ def job_spec(cfg: Any, feature_model, data, num_rows: int) -> CacheSpec:
             special_rows = tensors_digest({str(i): feature_model.token_table[i] for i in special})
         config = {k: v for k, v in feature_model.decoder_config.to_dict().items() if not k.startswith("_")}
         config.pop("transformers_version", None)
+        # computed_in: a bf16 run's decoder computes its features in bf16.
         decoder = {"family": feature_model.family.name, "config": config, "hidden_state": feature_model.hidden_state,
-                   "sink_token_id": feature_model.sink_token_id}  # fmt: skip
+                   "sink_token_id": feature_model.sink_token_id,
+                   "computed_in": str(feature_model.token_table.dtype)}  # fmt: skip
         corpus = {"fingerprint": data.fingerprint, "content": data.content_digest}
         return cache_spec(
             cfg.feature_model, default_cache_dir(cfg.data.cache_dir), feature_model.weights_digest(), decoder, corpus,

@@ -204,7 +204,7 @@ class LatentAutoencoder(nn.Module):
             expected = (*input_ids.shape, self.feature_model.width)
             if tuple(cached.shape) != expected:
                 raise ValueError(f"cached features of shape {tuple(cached.shape)}, expected {expected}")
-            return cached.to(torch.float32)
+            return cached.to(self.feature_model.token_table.dtype)  # as the decoder computes them (bf16 runs: bf16)
         if self.split_feature_model:
             return split_batch_and_gather(self.feature_model, (input_ids, attention_mask), self.tp_group)
         return self.feature_model(input_ids, attention_mask)
