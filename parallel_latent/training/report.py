@@ -45,7 +45,8 @@ def banner_lines(
             f"per token), length {'predicted' if model.predict_length else 'from the attention mask'}"
         )
     if s.tp_size > 1:
-        lines.append(f"tensor parallelism: {tp_options_line(cfg, run.model)}")
+        cached = getattr(run.train_set, "features", None) is not None
+        lines.append(f"tensor parallelism: {tp_options_line(cfg, run.model, cached)}")
     if run.device_kind == "cpu":
         lines.append(f"MFU peak: {peak_flops_source}")
     return lines
@@ -70,8 +71,10 @@ def features_line(run: Any, frozen_share: float) -> str:
     return line
 
 
-def tp_options_line(cfg: Config, model: Any) -> str:
-    if model.feature_model.sharded:
+def tp_options_line(cfg: Config, model: Any, cached: bool = False) -> str:
+    if cached:
+        features = "features read from the feature cache on every TP rank (no frozen pass, no collective)"
+    elif model.feature_model.sharded:
         features = (
             "frozen decoder sharded over the TP group (feature_model.parallel=shard: 1/tp of each layer per rank, "
             "2 all-reduces per layer)"
