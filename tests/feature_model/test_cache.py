@@ -308,3 +308,23 @@ def test_an_index_that_does_not_cover_the_rows_is_refused_in_one_line(tmp_path):
     with pytest.raises(DataError, match="its shards do not cover the cache's 40 rows") as error:
         feature_cache.FeatureCache(cache.spec)
     assert "\n" not in str(error.value)
+
+
+def test_a_bf16_run_caches_the_features_its_decoder_computes_under_its_own_key(tmp_path):
+    """DeepSpeed's bf16 casts the frozen decoder too: its features are the bf16 decoder's, kept in
+    the cache exactly (fp32 holds every bf16 value) under another key than an fp32 run's."""
+    exact, model = one_process_cache(cache_config(tmp_path))
+    half_model = model.to(torch.bfloat16)
+    half, _ = one_process_cache(cache_config(tmp_path), model=half_model)
+    assert half.spec.directory != exact.spec.directory
+    assert half.spec.record["decoder"]["computed_in"] == "torch.bfloat16"
+    data, rows = Rows(), np.arange(8)
+    batch = data.rows(rows)
+    with torch.no_grad():
+        computed = half_model.features(batch["input_ids"], batch["attention_mask"])
+        cached = half_model.features(batch["input_ids"], batch["attention_mask"], half.rows(rows))
+    real = batch["attention_mask"].bool()
+    assert cached.dtype == torch.bfloat16
+    decoder_k = 3 * (2 * D + D + D // HEADS + 2 * T + 2 * D + 4 * D + 16)
+    bound = order_bound(decoder_k, terms_scale(computed.float().abs().max().item(), decoder_k), torch.bfloat16)
+    assert (cached[real].float() - computed[real].float()).abs().max().item() <= bound
