@@ -65,6 +65,9 @@ BENCHMARKS: dict[str, tuple[str, list[str]]] = {
                      [*QUALITY, "configs/tiny.yaml", "--seeds", *(str(s) for s in range(1, 21))]),
     "quality_small": ("Held-out reconstruction of configs/small.yaml over three seeds",
                       [*QUALITY, "configs/small.yaml", "--seeds", "1", "2", "1234"]),
+    "quality_smollm2": ("Held-out and out-of-domain reconstruction over the real pretrained SmolLM2-135M "
+                        "(configs/smollm2.yaml, on the feature cache its first seed builds) over three seeds",
+                        [*QUALITY, "configs/smollm2.yaml", "--seeds", "1", "2", "3", "--out-of-domain"]),
     "quality_tiny_compressed": ("configs/tiny.yaml with 8 latents of 32 features for its 16 tokens (16 floats per "
                                 "token), one process, over seeds 1-10, with the per-position accuracy: the lookup "
                                 "start with fewer latents than positions",

@@ -46,6 +46,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_feature_cache(args: argparse.Namespace) -> int:
+    import torch
+
     from parallel_latent.config import load_config
     from parallel_latent.data import build_datasets
     from parallel_latent.feature_model import cache
@@ -59,6 +61,8 @@ def cmd_feature_cache(args: argparse.Namespace) -> int:
     cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
     train_set, eval_set = build_datasets(cfg, tokenizer)
     feature_model = build_model(cfg).feature_model
+    # DeepSpeed runs the decoder in the training precision: its features, its cache.
+    feature_model.to({"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.training.precision, torch.float32))
     rows = len(train_set) + len(eval_set)
     spec = cache.job_spec(cfg, feature_model, train_set.data, rows)
     if args.action == "build":
