@@ -40,6 +40,15 @@ def imported_modules(directory: Path) -> dict[str, set[str]]:
 # trainer; the model composes the core; the checkpoint code stores whatever model describes itself;
 # the libraries below the commands never import the training runtime, the API or the commands.
 USERS = ("parallel_latent.cli", "parallel_latent.api", "parallel_latent.training")
+MODEL_DOES_NOT_IMPORT = (
+    "parallel_latent.checkpoint",
+    "parallel_latent.latents",
+    "parallel_latent.pretrained",
+    "parallel_latent.evaluation",
+    "parallel_latent.zero",
+    "parallel_latent.launching",
+    *USERS,
+)
 SUBPACKAGE_DOES_NOT_IMPORT = [
     (
         "parallel",
@@ -56,32 +65,9 @@ SUBPACKAGE_DOES_NOT_IMPORT = [
             *USERS,
         ),
     ),
-    # The frozen decoder and its cache: where the features come from, below the autoencoder.
-    (
-        "feature_model",
-        (
-            "parallel_latent.model",
-            "parallel_latent.checkpoint",
-            "parallel_latent.latents",
-            "parallel_latent.pretrained",
-            "parallel_latent.evaluation",
-            "parallel_latent.zero",
-            "parallel_latent.launching",
-            *USERS,
-        ),
-    ),
-    (
-        "model",
-        (
-            "parallel_latent.checkpoint",
-            "parallel_latent.latents",
-            "parallel_latent.pretrained",
-            "parallel_latent.evaluation",
-            "parallel_latent.zero",
-            "parallel_latent.launching",
-            *USERS,
-        ),
-    ),
+    # The frozen decoder and its cache, where the features come from, sit below the autoencoder.
+    ("feature_model", ("parallel_latent.model", *MODEL_DOES_NOT_IMPORT)),
+    ("model", MODEL_DOES_NOT_IMPORT),
     (
         "checkpoint",
         (
