@@ -107,7 +107,7 @@ def test_unknown_key_in_the_yaml_file_from_a_real_shell(tmp_path):
         f"parallel-latent: error: {config}: model.dropuot: unknown key, did you mean 'dropout'? (known: d_model, "
         "n_heads, n_encoder_layers, n_decoder_layers, mlp_ratio, max_length, dropout, init_std, vocab_size, "
         "mask_token_id, pad_token_id, activation_checkpointing, head, encoder_context_positions, num_latents, "
-        "latent_dim, predict_length, latent_noise, feature_norm, feature_norm_samples)"
+        "latent_dim, predict_length, latent_noise, feature_norm, feature_norm_samples, feature_window)"
     ]
     assert not run_dir.exists()
 
