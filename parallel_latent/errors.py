@@ -12,8 +12,6 @@ Torch-free, so that the command line can build its parser and report errors with
 - :func:`first_line`, :func:`os_reason`, :func:`one_line`: the one line an error is reported as;
 - :func:`in_release_range`, :func:`release_range_words`: a dependency's supported releases, for
   the one line that refuses another;
-- :class:`SaidOnce`: a notice that start-up reaches several times (the launcher's checks, each
-  rank's, the resume) said once per process.
 
 A path that names the wrong kind of thing (a file where a directory is expected, a directory where
 a file is expected, something missing or unreadable) is bad input.
@@ -23,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import logging
 import os
 import re
 from pathlib import Path
@@ -76,23 +73,6 @@ class PeerFailure(RuntimeError):
 
 class UsageError(BadInput):
     """A command-line problem found after parsing (one line)."""
-
-
-class SaidOnce(logging.Filter):
-    """A logger's filter that lets each distinct message through once in this process: the checks
-    that choose a checkpoint run in preflight and again at resume, and a notice about the choice
-    (``latest`` names an older checkpoint) is one fact, said once."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.said: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message in self.said:
-            return False
-        self.said.add(message)
-        return True
 
 
 Release = tuple[int, int, int]

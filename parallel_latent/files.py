@@ -22,14 +22,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from parallel_latent.errors import BadInput
+
 __all__ = [
+    "JSON_MAX_BYTES",
+    "JSON_MAX_DEPTH",
     "LEASE_EXPIRES_S",
     "LEASE_RENEW_S",
     "ExclusiveLock",
+    "JSONProblem",
     "Staged",
     "discard",
     "fsync",
     "inside",
+    "link_problem",
+    "load_json_file",
+    "parse_json",
     "publish",
     "read_jsonl",
     "replace_file",
@@ -46,21 +54,30 @@ def inside(directory: Path, name: str, what: str) -> Path:
     return Path(directory) / name
 
 
-def link_leaving(directory: Path) -> tuple[Path, Path] | None:
-    """The first link under ``directory`` that resolves outside it, with where it leads, or None: a
-    directory that must be self-contained (a portable checkpoint) names its files inside it, and the
-    file system must not lead elsewhere either. The one exception is a Hugging Face cache snapshot
+def link_problem(directory: Path, what: str) -> str | None:
+    """The first link under ``directory`` that loops or resolves outside it, said in one line
+    (``what`` names the directory: "the checkpoint's directory"), or None: a directory that must be
+    self-contained (a checkpoint, a model) names its files inside it, and the file system must not
+    lead elsewhere either. The one exception is a Hugging Face cache snapshot
     (``.../snapshots/REV``), whose files are links into the repository's ``blobs/``."""
-    root = Path(directory).resolve()
+    try:
+        root = Path(directory).resolve()
+    except (RuntimeError, OSError):
+        return f"{directory}: a symbolic link loop"
     blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
-    for folder, folders, files in os.walk(directory):
+    for folder, folders, files in os.walk(directory):  # (never follows links: a loop cannot trap it)
         for name in sorted(folders + files):
             path = Path(folder) / name
             if not path.is_symlink():
                 continue
-            target = path.resolve()
+            try:
+                target = path.resolve(strict=True)
+            except (RuntimeError, OSError) as error:
+                if isinstance(error, FileNotFoundError):
+                    return f"{path}: a link to {os.readlink(path)}, which does not exist"
+                return f"{path}: a symbolic link loop"
             if not (target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs))):
-                return path, target
+                return f"{path}: a link to {target}, outside {what}"
     return None
 
 
@@ -148,6 +165,61 @@ class Staged:
     def __exit__(self, kind, error, traceback) -> None:
         if kind is not None:
             discard(self.path)
+
+
+# What a JSON file a job reads may hold (a checkpoint's record, a client state, a decoder's config, a
+# manifest, a safetensors header): parsed only within these bounds, so that a crafted or damaged
+# file ends in one line, never in a RecursionError, a MemoryError or a NaN that training reads.
+JSON_MAX_BYTES = 64 << 20
+JSON_MAX_DEPTH = 64
+
+
+class JSONProblem(BadInput):
+    """Why a JSON text is refused (one line, without the file's name)."""
+
+
+def _refuse_constant(name: str):
+    raise JSONProblem(f"holds {name}, which is no number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise JSONProblem(f"holds the number {text[:40]}, out of a float's range")
+    return value
+
+
+def parse_json(text: str | bytes, max_depth: int = JSON_MAX_DEPTH) -> Any:
+    """``text`` parsed, or JSONProblem (one line): not JSON, NaN or infinities, a number out of
+    range, or nesting deeper than ``max_depth``."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise JSONProblem(f"nested deeper than {max_depth} levels") from None
+    except JSONProblem:
+        raise
+    except (UnicodeDecodeError, ValueError) as error:
+        raise JSONProblem(f"not readable JSON ({str(error).splitlines()[0][:80]})") from None
+    stack = [(value, 1)]
+    while stack:  # iterative: the depth check itself must not recurse
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                raise JSONProblem(f"nested deeper than {max_depth} levels")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return value
+
+
+def load_json_file(path: str | Path, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """The JSON file ``path`` parsed within the bounds above; JSONProblem naming the file otherwise
+    (OSErrors pass: a missing file is the caller's to say)."""
+    path = Path(path)
+    if (size := path.stat().st_size) > max_bytes:
+        raise JSONProblem(f"{path}: {size} bytes, more than the {max_bytes} a JSON file here may hold")
+    try:
+        return parse_json(path.read_bytes())
+    except JSONProblem as problem:
+        raise JSONProblem(f"{path}: {problem}") from None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -18,12 +18,11 @@ explicitly named checkpoint that is damaged stops the run with one line.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import zipfile
 from pathlib import Path
 
-from parallel_latent.files import inside, replace_file
+from parallel_latent.files import JSONProblem, inside, load_json_file, replace_file
 
 from .layout import (
     DAMAGED_PREFIX,
@@ -34,7 +33,9 @@ from .layout import (
     TAG_PATTERN,
     CheckpointError,
     find_latest_checkpoint,
+    linked_steps,
     list_checkpoints,
+    step_of,
 )
 from .schema import CHECKPOINT_INFO, content_damage, schema_problem
 from .shards import PortableCheckpoint
@@ -109,7 +110,7 @@ def _without_record(step_dir: Path) -> str | None:
             return f"{path}: empty"
         if path.suffix == ".json":
             try:
-                json.loads(path.read_text(encoding="utf-8"))
+                load_json_file(path)
             except (OSError, UnicodeDecodeError, ValueError):
                 return f"{path}: not readable JSON"
         elif path.suffix == ".pt" and not zipfile.is_zipfile(path):
@@ -127,13 +128,17 @@ def checkpoint_damage(step_dir: Path, contents: bool = True) -> str | None:
     ``contents``: also what every file holds (:func:`.schema.content_damage`, which reads the whole
     checkpoint); False checks the record alone, for a process whose launcher read it whole."""
     try:
-        info = json.loads((step_dir / INFO_FILE).read_text(encoding="utf-8"))
+        info = load_json_file(step_dir / INFO_FILE)
     except FileNotFoundError:
         return f"{step_dir / INFO_FILE}: missing"
+    except JSONProblem as problem:
+        return str(problem)
     except (OSError, UnicodeDecodeError, ValueError):
         return f"{step_dir / INFO_FILE}: not readable JSON"
     if (problem := schema_problem(info, CHECKPOINT_INFO)) is not None:
         return f"{step_dir / INFO_FILE}: {problem}"
+    if (named := TAG_PATTERN.match(step_dir.name)) and int(named.group(1)) != info["step"]:
+        return f"{step_dir / INFO_FILE}: records step {info['step']}, in the directory of step {int(named.group(1))}"
     record = info.get("files")
     damage = _against_record(step_dir, record) if isinstance(record, dict) else _without_record(step_dir)
     return damage if damage is not None or not contents else content_damage(step_dir, info)
@@ -155,36 +160,37 @@ def resumable(checkpoint_dir: Path, contents: bool = True) -> tuple[Path | None,
     """The checkpoint a run in ``checkpoint_dir`` resumes from: the one :func:`find_latest_checkpoint`
     finds, or when it is damaged the newest intact one before it (None if there is none); and the
     damaged ones passed over, newest first, each with its damage. Reads, never changes anything."""
+    links = linked_steps(checkpoint_dir)  # never resumed from: passed over as damage, newest first
     latest = find_latest_checkpoint(checkpoint_dir)
     if latest is None:
-        return None, []
-    newest = _step(latest)
-    damaged = []
-    for step_dir in reversed([p for p in list_checkpoints(checkpoint_dir) if _step(p) <= newest]):
-        if (damage := checkpoint_damage(step_dir, contents)) is None:
+        return None, links[::-1]
+    newest = step_of(latest)
+    damaged = [link for link in links[::-1] if step_of(link[0]) > newest]
+    candidates = [p for p in list_checkpoints(checkpoint_dir) if step_of(p) <= newest]
+    for step_dir in sorted(candidates + [p for p, _ in links if step_of(p) <= newest], key=step_of, reverse=True):
+        if step_dir.is_symlink():
+            damaged.append(next(link for link in links if link[0] == step_dir))
+        elif (damage := checkpoint_damage(step_dir, contents)) is None:
             return step_dir, damaged
-        damaged.append((step_dir, damage))
+        else:
+            damaged.append((step_dir, damage))
     return None, damaged
 
 
-def _step(step_dir: Path) -> int:
-    return int(TAG_PATTERN.match(step_dir.name).group(1))
-
-
-def move_aside(step_dir: Path) -> Path:
-    """Rename a damaged checkpoint out of the run's way (``.damaged-step_N``, never deleted) and,
-    if ``latest`` named it, point ``latest`` at the newest intact checkpoint left."""
+def move_aside(step_dir: Path, intact: Path | None) -> Path:
+    """Rename a damaged checkpoint out of the run's way (``.damaged-step_N``, never deleted; a link
+    is renamed, not what it leads to) and, if ``latest`` named it, point ``latest`` at ``intact``
+    (the plan's choice: the newest intact checkpoint left, or None)."""
     checkpoint_dir = step_dir.parent
     target = checkpoint_dir / f"{DAMAGED_PREFIX}{step_dir.name}"
     suffix = 1
-    while target.exists():
+    while target.exists() or target.is_symlink():
         suffix += 1
         target = checkpoint_dir / f"{DAMAGED_PREFIX}{step_dir.name}-{suffix}"
     os.rename(step_dir, target)
     latest = checkpoint_dir / LATEST_FILE
-    named = latest.read_text(encoding="utf-8").strip() if latest.is_file() else ""
+    named = latest.read_text(encoding="utf-8").strip() if latest.is_file() and not latest.is_symlink() else ""
     if named == step_dir.name or not TAG_PATTERN.match(named or "x"):
-        intact, _ = resumable(checkpoint_dir)
         if intact is not None:
             replace_file(latest, intact.name + "\n")
         else:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from parallel_latent.coordination import broadcast_value, first_failure, is_main
-from parallel_latent.errors import CheckpointError, ExitStatus, SaidOnce, first_line, require_writable
-from parallel_latent.files import Staged, discard, publish, replace_file
+from parallel_latent.errors import CheckpointError, ExitStatus, first_line, require_writable
+from parallel_latent.files import JSONProblem, Staged, discard, load_json_file, publish, replace_file
 
 logger = logging.getLogger(__name__)
-logger.addFilter(SaidOnce())  # preflight and the resume both choose the checkpoint: one notice
 T = TypeVar("T")
 
 RUN_CHECKPOINTS_DIR = "checkpoints"
@@ -75,10 +74,12 @@ def error_reason(error: BaseException) -> str:
 
 def read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return load_json_file(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except JSONProblem as problem:
+        raise CheckpointError(f"{problem} ({what})") from None
+    except OSError as error:
         raise CheckpointError(f"{path}: unreadable {what} ({error})") from None
 
 
@@ -89,13 +90,29 @@ def read_info(step_dir: Path) -> dict[str, Any]:
 
 
 def is_complete(step_dir: Path) -> bool:
-    return TAG_PATTERN.match(step_dir.name) is not None and (step_dir / INFO_FILE).is_file()
+    """A step directory of its own run (a plain directory, never a link) whose save was published."""
+    return (
+        TAG_PATTERN.match(step_dir.name) is not None and not step_dir.is_symlink() and (step_dir / INFO_FILE).is_file()
+    )
+
+
+def step_of(step_dir: Path) -> int:
+    return int(TAG_PATTERN.match(step_dir.name).group(1))
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``checkpoint_dir``, oldest first."""
-    found = [p for p in Path(checkpoint_dir).glob("step_*") if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(TAG_PATTERN.match(p.name).group(1)))
+    return sorted((p for p in Path(checkpoint_dir).glob("step_*") if p.is_dir() and is_complete(p)), key=step_of)
+
+
+def linked_steps(checkpoint_dir: str | Path) -> list[tuple[Path, str]]:
+    """The entries of ``checkpoint_dir`` named as step directories that are links (out of the run,
+    to another of its checkpoints, or a loop), oldest first, each with the one line that says so:
+    a run's checkpoints are plain directories of its own, and a link is never resumed from."""
+    links = sorted(
+        (p for p in Path(checkpoint_dir).glob("step_*") if TAG_PATTERN.match(p.name) and p.is_symlink()), key=step_of
+    )
+    return [(p, f"{p}: a link to {os.readlink(p)}, not a checkpoint directory of this run") for p in links]
 
 
 def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
@@ -105,6 +122,8 @@ def find_latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     checkpoint_dir = Path(checkpoint_dir)
     latest = checkpoint_dir / LATEST_FILE
     complete = list_checkpoints(checkpoint_dir)
+    if latest.is_symlink():  # (a loop among them: is_file() would say False, and nothing would be said)
+        raise CheckpointError(f"{latest}: a link to {os.readlink(latest)}, not the file a save writes; not read")
     if latest.is_file():
         tag = latest.read_text(encoding="utf-8").strip()
         if not TAG_PATTERN.match(tag):  # never a path: a tag names a checkpoint beside it, nothing else

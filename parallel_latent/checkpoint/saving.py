@@ -30,7 +30,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallel_latent.coordination import all_gather_value, barrier, is_main
-from parallel_latent.zero.checkpoint_files import OWN_NAME_KEY, save_keeping_errno
+from parallel_latent.zero.checkpoint_files import OWN_NAME_KEY, OWN_STEP_KEY, save_keeping_errno
 from parallel_latent.zero.patches import checkpoint_writes
 from parallel_latent.zero.version import import_deepspeed
 
@@ -110,15 +110,17 @@ def _client_state_record(request: SaveRequest) -> dict:
     }
 
 
-def deferred_writes(engine, failures: list[str], jobs: list, copies: HostCopies | None = None):
+def deferred_writes(engine, failures: list[str], jobs: list, step: int, copies: HostCopies | None = None):
     """Inside the block, each file DeepSpeed's save writes becomes a job appended to ``jobs`` (its
     state taken now with ``copies``: a :func:`.background.snapshot`, so training may go on), and a
     write it fails (a directory, the recovery script) appends the reason to ``failures`` instead of
-    raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at."""
+    raising, so that DeepSpeed's save still reaches the barriers the other ranks wait at. Each state
+    says which file and which ``step`` it was written as: a file copied in from another step or
+    name is damage (:func:`~parallel_latent.zero.checkpoint_files.state_file_problem`)."""
 
     def save(state_dict, path: str, zipfile: bool) -> None:
         if isinstance(state_dict, dict):
-            state_dict = {**state_dict, OWN_NAME_KEY: Path(path).name}
+            state_dict = {**state_dict, OWN_NAME_KEY: Path(path).name, OWN_STEP_KEY: step}
         state = snapshot(state_dict, copies, (Path(path).name,)) if copies is not None else state_dict
         jobs.append(lambda: save_keeping_errno(state, path, zipfile))
 
@@ -140,12 +142,16 @@ def _capture(request: SaveRequest, copies: HostCopies | None) -> tuple[list[str]
     jobs: list[Callable] = []
     if copies is not None:
         copies.begin()
-    with deferred_writes(engine, failures, jobs, copies):
+    with deferred_writes(engine, failures, jobs, step, copies):
         engine.save_checkpoint(
             str(request.checkpoint_dir), tag=staging.name, client_state={"step": step}, save_latest=False
         )
-    # Each state names its rank: a state moved to another rank's file is found before a resume.
-    rng_file, rng_state = _rng_file(staging, _rank()), {**capture_rng_state(request.model), "rank": _rank()}
+    # Each state names its rank and step: a state moved from another rank's file or another checkpoint is found
+    # before a resume.
+    rng_file, rng_state = (
+        _rng_file(staging, _rank()),
+        {**capture_rng_state(request.model), "rank": _rank(), "step": step},
+    )
     jobs += [lambda: rng_file.parent.mkdir(exist_ok=True), lambda: layout.write_json(rng_file, rng_state, indent=None)]
     portable = None
     if request.export_portable:

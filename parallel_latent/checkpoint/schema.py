@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from parallel_latent.files import link_leaving
+from parallel_latent.files import JSONProblem, link_problem, load_json_file
 from parallel_latent.zero.checkpoint_files import state_file_problem
 
 from .layout import CLIENT_STATE_FILE, PORTABLE_DIR, RNG_DIR, CheckpointError
@@ -58,7 +58,7 @@ def _int_list(value: Any, length: int | None = None, high: int | None = None) ->
 # schema and whether it must be there. Objects refuse keys they do not list: what a loader would
 # read into an object's attributes must be known.
 Check = tuple[Callable[[Any], bool], str]
-COUNT: Check = (_is_int, "an integer >= 0")
+COUNT: Check = (lambda v: _is_int(v) and v < 2**63, "an integer from 0 to 2^63 - 1")
 POSITIVE: Check = (lambda v: _is_int(v, 1), "an integer >= 1")
 INT: Check = (lambda v: _is_int(v, -(2**63)), "an integer")
 TOKEN_ID: Check = (lambda v: v is None or _is_int(v), "a token id or null")
@@ -144,6 +144,7 @@ RNG_STATE = _keys(
             "a list of CUDA RNG states or null",
         ),
         "rank": COUNT,
+        "step": COUNT,
     },
 )
 
@@ -235,11 +236,13 @@ def content_damage(step_dir: Path, info: dict) -> str | None:
     ``info``, which follows CHECKPOINT_INFO) cannot be resumed from (one file and what is wrong
     with it), or None."""
     step, world = info["step"], info["layout"]["world_size"]
-    if (link := link_leaving(step_dir)) is not None:
-        return f"{link[0]}: a link to {link[1]}, outside the checkpoint's directory"
+    if (link := link_problem(step_dir, "the checkpoint's directory")) is not None:
+        return link
     client = step_dir / CLIENT_STATE_FILE
     try:
-        problem = _client_state_problem(json.loads(client.read_text(encoding="utf-8")), step)
+        problem = _client_state_problem(load_json_file(client), step)
+    except JSONProblem as error:
+        return str(error)
     except (OSError, UnicodeDecodeError, ValueError):
         problem = "not readable JSON" if client.exists() else "missing"
     if problem is not None:
@@ -249,12 +252,16 @@ def content_damage(step_dir: Path, info: dict) -> str | None:
         return f"{step_dir / RNG_DIR}: {len(rng_files)} RNG states for the {world} ranks that saved it"
     for rank, path in enumerate(rng_files):
         try:
-            state = json.loads(path.read_text(encoding="utf-8"))
+            state = load_json_file(path)
             problem = schema_problem(state, RNG_STATE)
+        except JSONProblem as error:
+            return str(error)
         except (OSError, UnicodeDecodeError, ValueError):
             problem = "not readable JSON"
         if problem is None and state.get("rank", rank) != rank:
             problem = f"rank {state['rank']}'s RNG state, in rank {rank}'s file"
+        if problem is None and state.get("step", step) != step:
+            problem = f"the RNG state of step {state['step']}, in the checkpoint of step {step}"
         if problem is not None:
             return f"{path}: {problem}"
     for path in sorted(step_dir.rglob("*.pt")):

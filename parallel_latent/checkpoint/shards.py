@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from parallel_latent.files import inside, link_leaving
+from parallel_latent.files import inside, link_problem
 from parallel_latent.parallel.utils import group_rank, group_size, partition_ranges
 from parallel_latent.zero.params import gathered, is_zero3, local_shape
 
@@ -311,8 +311,8 @@ class PortableCheckpoint:
                 inside(self.directory, name, MANIFEST_NAME)
             except ValueError as error:
                 raise CheckpointError(str(error)) from None
-        if (link := link_leaving(self.directory)) is not None:
-            raise CheckpointError(f"{link[0]}: a link to {link[1]}, outside the checkpoint's directory; not read")
+        if (link := link_problem(self.directory, "the checkpoint's directory")) is not None:
+            raise CheckpointError(f"{link}; not read")
         for name, info in self.manifest["files"].items():
             if not (path := self.directory / name).is_file():
                 raise CheckpointError(f"{path}: shard file missing")

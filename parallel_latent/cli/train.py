@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import errno
 import json
-import logging
 from pathlib import Path
 
 from parallel_latent.cli.bounds import MAX_LOCAL_PROCESSES, MAX_RESTARTS, MAX_WAIT_FOR_LOCK_S, check_range
@@ -51,10 +50,11 @@ def _load_train_config(args: argparse.Namespace):
 
 def accept_job(cfg, args: argparse.Namespace):
     """The acceptance phase of ``train --nproc N``: the run directory's lock first (torch-free: a
-    second job on it is refused in seconds, before any work), then the checks in this one process,
-    the checkpoint to resume read whole among them. Returns the lock (None where the file system
-    cannot hold one: preflight has said why); a refusal raises with one line and leaves the run
-    directory as it was: the lock's file put back, a directory it made removed."""
+    second job on it is refused in seconds, before any work), then the job's plan in this one
+    process (:func:`~parallel_latent.training.preflight.preflight`: the checks, the checkpoint to
+    resume read whole), which the ranks carry out. Returns the lock (None where the file system
+    cannot hold one: preflight has said why) and the plan; a refusal raises with one line and leaves
+    the run directory as it was: the lock's file put back, a directory it made removed."""
     from parallel_latent.training.run_lock import acquire_run_lock
     from parallel_latent.training.watchdog import bounded_phase
 
@@ -81,13 +81,13 @@ def accept_job(cfg, args: argparse.Namespace):
         with bounded_phase("acceptance", watched, "training.hang_long_phase_s", undo):
             from parallel_latent.training.preflight import preflight
 
-            device = preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
-            _check_local_devices(device, args.nproc)
+            plan = preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+            _check_local_devices(plan.device, args.nproc)
             if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
                 from parallel_latent.feature_model.weight_files import check_decoder_files
 
                 check_decoder_files(cfg.feature_model.name_or_path)
-            return lock or acquire_run_lock(run_dir, args.wait_for_lock)
+            return lock or acquire_run_lock(run_dir, args.wait_for_lock), plan
     except BaseException:
         undo()
         raise
@@ -97,20 +97,16 @@ def _validate_and_launch(cfg, args: argparse.Namespace) -> int:
     """``train --nproc N``: the job accepted (:func:`accept_job`: bad input costs one line and no
     launch, and leaves nothing behind), then the ranks."""
     from parallel_latent.launching.local import launch_local
+    from parallel_latent.training.preflight import PLAN_ENV
     from parallel_latent.training.run_lock import HELD_BY_LAUNCHER_ENV
 
     run_dir = Path(cfg.logging.run_dir)
     existed = run_dir.exists()
-    # The notices of the checks (which checkpoint is resumed, and why) are rank 0's to say.
-    package_log = logging.getLogger("parallel_latent")
-    level = package_log.level
-    package_log.setLevel(logging.ERROR)
-    try:
-        lock = accept_job(cfg, args)
-    finally:
-        package_log.setLevel(level)
-    held = {HELD_BY_LAUNCHER_ENV: str(lock.path.resolve())} if lock is not None else {}  # rank 0 takes none of its own
-    return launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts, held)
+    lock, plan = accept_job(cfg, args)  # (its notices are in the plan: rank 0 says them)
+    rank_env = {PLAN_ENV: plan.to_json()}
+    if lock is not None:
+        rank_env[HELD_BY_LAUNCHER_ENV] = str(lock.path.resolve())  # rank 0 takes none of its own
+    return launch_local(args.nproc, _rank_argv(args), run_dir, lock, existed, args.max_restarts, rank_env)
 
 
 def _rank_argv(args: argparse.Namespace) -> list[str]:

@@ -15,7 +15,6 @@ range-checked per batch, as they are read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from parallel_latent.errors import DataError
+from parallel_latent.files import load_json_file
 
 __all__ = [
     "ARRAYS",
@@ -48,7 +48,7 @@ def is_prepared_copy(path: Path) -> bool:
     if not meta.is_file():
         return False
     try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("format") == PREPARED_MARKER
+        return load_json_file(meta).get("format") == PREPARED_MARKER
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -90,7 +90,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise DataError(f"{path}: prepared copy is not a directory")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = load_json_file(meta_path)
     except FileNotFoundError:
         raise DataError(f"{path}: not a prepared copy (no {META}); delete the directory to prepare again") from None
     except (OSError, UnicodeDecodeError, ValueError) as error:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 
 from parallel_latent.config import ConfigError
 from parallel_latent.errors import BadInput, CheckpointError, first_line
+from parallel_latent.files import JSONProblem, load_json_file
 
 from .packaged import OFFLINE_ENV, offline
 
@@ -43,11 +45,16 @@ def from_directory_or_hub(
     of saying it cannot (a name that is no directory and that neither the hub nor, offline, the hub
     cache has; files that do not parse) are one line: ``where`` (the key and the name), ``what`` (what
     did not load) and transformers' first line, instead of its multi-line traceback."""
+    if os.path.isfile(config := os.path.join(name, "config.json")):
+        try:  # bounded first: transformers' own parse recurses without a limit
+            load_json_file(config)
+        except JSONProblem as problem:
+            raise error_type(f"{where}: {what}: {problem}") from None
     try:
         return load()
     except BadInput:
         raise
-    except (OSError, ValueError, TypeError, KeyError) as error:
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, struct.error) as error:
         reason = first_line(error)
         if not os.path.isdir(name):
             reason = f"no such directory, and as a hub name: {reason}"

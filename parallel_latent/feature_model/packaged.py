@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from pathlib import Path
 from parallel_latent import files
 from parallel_latent.config import ConfigError
 from parallel_latent.errors import first_line
+
+from .gguf_header import gguf_header_problem
 
 __all__ = ["CACHE_ENV", "OFFLINE_ENV", "PYPI_PREFIX", "convert_gguf", "local_decoder", "model_cache_dir", "offline"]
 
@@ -115,12 +118,14 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def _publish_conversion(gguf: Path, final: Path, source: dict, where: str) -> None:
+    if (problem := gguf_header_problem(gguf)) is not None:
+        raise ConfigError(f"{where}: {gguf.name}: {problem}")
     started = time.monotonic()
     _say(f"{where}: converting {gguf.name} to a safetensors directory (once) ...")
     with files.Staged(final) as stage:
         try:
             convert_gguf(gguf, stage.path)
-        except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError, struct.error, RecursionError) as error:
             raise ConfigError(f"{where}: {gguf.name} does not convert: {first_line(error)}") from None
         (stage.path / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n", encoding="utf-8")
         stage.publish()

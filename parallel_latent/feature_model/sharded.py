@@ -23,7 +23,6 @@ every projection here owns its slice, and transformers' layers are modules like 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from torch import nn
 from transformers import AutoModel, PretrainedConfig
 
 from parallel_latent.config import ConfigError, FeatureModelConfig
+from parallel_latent.files import load_json_file
 from parallel_latent.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -198,7 +198,7 @@ class _SafetensorsWeights:
 
     def __init__(self, directory: Path, family: Family, where: str):
         if (directory / WEIGHTS_INDEX).is_file():
-            weight_map = json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"]
+            weight_map = load_json_file(directory / WEIGHTS_INDEX)["weight_map"]
         elif (directory / WEIGHTS_FILE).is_file():
             with safe_open(directory / WEIGHTS_FILE, framework="pt") as weights:
                 weight_map = dict.fromkeys(weights.keys(), WEIGHTS_FILE)

@@ -10,7 +10,6 @@ garbage weights as a loss that turns NaN ten steps in.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import zipfile
 from pathlib import Path
@@ -20,7 +19,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 
 from parallel_latent.config import ConfigError
-from parallel_latent.files import link_leaving
+from parallel_latent.files import link_problem, load_json_file, parse_json
 
 from .hub import cached_snapshot_or_reachable
 from .packaged import local_decoder
@@ -80,8 +79,8 @@ def _digest_of(files: tuple) -> str:
 def weight_files_problem(directory: Path) -> str | None:
     """What is wrong with the weight files of the decoder directory ``directory`` (one file and
     what is wrong with it), or None. Reads every weight once."""
-    if (link := link_leaving(directory)) is not None:
-        return f"{link[0]} is a link to {link[1]}, outside the model's directory"
+    if (link := link_problem(directory, "the model's directory")) is not None:
+        return link
     weights = _weight_files(directory)
     if isinstance(weights, str):
         return weights
@@ -101,7 +100,7 @@ def _weight_files(directory: Path) -> list[Path] | str:
     ):
         if (directory / index).is_file():
             try:
-                weight_map = json.loads((directory / index).read_text(encoding="utf-8"))["weight_map"]
+                weight_map = load_json_file(directory / index)["weight_map"]
                 names = sorted(set(weight_map.values()))
             except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
                 return f"{directory / index}: not an index of weight files (no 'weight_map' object)"
@@ -126,7 +125,7 @@ def _safetensors_problem(path: Path) -> str | None:
         if 8 + length > size:
             return f"its header claims {length} bytes of a {size}-byte file: truncated or not safetensors"
         try:
-            header = json.loads(handle.read(length))
+            header = parse_json(handle.read(length))
         except (UnicodeDecodeError, ValueError):
             return "its safetensors header is not JSON: damaged or not safetensors"
     if not isinstance(header, dict):

@@ -25,6 +25,7 @@ from parallel_latent import coordination, files
 from parallel_latent.data import open_for_training, resolve_source
 from parallel_latent.data.sources import read_split, samples_per_file
 from parallel_latent.errors import os_reason
+from parallel_latent.files import load_json_file
 from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import eval_mode
 from parallel_latent.parallel import get_parallel_state
@@ -61,7 +62,7 @@ def _completed_shards(out: Path, num_shards: int) -> list[dict]:
         record = None
         if record_path.is_file():
             with contextlib.suppress(ValueError, OSError):
-                record = json.loads(record_path.read_text(encoding="utf-8"))
+                record = load_json_file(record_path)
         if record and final.is_file() and final.stat().st_size == record.get("bytes"):
             done.append({key: value for key, value in record.items() if key != "moments"})
             continue

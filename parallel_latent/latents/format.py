@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 
 from parallel_latent.errors import BadInput, ExitStatus, first_line
+from parallel_latent.files import load_json_file
 
 __all__ = [
     "FORMAT",
@@ -99,7 +99,7 @@ def shard_name(index: int, count: int) -> str:
 def read_json(path: Path) -> dict:
     """An export record (the index, the run record), or ExportError (one line) if it cannot be read."""
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = load_json_file(path)
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise ExportError(f"{path}: unreadable ({first_line(error)}); delete the export to start again") from None
     if not isinstance(value, dict):

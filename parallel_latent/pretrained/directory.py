@@ -17,10 +17,10 @@ README.md            the model card: hub metadata (``model-index`` with token ac
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from parallel_latent.checkpoint import CheckpointError
+from parallel_latent.files import load_json_file
 
 __all__ = [
     "CARD_FILE",
@@ -43,8 +43,8 @@ def read_pretrained_config(directory: Path) -> dict | None:
     version newer than this code reads."""
     path = directory / CONFIG_FILE
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = load_json_file(path)
+    except (OSError, ValueError):
         return None
     if not isinstance(config, dict) or config.get("format") != PRETRAINED_FORMAT:
         return None

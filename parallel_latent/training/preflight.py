@@ -1,14 +1,24 @@
-"""The checks of a training job that need no process group and build nothing: the world size
-against TP and the batch sizes, the device, the data path, the checkpoint to resume and the global
-batch it keeps. ``train --nproc N`` runs them in its own process before it launches a rank, so this
-module imports neither transformers nor DeepSpeed (seconds of start-up that process does not need);
-every rank runs them again at start-up (:mod:`.startup`).
+"""The plan of a training job, decided once before anything is written: the checks that need no
+process group and build nothing (the world size against TP and the batch sizes, the device, the data
+path, the run directory) and the decisions every rank then carries out (the checkpoint to resume,
+read whole, and the damaged ones passed over; the global batch it keeps; the notices to say).
+
+``train --nproc N`` makes the plan in its own process before it launches a rank and hands it to the
+ranks (:data:`PLAN_ENV`); under another launcher (torchrun, deepspeed, SLURM), or when torchrun
+restarts the ranks, rank 0 makes it the same way and the other ranks take it from rank 0
+(:mod:`.startup`). This module imports neither transformers nor DeepSpeed (seconds of start-up the
+launcher does not need).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from parallel_latent.checkpoint import (
@@ -24,15 +34,17 @@ from parallel_latent.checkpoint import (
 from parallel_latent.checkpoint.layout import STAGING_PREFIX
 from parallel_latent.config import Config, ConfigError
 from parallel_latent.data import check_source
-from parallel_latent.errors import BadInput, SaidOnce, require_writable
-from parallel_latent.files import tree_bytes
+from parallel_latent.errors import BadInput, require_writable
+from parallel_latent.files import JSONProblem, parse_json, tree_bytes
 from parallel_latent.parallel import device_kind
 from parallel_latent.zero import require_supported_deepspeed
 
 from .world import keep_global_batch, validate_world
 
 __all__ = [
+    "PLAN_ENV",
     "TOKENIZER_KEYS",
+    "JobPlan",
     "checkpoint_to_resume",
     "planned_resume",
     "preflight",
@@ -42,11 +54,77 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-logger.addFilter(SaidOnce())  # preflight and every rank's start-up compare the models: one notice
 
 # Model keys the tokenizer sets (:func:`parallel_latent.feature_model.tokenizer.apply_tokenizer_facts`): before it is
 # loaded they hold the YAML's defaults, so a check without it leaves them to the ranks.
 TOKENIZER_KEYS = ("vocab_size", "mask_token_id", "pad_token_id")
+# The launcher's plan, in the environment of the ranks it starts (JSON of :class:`JobPlan`).
+PLAN_ENV = "PARALLEL_LATENT_JOB_PLAN"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a job's start-up decided, once, for every rank to carry out."""
+
+    run_dir: str  # the run directory it was made for (resolved): a plan is for that run alone
+    device: str  # "cpu" | "cuda"
+    resume: str | None  # the checkpoint every rank resumes from; None: a fresh start
+    passed_over: tuple[tuple[str, str], ...]  # damaged checkpoints (path, damage), moved aside once accepted
+    global_batch: int | None  # the resumed checkpoint's global batch, which the run keeps
+    notices: tuple[str, ...]  # what planning found to say (``latest`` names an older checkpoint, ...): said once
+
+    @property
+    def resume_path(self) -> Path | None:
+        return None if self.resume is None else Path(self.resume)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobPlan:
+        value = parse_json(text)
+        return cls(
+            value["run_dir"], value["device"], value["resume"], tuple(tuple(p) for p in value["passed_over"]),
+            value["global_batch"], tuple(value["notices"]),
+        )  # fmt: skip
+
+    def say_notices(self) -> None:
+        for notice in self.notices:
+            logger.warning("%s", notice)
+
+
+def plan_for_this_run(run_dir: Path) -> JobPlan | None:
+    """The plan the launcher of this process made for ``run_dir`` (None: no launcher made one, or
+    torchrun restarted the ranks since, and what the plan chose may be stale: a new plan is made)."""
+    text = os.environ.get(PLAN_ENV)
+    if not text or int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0:
+        return None
+    try:
+        plan = JobPlan.from_json(text)
+    except (JSONProblem, KeyError, TypeError, ValueError):
+        return None
+    return plan if plan.run_dir == str(run_dir.resolve()) else None
+
+
+@contextlib.contextmanager
+def _notices_kept(notices: list[str]) -> Iterator[None]:
+    """The package's warnings while the plan is made, kept in ``notices`` instead of said: the
+    process that makes the plan may be a launcher whose ranks say them, and rank 0 says them once."""
+    package = logging.getLogger("parallel_latent")
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                notices.append(record.getMessage())
+
+    handler, propagate = Keep(), package.propagate
+    package.addHandler(handler)
+    package.propagate = False
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.propagate = propagate
 
 
 def preflight(
@@ -54,13 +132,10 @@ def preflight(
     world_size: int,
     source: str = "<config>",
     processes_per_node: int | None = None,
-    read_checkpoint_whole: bool = True,
-) -> str:
-    """Everything about ``cfg`` that can be checked without building anything: the world size
-    against TP and the batch sizes, the device, the data path, the checkpoint to resume (read whole,
-    unless ``read_checkpoint_whole`` is False: the ranks of a job whose launcher read it).
-    Raises ConfigError / DataError with one line; writes nothing. Returns the device kind
-    (:func:`resolve_device`), which start-up then hands on instead of resolving it again."""
+) -> JobPlan:
+    """The job's plan (:class:`JobPlan`): everything about ``cfg`` that can be checked without
+    building anything, and the checkpoint to resume, read whole. Raises ConfigError / DataError /
+    CheckpointError with one line; writes nothing."""
     require_supported_deepspeed()  # before any work: checkpoints patch DeepSpeed's checkpoint engine
     validate_world(cfg, world_size, source, processes_per_node)
     device = resolve_device(cfg, source)
@@ -86,31 +161,46 @@ def preflight(
     elif resume != "auto" and not Path(resume).is_dir():
         raise ConfigError(f"{source}: checkpoint.resume={resume}: is a file; give a checkpoint or run directory")
     # A checkpoint of another model, or whose global batch cannot be kept on this many processes:
-    # one line now, before any rank starts (the ranks check again with the tokenizer's vocabulary).
-    resume_path = checkpoint_to_resume(cfg, read_checkpoint_whole)
-    require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
-    planned_resume(cfg, world_size, resume_path)
-    require_room_for_a_checkpoint(cfg, resume_path, source)
-    return device
+    # one line now, before any rank starts (the ranks check the tokenizer's vocabulary).
+    notices: list[str] = []
+    with _notices_kept(notices):
+        resume_path, passed_over = checkpoint_to_resume(cfg)
+        require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
+        global_batch = _saved_global_batch(resume_path)
+        if global_batch is not None:
+            keep_global_batch(cfg, world_size, global_batch, str(resume_path))
+        require_room_for_a_checkpoint(cfg, resume_path, source)
+    return JobPlan(
+        str(run_dir.resolve()), device, None if resume_path is None else str(resume_path),
+        tuple((str(path), damage) for path, damage in passed_over), global_batch, tuple(notices),
+    )  # fmt: skip
 
 
-def checkpoint_to_resume(cfg: Config, contents: bool = True) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names, as this process sees it (reading only):
-    ``auto`` = the run directory's latest, or the newest intact one before it if that is damaged
-    (None if there is none); ``never`` = None; else that path, which must be intact (``contents``:
-    :func:`~parallel_latent.checkpoint.checkpoint_damage`'s)."""
+def _saved_global_batch(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    sampler = saved_client_state(path).get("sampler") or {}
+    return int(sampler["global_batch_size"]) if "global_batch_size" in sampler else None
+
+
+def checkpoint_to_resume(cfg: Config) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint ``checkpoint.resume`` names, read whole, and the damaged ones passed over on
+    the way (each with its damage): ``auto`` = the run directory's latest, or the newest intact
+    one before it (None if there is none); ``never`` = None; else that path, which must be intact.
+    Reads only."""
     resume = cfg.checkpoint.resume
     if resume == "never":
-        return None
+        return None, []
     if resume == "auto":
-        return resumable(checkpoints_dir(cfg.logging.run_dir), contents)[0]
-    return require_intact(resolve_checkpoint(resume), contents)
+        return resumable(checkpoints_dir(cfg.logging.run_dir))
+    return require_intact(resolve_checkpoint(resume)), []
 
 
-def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = ()) -> None:
+def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = (), say_kept: bool = True) -> None:
     """CheckpointError (one line naming the first key that differs) when the checkpoint at ``path``
     was trained as another model than ``cfg.model``, or over another decoder than
-    ``cfg.feature_model`` chooses; the ``model`` keys in ``ignore`` are not compared."""
+    ``cfg.feature_model`` chooses; the ``model`` keys in ``ignore`` are not compared. ``say_kept``:
+    warn when the checkpoint's decoder replaces the one ``cfg`` names (the plan's notice)."""
     if path is None:
         return
     saved = saved_run_config(path)  # (a checkpoint without its config: the engine's load compares the tensors)
@@ -121,7 +211,8 @@ def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] =
         raise CheckpointError(f"{path}: config mismatch: {problem}")
     kept = (saved.get("feature_model") or {}).get("name_or_path")
     if (
-        cfg.feature_model.pretrained
+        say_kept
+        and cfg.feature_model.pretrained
         and isinstance(kept, str)
         and not _same_source(kept, cfg.feature_model.name_or_path)
     ):
@@ -162,16 +253,13 @@ def require_room_for_a_checkpoint(cfg: Config, resume_path: Path | None, source:
         )
 
 
-def planned_resume(cfg: Config, world_size: int, path: Path | None) -> tuple[Config, str | None]:
-    """``cfg`` for continuing from ``path`` on ``world_size`` processes: the checkpoint's global
+def planned_resume(cfg: Config, world_size: int, plan: JobPlan) -> tuple[Config, str | None]:
+    """``cfg`` for carrying out ``plan`` on ``world_size`` processes: the resumed checkpoint's global
     batch kept (micro-batch and accumulation chosen for the new data-parallel size), and the line
-    that says so; ConfigError (one line) when it cannot be kept. Unchanged without a checkpoint."""
-    if path is None:
+    that says so. Unchanged without a checkpoint (or one that recorded no global batch)."""
+    if plan.global_batch is None:
         return cfg, None
-    sampler = saved_client_state(path).get("sampler") or {}
-    if "global_batch_size" not in sampler:
-        return cfg, None
-    return keep_global_batch(cfg, world_size, int(sampler["global_batch_size"]), str(path))
+    return keep_global_batch(cfg, world_size, plan.global_batch, str(plan.resume))
 
 
 def resolve_device(cfg: Config, source: str = "<runtime>", check_precision: bool = True) -> str:

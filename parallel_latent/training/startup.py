@@ -1,8 +1,8 @@
-"""Start-up of a training job, on every rank: the checks that need no process group, the process
-groups, the run directory's lock, then the job's acceptance (the tokenizer and the model once per
-node, the choice of checkpoint to resume, rank 0's for every rank, checked against the model and
-with its global batch kept, the data, the DeepSpeed engine), and only then the run's first files.
-:func:`start_run` returns a :class:`Run`, which the trainer takes; a job refused at any point
+"""Start-up of a training job, on every rank: the job's plan (:mod:`.preflight`: the launcher's, or
+rank 0's for every rank), the process groups, the run directory's lock, then the job's acceptance
+(the tokenizer and the model once per node, the plan's checkpoint checked against the tokenizer's
+vocabulary and the loaded decoder, the data, the DeepSpeed engine), and only then the run's first
+files. :func:`start_run` returns a :class:`Run`, which the trainer takes; a job refused at any point
 leaves the run directory byte for byte as it found it.
 """
 
@@ -17,15 +17,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel_latent.checkpoint import (
-    checkpoints_dir,
-    move_aside,
-    remove_unfinished_saves,
-    resumable,
-)
+from parallel_latent.checkpoint import checkpoints_dir, move_aside, remove_unfinished_saves
 from parallel_latent.checkpoint.layout import INFO_FILE, read_info, resolve_checkpoint
 from parallel_latent.config import Config, ConfigError, save_config
-from parallel_latent.coordination import broadcast_value, directory_is_shared, is_main, main_first
+from parallel_latent.coordination import broadcast_value, decided_by_main, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
 from parallel_latent.errors import CheckpointError
 from parallel_latent.feature_model.cache import cache_wanted, job_cache
@@ -41,32 +36,17 @@ from parallel_latent.model import build_model, eval_mode
 from parallel_latent.parallel import ParallelState
 
 from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine
-from .preflight import checkpoint_to_resume, planned_resume, preflight, require_same_model
+from .preflight import JobPlan, plan_for_this_run, planned_resume, preflight, require_same_model, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from .watchdog import Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
+from .world import validate_world
 
-__all__ = [
-    "Run",
-    "checkpoint_to_resume",
-    "planned_resume",
-    "preflight",
-    "start_run",
-]
+__all__ = ["Run", "preflight", "start_run"]
 
 
 # --------------------------------------------------------------------------- #
 # Start-up on every rank.
 # --------------------------------------------------------------------------- #
-
-
-def choose_checkpoint_to_resume(cfg: Config) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """Rank 0's choice for every rank: :func:`checkpoint_to_resume`, and (``checkpoint.resume=auto``)
-    the damaged checkpoints passed over, each with its damage, which :func:`_commit` moves aside
-    once the job is accepted. Reads only (the checkpoint whole unless the launcher did)."""
-    contents = not accepted_by_launcher(Path(cfg.logging.run_dir))
-    if cfg.checkpoint.resume != "auto":
-        return checkpoint_to_resume(cfg, contents), []  # an explicit checkpoint that is damaged stops the run
-    return resumable(checkpoints_dir(cfg.logging.run_dir), contents)
 
 
 def accepted_by_launcher(run_dir: Path) -> bool:
@@ -75,11 +55,12 @@ def accepted_by_launcher(run_dir: Path) -> bool:
     return os.environ.get(HELD_BY_LAUNCHER_ENV) == str((run_dir / LOCK_FILE).resolve())
 
 
-def move_damaged_aside(damaged: list[tuple[Path, str]], intact: Path | None) -> None:
-    """Rank 0, once the job is accepted: each damaged checkpoint passed over is renamed (never
-    deleted), said in one line."""
-    for step_dir, damage in damaged:
-        moved = move_aside(step_dir)
+def move_damaged_aside(damaged: tuple[tuple[str, str], ...], intact: Path | None) -> None:
+    """Rank 0, once the job is accepted: each damaged checkpoint the plan passed over is renamed
+    (never deleted), said in one line."""
+    for path, damage in damaged:
+        step_dir = Path(path)
+        moved = move_aside(step_dir, intact)
         instead = f"resuming from {intact.name}" if intact is not None else "no intact checkpoint left: starting afresh"
         line = f"{damage}: checkpoint {step_dir.name} is truncated or damaged; moved to {moved.name}; {instead}"
         print(line, flush=True)
@@ -100,7 +81,7 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
         )
 
 
-def load_tokenizer_once_per_node(cfg: Config):
+def load_tokenizer_once_per_node(cfg: Config, decoder_files_read: bool):
     """The tokenizer, fetched by the first process of each node before the others look for it in
     the (node-local) hub cache: one download per node instead of one per rank. A pretrained feature
     model's ``config.json`` is checked first (:func:`check_feature_model`), so that a name that
@@ -108,7 +89,7 @@ def load_tokenizer_once_per_node(cfg: Config):
     under another launcher than ``train --nproc`` its weight files are read whole here."""
     with main_first(per_node=True):
         check_feature_model(cfg)
-        if cfg.feature_model.pretrained and not accepted_by_launcher(Path(cfg.logging.run_dir)):
+        if cfg.feature_model.pretrained and not decoder_files_read:
             check_decoder_files(cfg.feature_model.name_or_path)  # (``train --nproc`` read them before launching)
         return load_tokenizer(cfg.tokenizer)
 
@@ -219,13 +200,33 @@ class Accepted:
     cfg: Config
     tokenizer: Any
     facts: dict
-    resume_path: Path | None
-    damaged: list[tuple[Path, str]]  # rank 0: checkpoints passed over, to move aside
+    plan: JobPlan
     batch_note: str | None
     train_set: Any
     eval_set: Any
     bundle: EngineBundle
-    device_kind: str  # preflight's, resolved once
+
+    @property
+    def resume_path(self) -> Path | None:
+        return self.plan.resume_path
+
+
+def plan_on_every_rank(cfg: Config, source: str, launcher: dict) -> JobPlan | None:
+    """This rank's part of planning before the process groups exist: the launcher's plan where
+    ``train --nproc`` made one for this run (nothing checked again), else the checks every rank
+    needs to join the job (the world against TP and the batch, the device) and None: rank 0 makes
+    the plan once the process groups exist (:func:`plan_by_rank_0`)."""
+    plan = plan_for_this_run(Path(cfg.logging.run_dir))
+    if plan is None:
+        validate_world(cfg, launcher["world_size"], source, launcher["local_world_size"])
+        resolve_device(cfg, source)
+    return plan
+
+
+def plan_by_rank_0(cfg: Config, world_size: int, source: str, local_world_size: int | None) -> JobPlan:
+    """The job's plan (:func:`preflight`) made by rank 0 alone and taken by every rank, or its
+    one-line refusal raised on every rank alike (collective)."""
+    return decided_by_main(preflight, cfg, world_size, source, local_world_size)
 
 
 def start_run(
@@ -238,12 +239,7 @@ def start_run(
     then on the hang watchdog watches."""
     started = time.perf_counter()
     launcher = launcher_environment()
-    # Every rank checks alike (no process group yet to share a verdict); the launcher's acceptance
-    # read the checkpoint whole already, which N ranks need not each do again.
-    accepted = accepted_by_launcher(Path(cfg.logging.run_dir))
-    device = preflight(
-        cfg, launcher["world_size"], source, launcher["local_world_size"], read_checkpoint_whole=not accepted
-    )
+    plan = plan_on_every_rank(cfg, source, launcher)
     training, run_dir = cfg.training, Path(cfg.logging.run_dir)
     timeout_s = collective_timeout_s(training.hang_timeout_s, training.hang_long_phase_s)
     try:
@@ -256,7 +252,10 @@ def start_run(
     run_dir_existed = run_dir.exists()
     run_lock = take_run_directory(run_dir, wait_for_lock_s)
     try:
-        accepted = _accept(cfg, deepspeed_overrides, source, state, device)
+        from_launcher = plan is not None
+        if plan is None:  # (after the lock: no other job changes the checkpoints while rank 0 reads them)
+            plan = plan_by_rank_0(cfg, state.world_size, source, launcher["local_world_size"])
+        accepted = _accept(cfg, deepspeed_overrides, source, state, plan, from_launcher)
         return _commit(accepted, source, state, started, run_lock)
     except BaseException:
         if run_lock is not None:
@@ -279,25 +278,22 @@ def require_same_decoder(cfg: Config, path: Path | None) -> None:
         raise CheckpointError(f"{path}: config mismatch: {problem}")
 
 
-def _accept(cfg, deepspeed_overrides, source, state, device: str) -> Accepted:
-    """Every check of the job and what it is built of: the tokenizer, the checkpoint to resume and
-    whether it is this model, the data, the model and the engine. Writes nothing in the run
-    directory (the data's prepared copy goes to its cache)."""
-    tokenizer = load_tokenizer_once_per_node(cfg)
+def _accept(cfg, deepspeed_overrides, source, state, plan: JobPlan, from_launcher: bool) -> Accepted:
+    """The plan carried out up to the first file: the tokenizer, the plan's checkpoint checked for
+    what planning could not know (the tokenizer's vocabulary, the loaded decoder), the data, the
+    model and the engine. Writes nothing in the run directory (the data's prepared copy goes to its
+    cache). Every rank resumes the plan's checkpoint, with its global batch kept, whatever the new
+    layout: the run goes on as the same run."""
+    tokenizer = load_tokenizer_once_per_node(cfg, decoder_files_read=from_launcher)
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
-    # Rank 0 decides which checkpoint every rank loads: ranks must never disagree on it (a rank that
-    # resumed and one that started fresh would wait for each other forever). Its global batch is
-    # kept, whatever the new layout: the run goes on as the same run.
-    path, damaged = choose_checkpoint_to_resume(cfg) if is_main() else (None, [])
-    path = broadcast_value(None if path is None else str(path))
-    resume_path = None if path is None else Path(path)
-    require_same_model(cfg, resume_path)  # with the tokenizer's vocabulary now
+    resume_path = plan.resume_path
+    require_same_model(cfg, resume_path, say_kept=False)  # with the tokenizer's vocabulary now
     require_same_decoder(cfg, resume_path)
-    cfg, batch_note = planned_resume(cfg, state.world_size, resume_path)
+    cfg, batch_note = planned_resume(cfg, state.world_size, plan)
     train_set, eval_set = build_datasets(cfg, tokenizer)
     model = build_model_once_per_node(cfg, state.tp_group)
-    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides, device=device)
+    bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides, device=plan.device)
     if cache_wanted(cfg.feature_model):  # the frozen pass once per sample: batches carry their features
         cache = job_cache(
             cfg, bundle.engine.module.feature_model, train_set.data, len(train_set) + len(eval_set), state,
@@ -306,7 +302,7 @@ def _accept(cfg, deepspeed_overrides, source, state, device: str) -> Accepted:
         train_set, eval_set = train_set.with_features(cache), eval_set.with_features(cache)
     if resume_path is None:  # a resume reads the statistics from its checkpoint
         measure_feature_norm(bundle.engine.module, cfg, train_set, state)
-    return Accepted(cfg, tokenizer, facts, resume_path, damaged, batch_note, train_set, eval_set, bundle, device)
+    return Accepted(cfg, tokenizer, facts, plan, batch_note, train_set, eval_set, bundle)
 
 
 def _commit(accepted: Accepted, source: str, state, started: float, run_lock: RunLock | None) -> Run:
@@ -319,7 +315,8 @@ def _commit(accepted: Accepted, source: str, state, started: float, run_lock: Ru
     if state.rank == 0:
         before = previous_job_failure(run_dir)
         clear_progress(run_dir)
-        move_damaged_aside(accepted.damaged, resume_path)
+        accepted.plan.say_notices()
+        move_damaged_aside(accepted.plan.passed_over, resume_path)
         for unfinished in remove_unfinished_saves(checkpoints_dir(run_dir)):
             print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
         if line := restart_line(before, None if resume_path is None else read_info(resume_path)["step"]):
@@ -331,7 +328,7 @@ def _commit(accepted: Accepted, source: str, state, started: float, run_lock: Ru
     progress = Progress()
     run = Run(
         cfg, source, state, accepted.tokenizer, accepted.facts, resume_path, accepted.batch_note,
-        accepted.train_set, accepted.eval_set, accepted.bundle, accepted.device_kind, started, progress,
+        accepted.train_set, accepted.eval_set, accepted.bundle, accepted.plan.device, started, progress,
         start_watchdog(cfg, state, progress), run_lock,
     )  # fmt: skip
     return run

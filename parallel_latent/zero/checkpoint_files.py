@@ -24,6 +24,7 @@ from .version import import_deepspeed
 __all__ = [
     "MASTER",
     "OWN_NAME_KEY",
+    "OWN_STEP_KEY",
     "read_tp_rank",
     "safe_torch_load",
     "save_keeping_errno",
@@ -34,6 +35,7 @@ __all__ = [
 # The key each of DeepSpeed's files gets beside DeepSpeed's own, holding the file's own name: their
 # contents name no rank, so a file moved to another rank's name is found only by this.
 OWN_NAME_KEY = "parallel_latent_file_name"
+OWN_STEP_KEY = "parallel_latent_step"  # the step that wrote the file (checkpoints before it: absent)
 # The key of a parameter's fp32 master beside its optimizer state in what the readers return (the
 # universal state names its tensors by these keys).
 MASTER = "fp32"
@@ -73,6 +75,8 @@ def state_file_problem(
         return f"a {type(state).__name__}, not DeepSpeed's object of states"
     if (own := state.get(OWN_NAME_KEY, path.name)) != path.name:
         return f"holds the state written as {own!r} (files swapped or renamed)"
+    if (written := state.get(OWN_STEP_KEY, step)) != step:
+        return f"written at step {written!r}, in the checkpoint of step {step} (a file of another checkpoint)"
     if path.name.endswith("optim_states.pt"):
         return None if isinstance(state.get("optimizer_state_dict"), dict) else "optimizer_state_dict is missing"
     for key, saved in zip(("mp_world_size", "dp_world_size"), parallel_sizes, strict=True):

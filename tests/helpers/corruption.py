@@ -272,16 +272,14 @@ def _accept_training(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        lock = accept_job(cfg, args)
+        lock, plan = accept_job(cfg, args)
     except Exception as error:
         status = exit_status(error)
         if status is ExitStatus.FAILURE:
             raise
         print(error_line(one_line(error)), file=sys.stderr)
         return status
-    from parallel_latent.training.preflight import checkpoint_to_resume
-
-    print(f"accepted: resumes from {checkpoint_to_resume(cfg)}")
+    print(f"accepted: resumes from {plan.resume}")
     if lock is not None:
         lock.release(undo=True)
     return 0

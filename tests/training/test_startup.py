@@ -86,3 +86,73 @@ def test_no_room_for_one_more_checkpoint_is_one_line(trained, tmp_path):
         before = directory_bytes(disk)
         refused(disk / "run", expected="MiB free, but a checkpoint of this run takes")
         assert directory_bytes(disk) == before
+
+
+def _rewrite_record(step_dir) -> None:
+    """``checkpoint.json``'s file record made to match the files as they are now: what a bad copy
+    that also rewrote the record (or an attacker) leaves; only what the files hold can tell."""
+    import json
+
+    from parallel_latent.checkpoint.integrity import file_record
+
+    info_path = step_dir / "checkpoint.json"
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    info["files"] = file_record(step_dir)
+    info_path.write_text(json.dumps(info), encoding="utf-8")
+
+
+def _copy_of(trained, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir, symlinks=True)
+    return run_dir
+
+
+OPTIMIZER_STATE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def test_auto_passes_over_what_is_not_its_own_newest_checkpoint_in_one_line_each(trained, tmp_path):
+    """``checkpoint.resume=auto`` (the default) with the newest entries of the checkpoints directory
+    each not a checkpoint of this step: a link out of the run named as a newer step, and step 2
+    holding step 1's optimizer states (its record rewritten to match). The launcher's plan, which
+    read them whole, is what the ranks carry out: each passed over and moved aside in one line, the
+    run resumed from step 1 (never from step 2, which the ranks would have taken from its record),
+    and it trains on to step 3."""
+    import os
+    import shutil
+
+    run_dir = _copy_of(trained, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    shutil.copy(checkpoints / "step_00000001" / OPTIMIZER_STATE, checkpoints / "step_00000002" / OPTIMIZER_STATE)
+    _rewrite_record(checkpoints / "step_00000002")
+    outside = tmp_path / "outside"
+    shutil.copytree(checkpoints / "step_00000002", outside)
+    os.symlink(outside, checkpoints / "step_00000009")
+    result = run_main([*train_args(run_dir, "training.max_steps=3"), "--nproc=2"])
+    assert result.returncode == 0, describe(result)
+    moved = [line for line in result.stdout.splitlines() if "is truncated or damaged; moved to" in line]
+    assert len(moved) == 2, describe(result)
+    assert "step_00000009: a link to" in moved[0] and moved[0].endswith("resuming from step_00000001"), moved
+    assert f"{OPTIMIZER_STATE}: written at step 1, in the checkpoint of step 2" in moved[1], moved
+    assert (checkpoints / ".damaged-step_00000009").is_symlink() and (outside / "checkpoint.json").is_file()
+    assert (checkpoints / ".damaged-step_00000002").is_dir()
+    assert (checkpoints / "step_00000003").is_dir() and (checkpoints / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_checkpoint_named_explicitly_holding_another_steps_file_is_refused_before_anything_is_written(
+    trained, tmp_path
+):
+    run_dir = _copy_of(trained, tmp_path)
+    step_dir = run_dir / "checkpoints" / "step_00000002"
+    (step_dir / "rng" / "rank_00001.json").write_bytes(
+        (run_dir / STEP.replace("2", "1") / "rng" / "rank_00001.json").read_bytes()
+    )
+    _rewrite_record(step_dir)
+    before = directory_bytes(run_dir)
+    refused(
+        run_dir,
+        f"checkpoint.resume={step_dir}",
+        expected="rank_00001.json: the RNG state of step 1, in the checkpoint of step 2",
+    )
+    assert directory_bytes(run_dir) == before
