@@ -41,8 +41,16 @@ GC_THRESHOLD = (100_000, 10, 10)
 __all__ = ["build_parser", "main"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a command line is one line (``PROG COMMAND: error: ...``,
+    status 2) like every other refusal; the usage stays one ``-h`` away."""
+
+    def error(self, message: str):
+        self.exit(ExitStatus.BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Perceiver text autoencoder over a frozen GPT-2, "
         "trained with tensor parallelism and DeepSpeed ZeRO.",

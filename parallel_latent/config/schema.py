@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -111,12 +112,29 @@ def schema_keys(cls: type, prefix: str = "") -> list[tuple[str, Any, str, Bound 
     return keys
 
 
+# Every number a config holds (a YAML file, a checkpoint's or a manifest's record) is one a run can
+# use: no key of any section means anything past 2^31 - 1, and none means NaN or infinity.
+INT_LIMIT = 2**31 - 1
+
+
+def _out_of_range(value: Any) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        return f"must be within +-{INT_LIMIT}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    return None
+
+
 def _check_bounds(section: Any, source: str, prefix: str) -> None:
     for item in dataclasses.fields(section):
         value, key = getattr(section, item.name), f"{prefix}.{item.name}" if prefix else item.name
         if dataclasses.is_dataclass(value):
             _check_bounds(value, source, key)
-        elif (bound := item.metadata.get("bound")) is not None and (problem := bound.problem(key, value)):
+            continue
+        for element in value if isinstance(value, list | tuple) else (value,):
+            if (wrong := _out_of_range(element)) is not None:
+                raise ConfigError(f"{source}: {key} {wrong}, not {describe_value(element)}")
+        if (bound := item.metadata.get("bound")) is not None and (problem := bound.problem(key, value)):
             raise ConfigError(f"{source}: {problem}")
 
 

@@ -250,11 +250,11 @@ def start_run(
         raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None
     require_shared_run_dir(run_dir, source)  # (its probe leaves nothing)
     run_dir_existed = run_dir.exists()
+    from_launcher = plan is not None
+    if plan is None:  # (before the lock, as the launcher's: a run directory in the way is said as such)
+        plan = plan_by_rank_0(cfg, state.world_size, source, launcher["local_world_size"])
     run_lock = take_run_directory(run_dir, wait_for_lock_s)
     try:
-        from_launcher = plan is not None
-        if plan is None:  # (after the lock: no other job changes the checkpoints while rank 0 reads them)
-            plan = plan_by_rank_0(cfg, state.world_size, source, launcher["local_world_size"])
         accepted = _accept(cfg, deepspeed_overrides, source, state, plan, from_launcher)
         return _commit(accepted, source, state, started, run_lock)
     except BaseException:

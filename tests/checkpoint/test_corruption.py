@@ -4,7 +4,8 @@ file it applies to. Every case ends refused in one line (exit status 2, naming a
 checkpoint), in the documented fallback to the newest intact checkpoint, or accepted; never in a
 traceback, never with the run directory (or the portable directory) changed, never with a pickle's
 payload run. A case the acceptance lets through with the checkpoint named explicitly is then
-resumed for real: what was accepted must train. ``python -m tests.helpers.corruption`` runs
+resumed for real: what was accepted must train. A few cases of the kinds that used to reach the
+ranks run the real ``train --nproc 2``, ranks and all. ``python -m tests.helpers.corruption`` runs
 thousands (docs/failures.md)."""
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.corruption import BASE_RECIPE, MUTATIONS, STEPS, Case, all_cases, run_case
+from tests.helpers.corruption import BASE_RECIPE, JSON_MUTATIONS, MUTATIONS, STEPS, Case, all_cases, run_case
 from tests.helpers.pool_training import shared_pool, train_in_pool
 from tests.helpers.trainer_runs import train_args
-
-JSON_MUTATIONS = ("wrong JSON type", "missing key", "extra key")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +49,8 @@ def bounded_sample(base_run: Path, seed: int = 1) -> list[Case]:
                     c
                     for c in cases
                     if (c.target, c.mutation, c.consistent) == (target, mutation, consistent)
-                    and (c.file.endswith(".json") or mutation not in JSON_MUTATIONS)
+                    and (c.file.endswith(".json") or mutation not in (*JSON_MUTATIONS, "extra key"))
+                    and (c.file.endswith((".json", ".safetensors")) or mutation != "deeply nested")
                     and (any(ch.isdigit() for ch in c.file) or mutation != "swapped between ranks")
                     and c.mode == ("reconstruct" if target == "portable" else ("named", "auto")[len(chosen) % 2])
                 ]
@@ -104,3 +104,26 @@ def test_what_the_acceptance_lets_through_resumes(pool, base_run, tmp_path):
         f"checkpoint.resume={run_dir / 'checkpoints' / f'step_{STEPS:08d}'}",
     )
     assert f"at step {STEPS}" in stdout and (run_dir / "checkpoints" / f"step_{STEPS + 1:08d}").is_dir()
+
+
+COMMAND_CASES = [  # what only the ranks met before the launcher's plan was theirs
+    Case("training", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "the step before's", True, "auto", 3, "command"),
+    Case("training", "client_state.json", "NaN", True, "auto", 4, "command"),
+    Case("training", "checkpoint.json", "deeply nested", False, "named", 5, "command"),
+    Case("training", "rng/rank_00001.json", "huge number", True, "named", 6, "command"),
+    Case("training", "mp_rank_01_model_states.pt", "symlink loop", True, "named", 7, "command"),
+    Case("training", "model/model-tp00-of-02.safetensors", "deeply nested", True, "named", 8, "command"),
+]
+
+
+@pytest.mark.slow
+def test_the_real_command_refuses_in_one_line_or_falls_back_with_the_run_untouched(base_run, tmp_path):
+    """The real ``train --nproc 2`` (ranks and all) on the kinds of damage the ranks used to meet
+    first: refused in one line naming the file, the run directory byte for byte as it was; or under
+    ``auto`` the damaged checkpoint moved aside in one line, as it was, and the run resumed from the
+    one before and trained to its end."""
+    outcomes = [run_case(case, base_run, tmp_path / f"case-{i}", train_argv) for i, case in enumerate(COMMAND_CASES)]
+    assert all(o.applies for o in outcomes), [o.case for o in outcomes if not o.applies]
+    bad = [(o.case.file, o.case.mutation, o.done, o.kind, o.changed[:2], o.lines[-3:]) for o in outcomes if not o.ok]
+    assert not bad, bad
+    assert [o.kind for o in outcomes] == ["fallback"] * 2 + ["refused"] * 4, [(o.kind, o.lines[-2:]) for o in outcomes]

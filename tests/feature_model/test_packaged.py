@@ -130,6 +130,32 @@ def test_smollm2_from_the_package_index_is_the_gguf_model(smollm2_wheel):
             assert want.abs().max().item() > 1000 * want.abs().median().item()
 
 
+def gguf_bytes(tail: bytes, tensors: int = 0, entries: int = 0) -> bytes:
+    """A GGUF header (version 3) stating ``tensors`` tensors and ``entries`` metadata entries, then ``tail``."""
+    return b"GGUF" + (3).to_bytes(4, "little") + tensors.to_bytes(8, "little") + entries.to_bytes(8, "little") + tail
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (b"GGUF", "runs past the file's end"),
+        (b"GGUF" + (3).to_bytes(4, "little") + b"\xff" * 100, "a metadata count of 18446744073709551615 cannot fit"),
+        (gguf_bytes(b"", tensors=10**9), "a tensor count of 1000000000 cannot fit"),
+        (b"GGML" + b"\0" * 40, "not a GGUF file"),
+    ],
+)
+def test_a_damaged_gguf_is_one_line_before_anything_converts(tmp_path, empty_cache, monkeypatch, data, expected):
+    """A file that holds the magic and nothing sane: its header is walked within bounds first, one
+    line naming it, nothing converted or cached (transformers' reader would end in struct.error)."""
+    monkeypatch.setattr(packaged, "convert_gguf", lambda gguf, out: pytest.fail("converted"))
+    gguf = tmp_path / "bad.gguf"
+    gguf.write_bytes(data)
+    with pytest.raises(ConfigError) as caught:
+        local_decoder(str(gguf))
+    assert str(caught.value).count("\n") == 0 and "bad.gguf" in str(caught.value) and expected in str(caught.value)
+    assert not [p for p in empty_cache.iterdir() if not p.name.startswith(".lock-")]
+
+
 def test_a_gguf_file_is_converted_once_into_its_own_cache_entry(tmp_path, empty_cache, monkeypatch):
     """The cache logic of a ``.gguf`` path; the conversion itself is the one the package path runs
     (test_smollm2_from_the_package_index_is_the_gguf_model checks what it writes)."""
@@ -141,12 +167,12 @@ def test_a_gguf_file_is_converted_once_into_its_own_cache_entry(tmp_path, empty_
 
     monkeypatch.setattr(packaged, "convert_gguf", convert)
     gguf = tmp_path / "My Model.Q4.gguf"
-    gguf.write_bytes(b"GGUF one")
+    gguf.write_bytes(gguf_bytes(b"one"))
     first = Path(local_decoder(str(gguf)))
     assert first.parent == empty_cache and first.name.startswith("gguf-My_Model.Q4-")
     assert (first / "config.json").is_file() and (first / SOURCE_FILE).is_file()
-    assert Path(local_decoder(str(gguf))) == first and converted == [b"GGUF one"]  # not converted twice
-    gguf.write_bytes(b"GGUF two")  # another file under the same name: its own entry
+    assert Path(local_decoder(str(gguf))) == first and converted == [gguf_bytes(b"one")]  # not converted twice
+    gguf.write_bytes(gguf_bytes(b"two"))  # another file under the same name: its own entry
     second = Path(local_decoder(str(gguf)))
-    assert second != first and converted == [b"GGUF one", b"GGUF two"]
+    assert second != first and converted == [gguf_bytes(b"one"), gguf_bytes(b"two")]
     assert not list(empty_cache.glob(".*partial"))

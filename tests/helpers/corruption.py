@@ -1,16 +1,23 @@
 """A corruption fuzzer for checkpoints: every file of a training checkpoint and of a portable
 checkpoint, mutated (truncated, emptied, bytes flipped, a JSON value of the wrong type, a key
-missing or added, swapped with another rank's file, a pickle, a symlink out of the directory), with
-its record (``checkpoint.json``'s file record; the manifest's file sizes) rewritten to match it or
-not. Each case runs what a user runs, in this process:
+missing or added, JSON nested 100,000 deep (a safetensors header too), NaN, a huge number, swapped
+with another rank's file, the same file of the step before, a pickle, a symlink out of the
+directory, a symlink loop), with its record (``checkpoint.json``'s file record; the manifest's file
+sizes) rewritten to match it or not. Each case runs what a user runs:
 
-- training: the acceptance phase of ``train --nproc 2`` (:func:`parallel_latent.cli.train.accept_job`)
-  with ``checkpoint.resume`` naming the damaged checkpoint (refused: exit status 2, one line naming a
-  file of it) or ``auto`` (the documented fallback: accepted, resuming from the newest intact one);
+- training, ``runner="command"``: the real ``parallel-latent train --nproc 2`` (its launcher in this
+  process, its ranks and all) with ``checkpoint.resume`` naming the damaged checkpoint (refused:
+  exit status 2, one line naming a file of it, the run directory's tree as it was) or ``auto`` (the
+  documented fallback: the damaged checkpoint moved aside in one line, the run resumed from the
+  newest intact one and trained to its end);
+- training, ``runner="acceptance"``: the launcher's acceptance alone
+  (:func:`parallel_latent.cli.train.accept_job`, which makes the plan the ranks carry out), in this
+  process: the same verdicts in a fraction of the time, for the thousands of cases;
 - portable: ``parallel-latent reconstruct --checkpoint DIR`` (refused in one line, or it reconstructs).
 
-Every case must end without a traceback and with the run directory's (or the portable directory's)
-tree as it was: paths, sizes and modification times; a pickle's payload must never run.
+Every case must end without a traceback and, unless it resumed, with the run directory's (or the
+portable directory's) tree as it was: paths, sizes, modification times and the bytes of every
+file; a pickle's payload must never run.
 ``tests/checkpoint/test_corruption.py`` runs a bounded sample; ``python -m tests.helpers.corruption
 --cases 2000`` runs many and prints the table of docs/failures.md.
 """
@@ -19,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import hashlib
 import io
 import json
+import os
 import pickle
 import random
 import re
@@ -49,10 +59,17 @@ MUTATIONS = (
     "wrong JSON type",
     "missing key",
     "extra key",
+    "deeply nested",
+    "NaN",
+    "huge number",
     "swapped between ranks",
+    "the step before's",
     "a pickle",
     "symlink out",
+    "symlink loop",
 )
+JSON_MUTATIONS = ("wrong JSON type", "missing key", "extra key", "NaN", "huge number")
+DEEP = 100_000
 TEXT = "It is a truth universally acknowledged."
 
 
@@ -95,6 +112,8 @@ def _mutate_json(path: Path, rng: random.Random, how: str) -> str | None:
     slots = _json_slots(value)
     if how == "missing key":
         slots = [(p, k) for p, k in slots if isinstance(_at(value, p), dict)]
+    if how in ("NaN", "huge number"):
+        slots = [(p, k) for p, k in slots if type(_at(value, (*p, k))) in (int, float)]
     if how == "extra key":
         objects = [()] * isinstance(value, dict) + [(*p, k) for p, k in slots if isinstance(_at(value, (*p, k)), dict)]
         if not objects:
@@ -110,6 +129,10 @@ def _mutate_json(path: Path, rng: random.Random, how: str) -> str | None:
         if how == "missing key":
             del container[key]
             done = f"{_dotted((*where, key))} removed"
+        elif how in ("NaN", "huge number"):
+            old = container[key]
+            container[key] = float("nan") if how == "NaN" else (1e300 * 1e10 if isinstance(old, float) else 10**30)
+            done = f"{_dotted((*where, key))} = {json.dumps(container[key])}"
         else:
             old = container[key]
             container[key] = rng.choice([v for v in OTHER_TYPES if type(v) is not type(old)])
@@ -137,7 +160,22 @@ def _rank_sibling(path: Path) -> Path | None:
     return siblings[0] if siblings else None
 
 
-def mutate(path: Path, how: str, rng: random.Random, outside: Path, marker: Path) -> str | None:
+def _deeply_nested(path: Path, data: bytes) -> str | None:
+    """A JSON file, or a safetensors file's JSON header, made a list nested :data:`DEEP` deep."""
+    nested = b"[" * DEEP + b"]" * DEEP
+    if path.suffix == ".json":
+        _rewrite(path, nested)
+        return f"the file: a list nested {DEEP} deep"
+    if path.suffix == ".safetensors" and len(data) >= 8:
+        length = int.from_bytes(data[:8], "little")
+        _rewrite(path, len(nested).to_bytes(8, "little") + nested + data[8 + length :])
+        return f"its header: a list nested {DEEP} deep"
+    return None
+
+
+def mutate(
+    path: Path, how: str, rng: random.Random, outside: Path, marker: Path, before: Path | None = None
+) -> str | None:
     """Apply the mutation ``how`` to the file ``path``: what was done, or None when it does not
     apply to that file."""
     data = path.read_bytes()
@@ -153,8 +191,14 @@ def mutate(path: Path, how: str, rng: random.Random, outside: Path, marker: Path
         for _ in range(rng.randint(1, 8)):
             flipped[rng.randrange(len(flipped))] ^= rng.randrange(1, 256)
         _rewrite(path, bytes(flipped))
-    elif how in ("wrong JSON type", "missing key", "extra key"):
+    elif how in (*JSON_MUTATIONS, "extra key"):
         return _mutate_json(path, rng, how) if path.suffix == ".json" else None
+    elif how == "deeply nested":
+        return _deeply_nested(path, data)
+    elif how == "the step before's":
+        if before is None or not before.is_file() or before.read_bytes() == data:
+            return None
+        _rewrite(path, before.read_bytes())
     elif how == "swapped between ranks":
         if (sibling := _rank_sibling(path)) is None:
             return None
@@ -175,14 +219,27 @@ def mutate(path: Path, how: str, rng: random.Random, outside: Path, marker: Path
         target = outside / f"{path.parent.name}-{path.name}"
         shutil.move(path, target)
         path.symlink_to(target)
+    elif how == "symlink loop":
+        path.unlink()
+        path.symlink_to(path.with_name(path.name + ".loop"))
+        path.with_name(path.name + ".loop").symlink_to(path.name)
     else:
         raise ValueError(how)
     return how
 
 
-def tree(directory: Path) -> dict[str, tuple[int, int]]:
-    """Every path under ``directory`` (itself included) with its size and modification time."""
-    return {str(p): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in [directory, *directory.rglob("*")]}
+def tree(directory: Path) -> dict[str, tuple]:
+    """Every path under ``directory`` (itself included) with its size, modification time and, for a
+    file, the SHA-256 of its bytes (a link: where it points)."""
+
+    def entry(p: Path) -> tuple:
+        stat = p.lstat()
+        if p.is_symlink():
+            return stat.st_size, stat.st_mtime_ns, os.readlink(p)
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        return stat.st_size, stat.st_mtime_ns, digest
+
+    return {str(p): entry(p) for p in [directory, *directory.rglob("*")]}
 
 
 def _copy_run(base: Path, to: Path) -> None:
@@ -205,6 +262,7 @@ class Case:
     consistent: bool  # the record rewritten to match the mutated file
     mode: str  # training: "named" (checkpoint.resume=DIR) or "auto"; portable: "reconstruct"
     seed: int
+    runner: str = "acceptance"  # training: "acceptance" (the launcher's, in this process) or "command" (ranks and all)
 
 
 @dataclass
@@ -298,8 +356,10 @@ def run_case(
     newest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     step_dir = newest if case.target == "training" else newest / "model"
     rng = random.Random(case.seed)
+    older = run_dir / "checkpoints" / f"step_{STEPS - 1:08d}"
+    before_file = (older if case.target == "training" else older / "model") / case.file
     try:
-        done = mutate(step_dir / case.file, case.mutation, rng, outside, marker)
+        done = mutate(step_dir / case.file, case.mutation, rng, outside, marker, before_file)
         if done is None:
             outcome.applies = False
             return outcome
@@ -308,21 +368,47 @@ def run_case(
             _make_consistent(case, step_dir)
         watched = run_dir if case.target == "training" else step_dir
         before = tree(watched)
-        if case.target == "training":
-            resume = str(newest) if case.mode == "named" else "auto"
+        resume = str(newest) if case.mode == "named" else "auto"
+        if case.target == "training" and case.runner == "command":
+            outcome.status, outcome.lines, crashed = _run_command(train_argv(run_dir, resume))
+        elif case.target == "training":
             call = lambda: _accept_training(train_argv(run_dir, resume))  # noqa: E731
+            outcome.status, outcome.lines, crashed = _run_in_process(call)
         else:
             call = lambda: main(["reconstruct", "--checkpoint", str(step_dir), TEXT])  # noqa: E731
-        outcome.status, outcome.lines, crashed = _run_in_process(call)
-        after = tree(watched)
-        outcome.changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+            outcome.status, outcome.lines, crashed = _run_in_process(call)
         outcome.payload_ran = marker.exists()
         outcome.kind = _kind(outcome, crashed, newest)
+        outcome.changed = _changed(before, tree(watched), outcome, newest)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
         outcome.seconds = time.perf_counter() - started
     return outcome
+
+
+def _run_command(argv: list[str]) -> tuple[int, list[str], bool]:
+    """The real ``parallel-latent train --nproc 2``: its launcher in this process, its ranks real
+    processes (tests/helpers/in_process_cli.py)."""
+    from tests.helpers.in_process_cli import run_main
+
+    result = run_main(argv)
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    return result.returncode, lines, "Traceback" in result.stderr
+
+
+def _changed(before: dict, after: dict, outcome: Outcome, newest: Path) -> list[str]:
+    """What changed that must not have: anything, for a job that did not run (the acceptance alone,
+    a refusal, a reconstruction); for a job that ran, the damaged checkpoint it passed over, which
+    must be where its line says, as it was (the rest is the run's to write)."""
+    ran = outcome.case.runner == "command" and outcome.kind in ("fallback", "accepted")
+    if not ran:
+        return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    if outcome.kind == "accepted":
+        return []
+    moved = newest.with_name(f".damaged-{newest.name}")
+    inside = {p: entry for p, entry in before.items() if Path(p).is_relative_to(newest) and Path(p) != newest}
+    return sorted(p for p, entry in inside.items() if after.get(str(moved / Path(p).relative_to(newest))) != entry)
 
 
 def _kind(outcome: Outcome, crashed: bool, newest: Path) -> str:
@@ -331,6 +417,13 @@ def _kind(outcome: Outcome, crashed: bool, newest: Path) -> str:
         return "traceback"
     if outcome.status == 2 and len(errors) == 1 and str(newest) in errors[0]:
         return "refused"
+    if outcome.status == 0 and outcome.case.mode == "auto" and outcome.case.runner == "command":
+        moved = [
+            line for line in outcome.lines if f"checkpoint {newest.name} is truncated or damaged; moved to" in line
+        ]
+        return (
+            "fallback" if len(moved) == 1 and moved[0].endswith(f"resuming from step_{STEPS - 1:08d}") else "accepted"
+        )
     if outcome.status == 0 and outcome.case.mode == "auto":
         resumed = [line for line in outcome.lines if line.startswith("accepted: resumes from")]
         return "fallback" if resumed and not resumed[0].endswith(newest.name) else "accepted"
@@ -359,7 +452,7 @@ def sample(cases: list[Case], count: int, seed: int) -> list[Case]:
     """``count`` cases drawn with replacement over the kinds, each with a new seed."""
     rng = random.Random(seed)
     drawn = [rng.choice(cases) for _ in range(count)]
-    return [Case(c.target, c.file, c.mutation, c.consistent, c.mode, rng.randrange(2**31)) for c in drawn]
+    return [dataclasses.replace(c, seed=rng.randrange(2**31)) for c in drawn]
 
 
 def table(outcomes: list[Outcome], seconds: float) -> str:
@@ -397,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=2000, help="cases to run (drawn over every kind)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show", choices=("refused", "fallback", "accepted"), help="print each case that ended so")
+    parser.add_argument(
+        "--runner", choices=("acceptance", "command"), default="acceptance",
+        help="training cases: the launcher's acceptance in this process, or the real train --nproc 2 (ranks and all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     from tests.helpers.trainer_runs import cli_command, train_args
 
@@ -412,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             return [*train_args(run_dir, *BASE_RECIPE, f"checkpoint.resume={resume}"), "--nproc=2"]
 
         outcomes, failures = [], 0
-        for i, case in enumerate(sample(all_cases(base, args.seed), args.cases, args.seed)):
+        drawn = sample(all_cases(base, args.seed), args.cases, args.seed)
+        for i, case in enumerate(dataclasses.replace(c, runner=args.runner) for c in drawn):
             outcome = run_case(case, base, Path(scratch) / f"case-{i}", train_argv)
             outcomes.append(outcome)
             if not outcome.ok:
