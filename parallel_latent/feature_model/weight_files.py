@@ -19,7 +19,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 
 from parallel_latent.config import ConfigError
-from parallel_latent.files import link_problem, load_json_file, parse_json
+from parallel_latent.files import JSONProblem, link_problem, load_json_file, parse_json
 
 from .hub import cached_snapshot_or_reachable
 from .packaged import local_decoder
@@ -81,6 +81,11 @@ def weight_files_problem(directory: Path) -> str | None:
     what is wrong with it), or None. Reads every weight once."""
     if (link := link_problem(directory, "the model's directory")) is not None:
         return link
+    if (directory / "config.json").is_file():
+        try:
+            load_json_file(directory / "config.json")  # bounded before transformers reads it
+        except JSONProblem as problem:
+            return str(problem)
     weights = _weight_files(directory)
     if isinstance(weights, str):
         return weights

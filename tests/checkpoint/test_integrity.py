@@ -298,3 +298,46 @@ def test_a_latest_that_names_anything_but_a_checkpoint_beside_it_is_refused(stra
     status = main([*train_args(copy, *RECIPE), "--nproc=2"])
     stderr = capfd.readouterr().err
     assert status == 2 and stderr.strip().splitlines()[-1].endswith(str(error.value)), stderr
+
+
+@pytest.mark.slow
+def test_entries_that_are_not_their_steps_own_checkpoint_are_passed_over(straight, tmp_path):
+    """A step directory whose name and record disagree (step 5 under the name of step 9), one that
+    is a link (to another checkpoint of the run), and a name that is no step's: the first two are
+    damage, said in one line each and passed over newest first, the third is not a checkpoint at all."""
+    import os
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(straight / "checkpoints", checkpoints)
+    os.rename(checkpoints / f"step_{STEPS:08d}", checkpoints / "step_00000009")
+    os.symlink(checkpoints / f"step_{HALF:08d}", checkpoints / "step_00000008")
+    shutil.copytree(checkpoints / f"step_{HALF:08d}", checkpoints / "step_99")
+    (checkpoints / "latest").write_text("step_00000009\n")
+    intact, passed_over = resumable(checkpoints)
+    assert intact == checkpoints / f"step_{HALF:08d}"
+    assert passed_over == [
+        (
+            checkpoints / "step_00000009",
+            f"{checkpoints / 'step_00000009' / 'checkpoint.json'}: records step {STEPS}, in the directory of step 9",
+        ),
+        (
+            checkpoints / "step_00000008",
+            f"{checkpoints / 'step_00000008'}: a link to {checkpoints / f'step_{HALF:08d}'}, "
+            "not a checkpoint directory of this run",
+        ),
+    ]
+
+
+@pytest.mark.slow
+def test_a_latest_that_is_a_link_is_refused_in_one_line(straight, tmp_path):
+    import os
+
+    from parallel_latent.checkpoint import CheckpointError, find_latest_checkpoint
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(straight / "checkpoints", checkpoints)
+    (checkpoints / "latest").unlink()
+    os.symlink("latest.loop", checkpoints / "latest")
+    os.symlink("latest", checkpoints / "latest.loop")
+    with pytest.raises(CheckpointError, match=r"latest: a link to latest\.loop, not the file a save writes; not read"):
+        find_latest_checkpoint(checkpoints)
