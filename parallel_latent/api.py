@@ -141,7 +141,12 @@ class TextAutoencoder:
             configs = autoencoder_configs(directory, manifest)
             loaded_tokenizer = load_checkpoint_tokenizer(directory, manifest, tokenizer)
             model = _build_and_load(directory, configs, tp_group, verify_checksums=True)
-            stats = LatentStats.from_dict(manifest.get("latent_stats"))
+            try:
+                stats = LatentStats.from_dict(
+                    manifest.get("latent_stats"), f"{directory / MANIFEST_NAME}: latent_stats"
+                )
+            except ValueError as problem:
+                raise CheckpointError(str(problem)) from None
             return cls(model.eval(), loaded_tokenizer, directory, stats)
 
         # A run that trains meanwhile may prune the checkpoint found first: the newest is read.

@@ -198,7 +198,11 @@ def parse_json(text: str | bytes, max_depth: int = JSON_MAX_DEPTH) -> Any:
         raise JSONProblem(f"nested deeper than {max_depth} levels") from None
     except JSONProblem:
         raise
-    except (UnicodeDecodeError, ValueError) as error:
+    except json.JSONDecodeError as error:
+        raise JSONProblem(f"invalid JSON: {error.msg} (line {error.lineno}, column {error.colno})") from None
+    except UnicodeDecodeError:
+        raise JSONProblem("not readable JSON (not UTF-8 text)") from None
+    except ValueError as error:  # (an integer of more digits than Python converts)
         raise JSONProblem(f"not readable JSON ({str(error).splitlines()[0][:80]})") from None
     stack = [(value, 1)]
     while stack:  # iterative: the depth check itself must not recurse

@@ -40,6 +40,7 @@ ALLOWED_GLOBALS = frozenset(
     }
 )
 MT_STATE_WORDS = 625  # Python's Mersenne Twister: 624 words and the position
+WORD_MAX = 2**32 - 1  # each word of a Mersenne Twister's state
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
@@ -118,7 +119,8 @@ RNG_STATE = _keys(
                 isinstance(v, list)
                 and len(v) == 3
                 and _is_int(v[0])
-                and _int_list(v[1], MT_STATE_WORDS)
+                and _int_list(v[1], MT_STATE_WORDS, high=WORD_MAX)
+                and v[1][-1] <= MT_STATE_WORDS - 1
                 and (v[2] is None or isinstance(v[2], float))
             ),
             "a Python random state [version, 625 integers, gauss]",
@@ -128,9 +130,10 @@ RNG_STATE = _keys(
                 isinstance(v, list)
                 and len(v) == 5
                 and isinstance(v[0], str)
-                and _int_list(v[1], 624)
+                and _int_list(v[1], 624, high=WORD_MAX)
                 and _is_int(v[2])
-                and _is_int(v[3])
+                and v[2] <= 624
+                and v[3] in (0, 1)
                 and isinstance(v[4], float)
             ),
             "a NumPy random state [name, 624 integers, position, has_gauss, gauss]",

@@ -248,7 +248,7 @@ def _tensor_problem(info: Any, files: dict) -> str | None:
     if not (isinstance(shards, list) and shards and all(isinstance(shard, dict) for shard in shards)):
         return "'shards' must be a list of objects"
     for shard in shards:
-        if shard.get("file") not in files:
+        if not isinstance(shard.get("file"), str) or shard["file"] not in files:
             return f"a shard's 'file' {shard.get('file')!r} is not one of the manifest's files"
         if not any(isinstance(shard.get(kind), str) for kind in (CHECKSUM_KEY, "sha256")):
             return "a shard has no checksum"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import csv
-import json
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any
 
 from parallel_latent.data.prepared import is_prepared_copy
 from parallel_latent.errors import DataError, first_line, os_reason
+from parallel_latent.files import JSONProblem, parse_json
 
 __all__ = [
     "HUB_PREFIX",
@@ -272,9 +272,9 @@ def _jsonl_samples(path: Path, text_field: str) -> list[str]:
             continue
         where = f"{path}:{line_number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: invalid JSON: {error.msg}") from None
+            record = parse_json(line)
+        except JSONProblem as problem:
+            raise DataError(f"{where}: {problem}") from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
         if text_field not in record:
@@ -537,7 +537,7 @@ def _count_jsonl(path: str, text_field: str) -> int:
     with open(path, encoding="utf-8", newline="") as handle:
         for line in handle:
             if line.strip():
-                record = json.loads(line)
+                record = parse_json(line)
                 text = record.get(text_field) if isinstance(record, dict) else None
                 count += len(record_samples(text, "record")) if isinstance(text, str) else 0
     return count

@@ -115,11 +115,26 @@ class LatentStats:
         return {"step": self.step, "samples": self.samples, "mean": self.mean.tolist(), "std": self.std.tolist()}
 
     @classmethod
-    def from_dict(cls, record: dict | None) -> LatentStats | None:
+    def from_dict(cls, record: dict | None, source: str = "latent_stats") -> LatentStats | None:
+        """The statistics a manifest records, or None; ValueError (one line naming ``source``) for a
+        record that is not one: what a manifest holds is checked before it is used."""
         if not record:
             return None
+
+        def numbers(key: str) -> bool:
+            value = record.get(key) if isinstance(record, dict) else None
+            return isinstance(value, list) and bool(value) and all(_finite(x) for x in value)
+
+        if not (numbers("mean") and numbers("std") and len(record["mean"]) == len(record["std"])):
+            raise ValueError(f"{source}: 'mean' and 'std' must be lists of as many finite numbers")
+        if not (isinstance(record.get("samples"), int) and record["samples"] >= 0):
+            raise ValueError(f"{source}: 'samples' must be an integer >= 0")
         mean = torch.tensor(record["mean"], dtype=torch.float32)
-        return cls(mean, torch.tensor(record["std"], dtype=torch.float32), int(record["samples"]), record.get("step"))
+        return cls(mean, torch.tensor(record["std"], dtype=torch.float32), record["samples"], record.get("step"))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def noise_for(index: int, shape: tuple[int, ...], level: float, seed: int) -> torch.Tensor:
