@@ -23,7 +23,7 @@ from parallel_latent.files import JSON_MAX_DEPTH, JSONProblem, link_problem, loa
         ('{"step": 1e400}', "holds the number 1e400, out of a float's range"),
         ('{"step": ' + "9" * 5000 + "}", "not readable JSON"),
         ('{"step": 1', "invalid JSON: Expecting ',' delimiter (line 1, column 11)"),
-        (b"{\"a\": \"\xc3\x28\"}", "not readable JSON (not UTF-8 text)"),
+        (b'{"a": "\xc3\x28"}', "not readable JSON (not UTF-8 text)"),
     ],
 )
 def test_json_outside_the_bounds_is_one_line(text, expected):
