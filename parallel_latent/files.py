@@ -199,7 +199,8 @@ def parse_json(text: str | bytes, max_depth: int = JSON_MAX_DEPTH) -> Any:
     except JSONProblem:
         raise
     except json.JSONDecodeError as error:
-        raise JSONProblem(f"invalid JSON: {error.msg} (line {error.lineno}, column {error.colno})") from None
+        at = f"column {error.colno}" if error.lineno == 1 else f"line {error.lineno}, column {error.colno}"
+        raise JSONProblem(f"invalid JSON: {error.msg} ({at})") from None
     except UnicodeDecodeError:
         raise JSONProblem("not readable JSON (not UTF-8 text)") from None
     except ValueError as error:  # (an integer of more digits than Python converts)

@@ -22,7 +22,7 @@ from parallel_latent.files import JSON_MAX_DEPTH, JSONProblem, link_problem, loa
         ('{"lr": -Infinity}', "holds -Infinity"),
         ('{"step": 1e400}', "holds the number 1e400, out of a float's range"),
         ('{"step": ' + "9" * 5000 + "}", "not readable JSON"),
-        ('{"step": 1', "invalid JSON: Expecting ',' delimiter (line 1, column 11)"),
+        ('{"step": 1', "invalid JSON: Expecting ',' delimiter (column 11)"),
         (b'{"a": "\xc3\x28"}', "not readable JSON (not UTF-8 text)"),
     ],
 )

@@ -18,7 +18,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from parallel_latent.checkpoint import (
@@ -50,6 +50,7 @@ __all__ = [
     "preflight",
     "require_room_for_a_checkpoint",
     "require_same_model",
+    "require_same_vocabulary",
     "resolve_device",
 ]
 
@@ -196,11 +197,11 @@ def checkpoint_to_resume(cfg: Config) -> tuple[Path | None, list[tuple[Path, str
     return require_intact(resolve_checkpoint(resume)), []
 
 
-def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = (), say_kept: bool = True) -> None:
+def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] = ()) -> None:
     """CheckpointError (one line naming the first key that differs) when the checkpoint at ``path``
     was trained as another model than ``cfg.model``, or over another decoder than
-    ``cfg.feature_model`` chooses; the ``model`` keys in ``ignore`` are not compared. ``say_kept``:
-    warn when the checkpoint's decoder replaces the one ``cfg`` names (the plan's notice)."""
+    ``cfg.feature_model`` chooses; the ``model`` keys in ``ignore`` are not compared. Warns when the
+    checkpoint's decoder replaces the one ``cfg`` names (a notice of the plan)."""
     if path is None:
         return
     saved = saved_run_config(path)  # (a checkpoint without its config: the engine's load compares the tensors)
@@ -211,8 +212,7 @@ def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] =
         raise CheckpointError(f"{path}: config mismatch: {problem}")
     kept = (saved.get("feature_model") or {}).get("name_or_path")
     if (
-        say_kept
-        and cfg.feature_model.pretrained
+        cfg.feature_model.pretrained
         and isinstance(kept, str)
         and not _same_source(kept, cfg.feature_model.name_or_path)
     ):
@@ -221,6 +221,17 @@ def require_same_model(cfg: Config, path: Path | None, ignore: tuple[str, ...] =
             "feature_model.name_or_path=%s is replaced by it",
             path, kept, cfg.feature_model.name_or_path,
         )  # fmt: skip
+
+
+def require_same_vocabulary(cfg: Config, path: Path | None) -> None:
+    """What the plan could not compare (:data:`TOKENIZER_KEYS`, which the tokenizer sets): the
+    checkpoint at ``path`` against ``cfg.model`` with the tokenizer's facts applied, one line."""
+    record = saved_run_config(path).get("model") if path is not None else None
+    if not record:
+        return
+    others = {item.name: getattr(cfg.model, item.name) for item in fields(cfg.model) if item.name not in TOKENIZER_KEYS}
+    if problem := cfg.model.difference({**record, **others}):
+        raise CheckpointError(f"{path}: config mismatch: {problem}")
 
 
 def _same_source(saved: str, given: str) -> bool:

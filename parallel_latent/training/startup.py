@@ -36,7 +36,7 @@ from parallel_latent.model import build_model, eval_mode
 from parallel_latent.parallel import ParallelState
 
 from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine
-from .preflight import JobPlan, plan_for_this_run, planned_resume, preflight, require_same_model, resolve_device
+from .preflight import JobPlan, plan_for_this_run, planned_resume, preflight, require_same_vocabulary, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
 from .watchdog import Progress, Watchdog, clear_progress, collective_timeout_s, previous_job_failure
 from .world import validate_world
@@ -81,7 +81,7 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
         )
 
 
-def load_tokenizer_once_per_node(cfg: Config, decoder_files_read: bool):
+def load_tokenizer_once_per_node(cfg: Config, decoder_files_read: bool = False):
     """The tokenizer, fetched by the first process of each node before the others look for it in
     the (node-local) hub cache: one download per node instead of one per rank. A pretrained feature
     model's ``config.json`` is checked first (:func:`check_feature_model`), so that a name that
@@ -288,7 +288,7 @@ def _accept(cfg, deepspeed_overrides, source, state, plan: JobPlan, from_launche
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
     resume_path = plan.resume_path
-    require_same_model(cfg, resume_path, say_kept=False)  # with the tokenizer's vocabulary now
+    require_same_vocabulary(cfg, resume_path)
     require_same_decoder(cfg, resume_path)
     cfg, batch_note = planned_resume(cfg, state.world_size, plan)
     train_set, eval_set = build_datasets(cfg, tokenizer)

@@ -380,15 +380,18 @@ def test_a_reader_of_a_run_that_prunes_meanwhile_reads_the_newest_checkpoint(tmp
     assert seen == ["step_00000002"]
 
 
-def test_a_lagging_latest_is_said_once_however_often_it_is_read(tmp_path, caplog):
-    """Preflight and the resume both choose the checkpoint (and each rank would): the notice that
-    ``latest`` lags behind a newer complete one is one fact, said once in a process."""
+def test_a_lagging_latest_is_a_notice_of_the_plan_not_said_while_planning(tmp_path, caplog):
+    """The plan reads the checkpoints once, for every rank (training/preflight.py): the notice that
+    ``latest`` lags behind a newer complete one is kept in the plan, which rank 0 says once, instead
+    of being said by the process that plans (a launcher whose ranks say it)."""
+    from parallel_latent.training.preflight import _notices_kept
+
     for step in (2, 3):
         (tmp_path / f"step_{step:08d}").mkdir()
         (tmp_path / f"step_{step:08d}" / "checkpoint.json").write_text(f'{{"step": {step}}}')
     (tmp_path / "latest").write_text("step_00000002\n")
-    with caplog.at_level("WARNING", logger="parallel_latent"):
-        for _ in range(3):
-            assert find_latest_checkpoint(tmp_path).name == "step_00000003"
-    said = [r.getMessage() for r in caplog.records if "newer and complete" in r.getMessage()]
-    assert said == [f"{tmp_path / 'latest'} names step_00000002; step_00000003 is newer and complete: using it"]
+    notices: list[str] = []
+    with caplog.at_level("WARNING", logger="parallel_latent"), _notices_kept(notices):
+        assert find_latest_checkpoint(tmp_path).name == "step_00000003"
+    assert not caplog.records
+    assert notices == [f"{tmp_path / 'latest'} names step_00000002; step_00000003 is newer and complete: using it"]

@@ -164,8 +164,10 @@ def test_binary_file(tmp_path):
 @pytest.mark.parametrize(
     "line, expected",
     [
-        ('{"text": "ok"', "invalid JSON: Expecting ',' delimiter"),
-        ("not json", "invalid JSON: Expecting value"),
+        ('{"text": "ok"', "invalid JSON: Expecting ',' delimiter (column 14)"),
+        ("not json", "invalid JSON: Expecting value (column 1)"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels"),
+        ('{"text": "a", "weight": NaN}', "holds NaN, which is no number JSON allows"),
         ('{"body": "x"}', "missing text field 'text'"),
         ('["text"]', "expected a JSON object, got list"),
         ('{"text": 3}', "text field 'text' is int, not a string"),

@@ -46,7 +46,7 @@ def test_a_resume_over_another_pretrained_decoder_says_the_checkpoints_is_kept(t
     plan's check and not by the ranks' check after it; the same directory written another way says
     nothing."""
     from parallel_latent.config import load_config
-    from parallel_latent.training.preflight import require_same_model
+    from parallel_latent.training.preflight import require_same_model, require_same_vocabulary
 
     cfg = load_config(TINY_CONFIG, ["feature_model.pretrained=true"])
     (tmp_path / "trained").mkdir()
@@ -58,7 +58,7 @@ def test_a_resume_over_another_pretrained_decoder_says_the_checkpoints_is_kept(t
         assert not caplog.records
         cfg.feature_model.name_or_path = str(tmp_path / "other")
         require_same_model(cfg, step_dir)
-        require_same_model(cfg, step_dir, say_kept=False)  # the ranks' check once the tokenizer is loaded
+        require_same_vocabulary(cfg, step_dir)  # the ranks' check once the tokenizer is loaded: no notice
     assert [r.getMessage() for r in caplog.records] == [
         f"{step_dir} keeps the decoder it was trained over ({tmp_path / 'trained'}, its weights saved in the "
         f"checkpoint): feature_model.name_or_path={tmp_path / 'other'} is replaced by it"
