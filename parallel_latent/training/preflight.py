@@ -117,6 +117,8 @@ def _notices_kept(notices: list[str]) -> Iterator[None]:
         def emit(self, record: logging.LogRecord) -> None:
             if record.levelno >= logging.WARNING:
                 notices.append(record.getMessage())
+            else:  # what is not a notice goes where it would have gone
+                logging.getLogger().handle(record)
 
     handler, propagate = Keep(), package.propagate
     package.addHandler(handler)
