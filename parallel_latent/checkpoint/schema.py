@@ -157,14 +157,19 @@ def _map_of(schema: Any, wanted: str) -> Check:
 
 
 FILE_RECORD = _keys({"bytes": COUNT}, {"sha256": TEXT, "zip_crcs": TEXT})
+SIZE_MAX = 2**31 - 1  # a tensor dimension, a stride: what a resume at another layout allocates
+SIZES: Check = (lambda v: _int_list(v, high=SIZE_MAX), f"a list of sizes up to {SIZE_MAX}")
 TENSOR_SPLIT = _keys(
     {
-        "partition_dim": (lambda v: v is None or _is_int(v), "a dimension or null"),
-        "local_shape": (_int_list, "a list of sizes"),
-        "full_shape": (_int_list, "a list of sizes"),
+        "partition_dim": (lambda v: v is None or (_is_int(v) and v < 64), "a dimension or null"),
+        "local_shape": SIZES,
+        "full_shape": SIZES,
         "dtype": TEXT,
     },
-    {"partition_stride": POSITIVE, "trainable": FLAG},
+    {
+        "partition_stride": (lambda v: _is_int(v, 1) and v <= SIZE_MAX, f"an integer from 1 to {SIZE_MAX}"),
+        "trainable": FLAG,
+    },
 )
 CHECKPOINT_INFO = _keys(
     {
