@@ -17,6 +17,7 @@ import pytest
 from parallel_latent.checkpoint import checkpoint_damage, resumable
 from parallel_latent.checkpoint.integrity import file_record
 from parallel_latent.cli import main
+from tests.helpers.corruption import rewrite_file_record
 from tests.helpers.pool_training import shared_pool, train_in_pool
 from tests.helpers.trainer_runs import cli_command, describe, run, train_args, train_records
 
@@ -224,8 +225,7 @@ def crafted_copy(straight: Path, tmp_path: Path, kind: str) -> tuple[Path, Path]
     step_dir = copy / "checkpoints" / f"step_{STEPS:08d}"
     name, craft, _ = CRAFTED[kind]
     craft(step_dir / name)
-    info = json.loads((step_dir / "checkpoint.json").read_text())
-    (step_dir / "checkpoint.json").write_text(json.dumps({**info, "files": file_record(step_dir)}))
+    rewrite_file_record(step_dir)
     return copy, step_dir
 
 

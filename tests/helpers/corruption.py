@@ -287,14 +287,20 @@ def checkpoint_files(step_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file())
 
 
+def rewrite_file_record(step_dir: Path) -> None:
+    """``checkpoint.json``'s file record made to match the files as they are now: what a bad copy
+    that also rewrote the record (or an attacker) leaves; only what the files hold can tell."""
+    from parallel_latent.checkpoint.integrity import file_record
+
+    info_path = step_dir / "checkpoint.json"
+    info = json.loads(info_path.read_text())
+    _rewrite(info_path, json.dumps({**info, "files": file_record(step_dir)}).encode())
+
+
 def _make_consistent(case: Case, step_dir: Path) -> None:
     if case.target == "training":
-        from parallel_latent.checkpoint.integrity import file_record
-
-        info_path = step_dir / "checkpoint.json"
         if case.file != "checkpoint.json":
-            info = json.loads(info_path.read_text())
-            _rewrite(info_path, json.dumps({**info, "files": file_record(step_dir)}).encode())
+            rewrite_file_record(step_dir)
         return
     manifest_path = step_dir / "manifest.json"
     if case.file == "manifest.json":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from parallel_latent.files import tree_bytes
+from tests.helpers.corruption import rewrite_file_record
 from tests.helpers.filesystems import directory_bytes, tmpfs
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.trainer_runs import describe, train_args
@@ -88,19 +89,6 @@ def test_no_room_for_one_more_checkpoint_is_one_line(trained, tmp_path):
         assert directory_bytes(disk) == before
 
 
-def _rewrite_record(step_dir) -> None:
-    """``checkpoint.json``'s file record made to match the files as they are now: what a bad copy
-    that also rewrote the record (or an attacker) leaves; only what the files hold can tell."""
-    import json
-
-    from parallel_latent.checkpoint.integrity import file_record
-
-    info_path = step_dir / "checkpoint.json"
-    info = json.loads(info_path.read_text(encoding="utf-8"))
-    info["files"] = file_record(step_dir)
-    info_path.write_text(json.dumps(info), encoding="utf-8")
-
-
 def _copy_of(trained, tmp_path):
     import shutil
 
@@ -125,7 +113,7 @@ def test_auto_passes_over_what_is_not_its_own_newest_checkpoint_in_one_line_each
     run_dir = _copy_of(trained, tmp_path)
     checkpoints = run_dir / "checkpoints"
     shutil.copy(checkpoints / "step_00000001" / OPTIMIZER_STATE, checkpoints / "step_00000002" / OPTIMIZER_STATE)
-    _rewrite_record(checkpoints / "step_00000002")
+    rewrite_file_record(checkpoints / "step_00000002")
     outside = tmp_path / "outside"
     shutil.copytree(checkpoints / "step_00000002", outside)
     os.symlink(outside, checkpoints / "step_00000009")
@@ -148,7 +136,7 @@ def test_a_checkpoint_named_explicitly_holding_another_steps_file_is_refused_bef
     (step_dir / "rng" / "rank_00001.json").write_bytes(
         (run_dir / STEP.replace("2", "1") / "rng" / "rank_00001.json").read_bytes()
     )
-    _rewrite_record(step_dir)
+    rewrite_file_record(step_dir)
     before = directory_bytes(run_dir)
     refused(
         run_dir,
