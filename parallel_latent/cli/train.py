@@ -83,10 +83,6 @@ def accept_job(cfg, args: argparse.Namespace):
 
             plan = preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
             _check_local_devices(plan.device, args.nproc)
-            if cfg.feature_model.pretrained:  # its files read whole, like a checkpoint's
-                from parallel_latent.feature_model.weight_files import check_decoder_files
-
-                check_decoder_files(cfg.feature_model.name_or_path)
             return lock or acquire_run_lock(run_dir, args.wait_for_lock), plan
     except BaseException:
         undo()

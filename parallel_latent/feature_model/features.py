@@ -29,7 +29,7 @@ from .packaged import local_decoder
 from .sharded import check_shardable, read_pretrained_shard, shard_layers, shards_feature_model
 from .tokenizer import OFFLINE
 from .transformers_api import require_supported_transformers, use_sdpa
-from .weight_files import decoder_files_digest
+from .weight_files import check_decoder_files, decoder_files_digest
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _decoder_from_config(config: PretrainedConfig) -> nn.Module:
 
 
 def _decoder_config(
-    feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None
+    feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None, planned: dict | None = None
 ) -> tuple[PretrainedConfig, Family]:
     """The uncut transformers config of the decoder :func:`load_decoder` builds, and its family."""
     if recorded is not None:
@@ -96,7 +96,7 @@ def _decoder_config(
         return config, family_of(config, "the recorded feature model")
     if feature_cfg.pretrained:
         where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-        config = load_config(feature_cfg.name_or_path, where)
+        config = pretrained_config(feature_cfg, planned)
         return config, family_of(config, where)
     family = FAMILIES[feature_cfg.architecture]
     config = family.random_config(
@@ -106,12 +106,15 @@ def _decoder_config(
     return config, family
 
 
-def decoder_signature(feature_cfg: FeatureModelConfig, recorded: dict | None = None) -> dict[str, object]:
+def decoder_signature(
+    feature_cfg: FeatureModelConfig, recorded: dict | None = None, planned: dict | None = None
+) -> dict[str, object]:
     """What makes the decoder :func:`load_decoder` would hold compute what it computes, besides its
     weights: its family (``architecture``), its attention heads (``n_head``), and the shape of every
     parameter it holds, its token table aside (its rows are the tokenizer's, compared on their
-    own). Built on the meta device: no weight is read or allocated."""
-    config, family = _decoder_config(feature_cfg, 1, recorded)
+    own). Built on the meta device: no weight is read or allocated. ``planned``: as
+    :func:`pretrained_config`'s."""
+    config, family = _decoder_config(feature_cfg, 1, recorded, planned)
     keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     runnable = _runnable(config, family, keep)
     runnable.vocab_size = 1
@@ -130,7 +133,11 @@ class BuiltDecoder:
 
 
 def load_decoder(
-    feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None, shard_group=None
+    feature_cfg: FeatureModelConfig,
+    vocab_size: int,
+    recorded: dict | None = None,
+    shard_group=None,
+    planned: dict | None = None,
 ) -> BuiltDecoder:
     """The decoder of ``feature_cfg``, its token table resized to ``vocab_size``, holding at most the
     layers its hidden state needs (more only for a random build, cut by :func:`truncate_to_hidden_state`):
@@ -143,10 +150,11 @@ def load_decoder(
 
     ``shard_group``: the TP group a ``pretrained`` decoder is read into slice by slice
     (:mod:`.sharded`); the other two are built whole and sharded by the caller once cut.
+    ``planned``: the pretrained decoder's config as the job's plan read it (:func:`planned_decoder`).
     Uses (and advances) the global torch RNG."""
     require_supported_transformers()
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-    config, family = _decoder_config(feature_cfg, vocab_size, recorded)
+    config, family = _decoder_config(feature_cfg, vocab_size, recorded, planned)
     if recorded is None and not feature_cfg.pretrained:
         logger.warning("%s", random_features_notice(feature_cfg))
         keep = family.depth(config)
@@ -165,7 +173,7 @@ def load_decoder(
                     lambda: AutoModel.from_pretrained(
                         local, config=runnable, dtype=torch.float32, attn_implementation="sdpa"
                     ),
-                    local, where, "its weights do not load",
+                    local, where, "its weights do not load", reads_config=False,
                 )  # fmt: skip
     else:
         decoder = _decoder_from_config(runnable)
@@ -191,17 +199,42 @@ def truncate_to_hidden_state(decoder: nn.Module, index: int, depth: int | None =
     return decoder
 
 
-def check_feature_model(cfg: Config) -> None:
-    """What ``cfg`` asks of a pretrained decoder, checked against its ``config.json`` alone, before
-    any weight is read (one line each): a supported decoder family, the hidden state, the positions
-    ``model.max_length`` needs, and a tokenizer of its own family (the offline GPT-2 BPE's ids would
-    index another vocabulary than a Llama's or a Pythia's)."""
+def pretrained_config(feature_cfg: FeatureModelConfig, planned: dict | None = None) -> PretrainedConfig:
+    """The pretrained decoder's transformers config: from ``planned`` (its ``config.json`` as the
+    job's plan read it: :func:`planned_decoder`) without reading a file, else from its directory or
+    the hub."""
+    where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
+    if planned is not None:
+        return AutoConfig.for_model(**planned)
+    return load_config(feature_cfg.name_or_path, where)
+
+
+def planned_decoder(cfg: Config) -> dict | None:
+    """A job's plan of its pretrained decoder (None for a random one): its weight files read whole
+    (:func:`.weight_files.check_decoder_files`), then what ``cfg`` asks of it checked against its
+    ``config.json`` (:func:`check_feature_model`); the config, which the ranks build the decoder
+    from without reading the file again (a hub name not yet here is fetched, config.json alone)."""
+    require_supported_transformers()
+    if not cfg.feature_model.pretrained:
+        return None
+    check_decoder_files(cfg.feature_model.name_or_path)
+    config = pretrained_config(cfg.feature_model)
+    check_feature_model(cfg, config)
+    return config.to_dict()
+
+
+def check_feature_model(cfg: Config, config: PretrainedConfig | None = None) -> None:
+    """What ``cfg`` asks of a pretrained decoder, checked against its ``config.json`` alone (or
+    ``config``, the one already read), before any weight is read (one line each): a supported
+    decoder family, the hidden state, the positions ``model.max_length`` needs, and a tokenizer of
+    its own family (the offline GPT-2 BPE's ids would index another vocabulary than a Llama's or a
+    Pythia's)."""
     feature_cfg = cfg.feature_model
     require_supported_transformers()
     if not feature_cfg.pretrained:
         return
     where = f"feature_model.name_or_path={feature_cfg.name_or_path}"
-    config = load_config(feature_cfg.name_or_path, where)
+    config = config if config is not None else load_config(feature_cfg.name_or_path, where)
     family = family_of(config, where)
     held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     if (reason := family.unreproduced(config, cfg.model.max_length)) is not None:
@@ -228,13 +261,20 @@ class FeatureModel(nn.Module):
     are split over it (:mod:`.sharded`); otherwise every rank holds the whole decoder.
     """
 
-    def __init__(self, feature_cfg: FeatureModelConfig, vocab_size: int, recorded: dict | None = None, tp_group=None):
+    def __init__(
+        self,
+        feature_cfg: FeatureModelConfig,
+        vocab_size: int,
+        recorded: dict | None = None,
+        tp_group=None,
+        planned: dict | None = None,
+    ):
         super().__init__()
         self.frozen = feature_cfg.frozen
         self.hidden_state = feature_cfg.hidden_state
         self.sink_token_id = feature_cfg.sink_token_id
         self.shard_group = tp_group if shards_feature_model(feature_cfg, tp_group) else None
-        built = load_decoder(feature_cfg, vocab_size, recorded, self.shard_group)
+        built = load_decoder(feature_cfg, vocab_size, recorded, self.shard_group, planned)
         self.family, self.decoder_config = built.family, built.config
         decoder = truncate_to_hidden_state(built.decoder, self.hidden_state, built.family.depth(built.config))
         # What the feature cache's key holds of the weights (weights_digest): a loaded decoder's files;

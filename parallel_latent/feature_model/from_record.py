@@ -107,18 +107,21 @@ def feature_config_from_record(record: dict, source: str) -> FeatureModelConfig:
     return feature_cfg
 
 
-def loaded_decoder_difference(feature_cfg: FeatureModelConfig, record: dict, source: str) -> str | None:
+def loaded_decoder_difference(
+    feature_cfg: FeatureModelConfig, record: dict, source: str, planned: dict | None = None
+) -> str | None:
     """How the pretrained decoder ``feature_cfg`` loads differs from the one the model ``record``
     describes (a checkpoint's model record, ``source`` its file) was trained over, in what makes a
     decoder compute what it computes besides its weights (:func:`.features.decoder_signature`):
     the first difference, or None (also when the record predates the decoder's shape). Their config
     keys are compared beforehand (``FeatureModelConfig.difference``); the files a name points at may
-    since hold another decoder. Neither decoder's weights are read."""
+    since hold another decoder. Neither decoder's weights are read; ``planned``: the pretrained
+    decoder's config as the job's plan read it (:func:`.features.planned_decoder`)."""
     if not feature_cfg.pretrained or not record.get(ARCHITECTURE):
         return None
     saved_cfg = dataclasses.replace(feature_config_from_record(record, source), hidden_state=feature_cfg.hidden_state)
     saved = decoder_signature(saved_cfg, recorded_feature_model(record, source))
-    current = decoder_signature(feature_cfg)
+    current = decoder_signature(feature_cfg, planned=planned)
     for key in [*saved, *(key for key in current if key not in saved)]:
         if saved.get(key) != current.get(key):
             return (

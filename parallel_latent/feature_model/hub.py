@@ -39,13 +39,19 @@ Loaded = TypeVar("Loaded")
 
 
 def from_directory_or_hub(
-    load: Callable[[], Loaded], name: str, where: str, what: str, error_type: type[BadInput] = ConfigError
+    load: Callable[[], Loaded],
+    name: str,
+    where: str,
+    what: str,
+    error_type: type[BadInput] = ConfigError,
+    reads_config: bool = True,
 ) -> Loaded:
     """``load()``: transformers reading files of ``name`` (a local directory or a hub name). Its ways
     of saying it cannot (a name that is no directory and that neither the hub nor, offline, the hub
     cache has; files that do not parse) are one line: ``where`` (the key and the name), ``what`` (what
-    did not load) and transformers' first line, instead of its multi-line traceback."""
-    if os.path.isfile(config := os.path.join(name, "config.json")):
+    did not load) and transformers' first line, instead of its multi-line traceback. ``reads_config``:
+    whether ``load`` reads the directory's ``config.json`` (not when it is given the config)."""
+    if reads_config and os.path.isfile(config := os.path.join(name, "config.json")):
         try:  # bounded first: transformers' own parse recurses without a limit
             load_json_file(config)
         except JSONProblem as problem:

@@ -18,7 +18,7 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase
 
 from parallel_latent.config import Config, ConfigError, TokenizerConfig
 from parallel_latent.errors import BadInput
@@ -82,18 +82,25 @@ def _add_mask_and_pad(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 
 
 def load_tokenizer(
-    cfg: TokenizerConfig, where: str | None = None, error_type: type[BadInput] = ConfigError
+    cfg: TokenizerConfig,
+    where: str | None = None,
+    error_type: type[BadInput] = ConfigError,
+    decoder_config: dict | None = None,
 ) -> PreTrainedTokenizerBase:
     """Build the tokenizer named by ``cfg`` with the mask and pad tokens added; one line starting
-    with ``where`` (by default ``tokenizer.name_or_path=NAME``) when it does not load."""
+    with ``where`` (by default ``tokenizer.name_or_path=NAME``) when it does not load.
+    ``decoder_config``: the transformers config of the decoder whose directory holds the tokenizer,
+    as a job's plan read it (its ``config.json`` is then not read again)."""
     if cfg.name_or_path == OFFLINE:
         tokenizer = _offline_gpt2_tokenizer()
     else:
         where = where or f"tokenizer.name_or_path={cfg.name_or_path}"
         name = local_decoder(cfg.name_or_path, where)
+        given = {} if decoder_config is None else {"config": AutoConfig.for_model(**decoder_config)}
         tokenizer = from_directory_or_hub(
-            lambda: AutoTokenizer.from_pretrained(name), name, where, "the tokenizer does not load", error_type
-        )
+            lambda: AutoTokenizer.from_pretrained(name, **given), name, where, "the tokenizer does not load",
+            error_type, reads_config=not given,
+        )  # fmt: skip
     return _add_mask_and_pad(tokenizer)
 
 

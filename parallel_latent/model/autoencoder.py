@@ -80,6 +80,9 @@ class LatentAutoencoder(nn.Module):
     None of these changes a parameter: a checkpoint loads with any of them.
     ``recorded_feature_model``: the transformers config a checkpoint recorded for its feature model
     (any family but GPT-2), to rebuild it from without the hub or a path.
+    ``planned_decoder_config``: a pretrained decoder's transformers config as the job's plan read it
+    (:func:`parallel_latent.feature_model.features.planned_decoder`): its weights are read, its
+    config.json is not read again.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class LatentAutoencoder(nn.Module):
         split_feature_model: bool = True,
         tp_options: TensorParallelOptions | None = None,
         recorded_feature_model: dict | None = None,
+        planned_decoder_config: dict | None = None,
     ):
         super().__init__()
         self.model_cfg, self.feature_cfg, self.tp_group = model_cfg, feature_cfg, tp_group
@@ -110,7 +114,9 @@ class LatentAutoencoder(nn.Module):
         # back afterwards: the caller's RNG streams (CPU and CUDA) are left as they were.
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
-            self.feature_model = FeatureModel(feature_cfg, model_cfg.vocab_size, recorded_feature_model, tp_group)
+            self.feature_model = FeatureModel(
+                feature_cfg, model_cfg.vocab_size, recorded_feature_model, tp_group, planned_decoder_config
+            )
             if self.feature_model.width != model_cfg.d_model:
                 raise ConfigError(
                     f"feature_model.name_or_path={feature_cfg.name_or_path} has width "
@@ -331,11 +337,13 @@ def eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
+def build_model(cfg: Config, tp_group=None, planned_decoder_config: dict | None = None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
-    with the parallel options of ``cfg.parallel``."""
+    with the parallel options of ``cfg.parallel``. ``planned_decoder_config``: the pretrained
+    decoder's config as a job's plan read and checked it (else read and checked here)."""
     parallel = cfg.parallel
-    check_feature_model(cfg)
+    if planned_decoder_config is None:
+        check_feature_model(cfg)
     model = LatentAutoencoder(
         cfg.model,
         cfg.feature_model,
@@ -343,6 +351,7 @@ def build_model(cfg: Config, tp_group=None) -> LatentAutoencoder:
         seed=cfg.training.seed,
         split_feature_model=parallel.split_feature_model,
         tp_options=TensorParallelOptions(parallel.sequence_parallel, parallel.tp_overlap_comm),
+        planned_decoder_config=planned_decoder_config,
     )
     if not cfg.training.compile_dropout:
         model.dropout_rng.compile_devices = ()

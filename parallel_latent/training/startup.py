@@ -18,14 +18,12 @@ from typing import Any
 import torch.distributed as dist
 
 from parallel_latent.checkpoint import checkpoints_dir, move_aside, remove_unfinished_saves
-from parallel_latent.checkpoint.layout import INFO_FILE, read_info, resolve_checkpoint
+from parallel_latent.checkpoint.layout import read_info
 from parallel_latent.config import Config, ConfigError, save_config
 from parallel_latent.coordination import broadcast_value, decided_by_main, directory_is_shared, is_main, main_first
 from parallel_latent.data import build_datasets
-from parallel_latent.errors import CheckpointError
 from parallel_latent.feature_model.cache import cache_wanted, job_cache
-from parallel_latent.feature_model.features import check_feature_model, random_features_unannounced
-from parallel_latent.feature_model.from_record import loaded_decoder_difference
+from parallel_latent.feature_model.features import random_features_unannounced
 from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.feature_model.weight_files import check_decoder_files
 from parallel_latent.launching.cluster import launcher_environment
@@ -81,24 +79,25 @@ def require_shared_run_dir(run_dir: Path, source: str) -> None:
         )
 
 
-def load_tokenizer_once_per_node(cfg: Config, decoder_files_read: bool = False):
+def load_tokenizer_once_per_node(cfg: Config, decoder_config: dict | None = None):
     """The tokenizer, fetched by the first process of each node before the others look for it in
-    the (node-local) hub cache: one download per node instead of one per rank. A pretrained feature
-    model's ``config.json`` is checked first (:func:`check_feature_model`), so that a name that
-    cannot be had is named as ``feature_model.name_or_path`` even when the tokenizer is its own, and
-    under another launcher than ``train --nproc`` its weight files are read whole here."""
-    with main_first(per_node=True):
-        check_feature_model(cfg)
-        if cfg.feature_model.pretrained and not decoder_files_read:
-            check_decoder_files(cfg.feature_model.name_or_path)  # (``train --nproc`` read them before launching)
-        return load_tokenizer(cfg.tokenizer)
+    the (node-local) hub cache: one download per node instead of one per rank. The plan read the
+    pretrained decoder's files whole where it was made (and its config, ``decoder_config``, which a
+    tokenizer of its own is given); the first process of every other node (a launcher other than
+    ``train --nproc``, over several nodes) reads its own node's here."""
+    with main_first(per_node=True) as first:
+        if cfg.feature_model.pretrained and first and not is_main():
+            check_decoder_files(cfg.feature_model.name_or_path)
+        own = cfg.feature_model.pretrained and cfg.tokenizer.name_or_path == cfg.feature_model.name_or_path
+        return load_tokenizer(cfg.tokenizer, decoder_config=decoder_config if own else None)
 
 
-def build_model_once_per_node(cfg: Config, tp_group):
-    """The model; a pretrained feature model is fetched from the hub by the first process of each
-    node before the others read it from the cache. Random features are said once, in the banner."""
+def build_model_once_per_node(cfg: Config, tp_group, decoder_config: dict | None = None):
+    """The model, a pretrained decoder built from the plan's ``decoder_config``; a pretrained feature model is
+    fetched from the hub by the first process of each node before the others read it from the
+    cache. Random features are said once, in the banner."""
     with main_first(per_node=True) if cfg.feature_model.pretrained else random_features_unannounced():
-        return build_model(cfg, tp_group)
+        return build_model(cfg, tp_group, decoder_config)
 
 
 def measure_feature_norm(model, cfg: Config, train_set, state) -> None:
@@ -250,12 +249,11 @@ def start_run(
         raise StartupTimeout(f"{error} (training.hang_long_phase_s)") from None
     require_shared_run_dir(run_dir, source)  # (its probe leaves nothing)
     run_dir_existed = run_dir.exists()
-    from_launcher = plan is not None
     if plan is None:  # (before the lock, as the launcher's: a run directory in the way is said as such)
         plan = plan_by_rank_0(cfg, state.world_size, source, launcher["local_world_size"])
     run_lock = take_run_directory(run_dir, wait_for_lock_s)
     try:
-        accepted = _accept(cfg, deepspeed_overrides, source, state, plan, from_launcher)
+        accepted = _accept(cfg, deepspeed_overrides, source, state, plan)
         return _commit(accepted, source, state, started, run_lock)
     except BaseException:
         if run_lock is not None:
@@ -266,33 +264,20 @@ def start_run(
         raise
 
 
-def require_same_decoder(cfg: Config, path: Path | None) -> None:
-    """CheckpointError (one line) when the pretrained decoder ``cfg`` names is now another decoder
-    than the one the checkpoint at ``path`` was trained over (another family, head count or
-    parameter shape): found here, from both configs, not by the engine's load of the weights."""
-    if path is None or not cfg.feature_model.pretrained:
-        return
-    step_dir = resolve_checkpoint(path)
-    record = read_info(step_dir).get("model_record") or {}
-    if problem := loaded_decoder_difference(cfg.feature_model, record, str(step_dir / INFO_FILE)):
-        raise CheckpointError(f"{path}: config mismatch: {problem}")
-
-
-def _accept(cfg, deepspeed_overrides, source, state, plan: JobPlan, from_launcher: bool) -> Accepted:
+def _accept(cfg, deepspeed_overrides, source, state, plan: JobPlan) -> Accepted:
     """The plan carried out up to the first file: the tokenizer, the plan's checkpoint checked for
-    what planning could not know (the tokenizer's vocabulary, the loaded decoder), the data, the
-    model and the engine. Writes nothing in the run directory (the data's prepared copy goes to its
-    cache). Every rank resumes the plan's checkpoint, with its global batch kept, whatever the new
-    layout: the run goes on as the same run."""
-    tokenizer = load_tokenizer_once_per_node(cfg, decoder_files_read=from_launcher)
+    what planning could not know (the tokenizer's vocabulary), the data, the model and the engine.
+    Writes nothing in the run directory (the data's prepared copy goes to its cache). Every rank
+    resumes the plan's checkpoint, with its global batch kept, whatever the new layout: the run
+    goes on as the same run."""
+    tokenizer = load_tokenizer_once_per_node(cfg, plan.decoder_config)
     facts = tokenizer_facts(tokenizer)
     cfg = apply_tokenizer_facts(cfg, facts)
     resume_path = plan.resume_path
     require_same_vocabulary(cfg, resume_path)
-    require_same_decoder(cfg, resume_path)
     cfg, batch_note = planned_resume(cfg, state.world_size, plan)
     train_set, eval_set = build_datasets(cfg, tokenizer)
-    model = build_model_once_per_node(cfg, state.tp_group)
+    model = build_model_once_per_node(cfg, state.tp_group, plan.decoder_config)
     bundle = initialize_engine(model, cfg, state.world_size, deepspeed_overrides, device=plan.device)
     if cache_wanted(cfg.feature_model):  # the frozen pass once per sample: batches carry their features
         cache = job_cache(

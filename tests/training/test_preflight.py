@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.helpers.trainer_runs import TINY, TINY_CONFIG, run
 
 CHECK = """
 import sys
+
+import pytest
 from parallel_latent.config import load_config
 from parallel_latent.training.preflight import preflight
 preflight(load_config(sys.argv[1], sys.argv[3:]), 2, sys.argv[1], processes_per_node=2)
@@ -63,3 +67,41 @@ def test_a_resume_over_another_pretrained_decoder_says_the_checkpoints_is_kept(t
         f"{step_dir} keeps the decoder it was trained over ({tmp_path / 'trained'}, its weights saved in the "
         f"checkpoint): feature_model.name_or_path={tmp_path / 'other'} is replaced by it"
     ]
+
+
+def test_the_plan_reads_a_pretrained_decoders_config_once_and_the_model_is_built_from_it(tmp_path):
+    """A pretrained decoder's files are read and its config.json checked when the job is planned,
+    once; the ranks build the decoder from the plan's config (carried in the environment as JSON):
+    a config.json broken after planning is not read again (the same tokenizer and weights load), where a model
+    built without the plan would read it and be refused; a plan over it is refused in one line, with
+    nothing written."""
+    import torch
+
+    from parallel_latent.config import ConfigError, load_config
+    from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
+    from parallel_latent.model import build_model
+    from parallel_latent.training.preflight import JobPlan, preflight
+    from tests.helpers.decoders import save_tiny_decoder, small_tokenizer
+
+    decoder = save_tiny_decoder(tmp_path / "decoder", "llama", small_tokenizer())
+    run_dir = tmp_path / "run"
+    overrides = [f"feature_model.name_or_path={decoder}", "feature_model.pretrained=true",
+                 "tokenizer.name_or_path=feature_model", f"logging.run_dir={run_dir}"]  # fmt: skip
+    cfg = load_config(TINY_CONFIG, overrides)
+    plan = JobPlan.from_json(preflight(cfg, 2, "job.yaml").to_json())  # as a rank receives it
+    assert plan.decoder_config["model_type"] == "llama"
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
+    read_here = build_model(cfg).feature_model.state_dict()
+    (decoder / "config.json").write_text("{")
+    again = load_tokenizer(cfg.tokenizer, decoder_config=plan.decoder_config)
+    assert again.get_vocab() == tokenizer.get_vocab()
+    planned = build_model(cfg, None, plan.decoder_config).feature_model.state_dict()
+    assert planned.keys() == read_here.keys()
+    assert all(torch.equal(planned[name], read_here[name]) for name in read_here)
+    for refused in (lambda: build_model(cfg), lambda: preflight(cfg, 2, "job.yaml")):
+        with pytest.raises(ConfigError) as error:
+            refused()
+        message = str(error.value)
+        assert message.startswith(f"feature_model.name_or_path={decoder}: ") and "\n" not in message, message
+    assert not run_dir.exists()

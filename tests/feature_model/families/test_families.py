@@ -24,6 +24,7 @@ from parallel_latent.config import (
     config_from_dict,
 )
 from parallel_latent.feature_model import FeatureModel
+from parallel_latent.feature_model.families import load_config
 from parallel_latent.feature_model.sharded import _weights_directory
 from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.model import LatentAutoencoder, build_model
@@ -367,8 +368,9 @@ def test_a_hub_name_shards_as_its_directory_does_at_tp2(pool4, saved, hub_cache)
 def test_a_hub_name_not_in_the_cache_is_one_line(hub_cache):
     """Offline, a name the cache lacks (or whose weights it lacks) is one line naming the key, as
     the command reports it (exit status 2), not transformers' traceback; a job checks the feature
-    model before loading the tokenizer that is its own, so the line names feature_model."""
-    from parallel_latent.training.startup import load_tokenizer_once_per_node
+    model when it plans, before any rank loads the tokenizer that is its own, so the line names
+    feature_model."""
+    from parallel_latent.feature_model.features import planned_decoder
 
     def refused(build) -> str:
         with pytest.raises(ConfigError) as error:
@@ -382,7 +384,9 @@ def test_a_hub_name_not_in_the_cache_is_one_line(hub_cache):
         {"feature_model": {"name_or_path": MISSING, "pretrained": True}, "tokenizer": {"name_or_path": "feature_model"}}
     )
     with offline_hub(hub_cache):
-        message = refused(lambda: load_tokenizer_once_per_node(cfg))
+        message = refused(lambda: planned_decoder(cfg))
+        assert message.startswith(f"feature_model.name_or_path={MISSING}: no such directory, and not in the Hugging ")
+        message = refused(lambda: load_config(MISSING, f"feature_model.name_or_path={MISSING}"))
         assert message.startswith(f"feature_model.name_or_path={MISSING}: its config.json does not load: {hub}")
         message = refused(lambda: load_tokenizer(cfg.tokenizer))
         assert message.startswith(f"tokenizer.name_or_path={MISSING}: the tokenizer does not load: {hub}")
