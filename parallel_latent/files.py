@@ -253,6 +253,22 @@ LEASE_EXPIRES_S = 60.0
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
+def _could_hold(holder: dict) -> bool:
+    """Whether a lock file's record can be the holder's: held, by a process that is not gone."""
+    if holder.get("state") != "held":
+        return False
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return True  # (another host's process cannot be looked at)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass  # (alive, another user's)
+    return True
+
+
 class ExclusiveLock:
     """An exclusive lock on the file ``path``, held by this process until :meth:`release`.
 
@@ -313,7 +329,7 @@ class ExclusiveLock:
             raise
         if not taken:
             os.close(fd)
-            return self.read_holder() or {"host": "?"}
+            return self._holder_of_the_flock()
         previous = self.read_holder()
         found = self.path.read_bytes()
         stat = before or os.fstat(fd)
@@ -333,6 +349,15 @@ class ExclusiveLock:
             self._lease_thread = threading.Thread(target=self._renew, name="parallel-latent-lease", daemon=True)
             self._lease_thread.start()
         return None
+
+    def _holder_of_the_flock(self) -> dict:
+        """The record of the process that holds the flock. It writes its record right after taking
+        the flock: until then the file holds the job's before it (released, or of a process of this
+        host that is gone), which is read again for up to a second rather than named."""
+        deadline = time.monotonic() + 1.0
+        while not _could_hold(holder := self.read_holder()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return holder or {"host": "?"}
 
     def acquire(self, wait_s: float = 0.0) -> dict | None:
         """Take the lock, waiting up to ``wait_s`` seconds (``math.inf``: as long as it takes) for a

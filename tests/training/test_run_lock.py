@@ -51,6 +51,36 @@ def test_a_held_lock_refuses_a_second_holder_with_one_line_naming_it(tmp_path, u
     assert said == []  # a released lock is simply taken
 
 
+@pytest.mark.parametrize("before", ["released", "killed"])
+def test_a_holder_between_its_flock_and_its_record_is_named_not_the_job_before_it(tmp_path, before):
+    """A holder writes its record right after taking the flock; a second job refused in between
+    reads the record of the job before (released, or killed: its pid gone) and waits for the
+    holder's own instead of naming the wrong process."""
+    import fcntl
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    command = [sys.executable, "-c", "import os; print(os.getpid())"]
+    gone = subprocess.run(command, capture_output=True, text=True, check=True)
+    state = "released" if before == "released" else "held"
+    path = tmp_path / LOCK_FILE
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(gone.stdout), "started": 1, "state": state}))
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the holder, before its record
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": 2, "state": "held"}
+    writer = threading.Timer(0.3, lambda: path.write_text(json.dumps(holder)))
+    writer.start()
+    try:
+        with pytest.raises(RunDirLocked) as refused:
+            acquire_run_lock(tmp_path)
+    finally:
+        writer.join()
+        os.close(fd)
+    assert f"pid {os.getpid()}," in str(refused.value), refused.value
+
+
 @pytest.mark.parametrize("use_flock", [True, False], ids=["flock", "lease"])
 def test_a_refused_job_leaves_the_lock_file_as_it_found_it(tmp_path, use_flock):
     """Undone (a job refused before it began): a lock file this lock made is gone, and one it found
