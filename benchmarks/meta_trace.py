@@ -81,7 +81,7 @@ def _feature_model_from(recorded: dict | None):
     from parallel_latent.feature_model import features
     from parallel_latent.model import autoencoder
 
-    def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None):
+    def rebuilt(feature_cfg, vocab_size, _recorded=None, tp_group=None, _planned=None):
         # Built at the model's vocabulary: a token table grown on meta cannot draw its new rows.
         return features.FeatureModel(feature_cfg, vocab_size, {**recorded, "vocab_size": vocab_size}, tp_group)
 

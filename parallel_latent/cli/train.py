@@ -82,6 +82,10 @@ def accept_job(cfg, args: argparse.Namespace):
             from parallel_latent.training.preflight import preflight
 
             plan = preflight(cfg, args.nproc, args.config, processes_per_node=args.nproc)
+            if cfg.feature_model.pretrained:  # (transformers imported for it alone)
+                from parallel_latent.training.decoder_plan import with_planned_decoder
+
+                plan = with_planned_decoder(cfg, plan)
             _check_local_devices(plan.device, args.nproc)
             return lock or acquire_run_lock(run_dir, args.wait_for_lock), plan
     except BaseException:

@@ -80,7 +80,7 @@ class LatentAutoencoder(nn.Module):
     None of these changes a parameter: a checkpoint loads with any of them.
     ``recorded_feature_model``: the transformers config a checkpoint recorded for its feature model
     (any family but GPT-2), to rebuild it from without the hub or a path.
-    ``planned_decoder_config``: a pretrained decoder's transformers config as the job's plan read it
+    ``decoder_config``: a pretrained decoder's transformers config as the job's plan read it
     (:func:`parallel_latent.feature_model.features.planned_decoder`): its weights are read, its
     config.json is not read again.
     """
@@ -95,7 +95,7 @@ class LatentAutoencoder(nn.Module):
         split_feature_model: bool = True,
         tp_options: TensorParallelOptions | None = None,
         recorded_feature_model: dict | None = None,
-        planned_decoder_config: dict | None = None,
+        decoder_config: dict | None = None,
     ):
         super().__init__()
         self.model_cfg, self.feature_cfg, self.tp_group = model_cfg, feature_cfg, tp_group
@@ -115,7 +115,7 @@ class LatentAutoencoder(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(seed)
             self.feature_model = FeatureModel(
-                feature_cfg, model_cfg.vocab_size, recorded_feature_model, tp_group, planned_decoder_config
+                feature_cfg, model_cfg.vocab_size, recorded_feature_model, tp_group, decoder_config
             )
             if self.feature_model.width != model_cfg.d_model:
                 raise ConfigError(
@@ -145,14 +145,9 @@ class LatentAutoencoder(nn.Module):
             # one row would give the very same table: it is not loaded twice.
             mask_vector = self.feature_model.token_table[model_cfg.mask_token_id]
             self.decoder = LatentDecoder(
-                model_cfg,
-                mask_vector,
-                self.dropout_rng,
-                tp_group,
-                train_mask_vector=not feature_cfg.frozen,
-                token_embedding=self.feature_model.token_embedding,
-                options=options,
-            )
+                model_cfg, mask_vector, self.dropout_rng, tp_group, train_mask_vector=not feature_cfg.frozen,
+                token_embedding=self.feature_model.token_embedding, options=options,
+            )  # fmt: skip
         # Last, so that the dropout sites built before it keep their keys.
         self.latent_noise = ParallelGaussianNoise(
             model_cfg.latent_noise, self.dropout_rng, partition_dim=1 if self.sequence_parallel else None,
@@ -337,12 +332,12 @@ def eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def build_model(cfg: Config, tp_group=None, planned_decoder_config: dict | None = None) -> LatentAutoencoder:
+def build_model(cfg: Config, tp_group=None, decoder_config: dict | None = None) -> LatentAutoencoder:
     """The model of ``cfg`` (apply the tokenizer's facts to ``cfg`` first), seeded by training.seed,
-    with the parallel options of ``cfg.parallel``. ``planned_decoder_config``: the pretrained
-    decoder's config as a job's plan read and checked it (else read and checked here)."""
+    with the parallel options of ``cfg.parallel``. ``decoder_config``: the pretrained decoder's
+    config as a job's plan read and checked it (else read and checked here)."""
     parallel = cfg.parallel
-    if planned_decoder_config is None:
+    if decoder_config is None:
         check_feature_model(cfg)
     model = LatentAutoencoder(
         cfg.model,
@@ -351,7 +346,7 @@ def build_model(cfg: Config, tp_group=None, planned_decoder_config: dict | None 
         seed=cfg.training.seed,
         split_feature_model=parallel.split_feature_model,
         tp_options=TensorParallelOptions(parallel.sequence_parallel, parallel.tp_overlap_comm),
-        planned_decoder_config=planned_decoder_config,
+        decoder_config=decoder_config,
     )
     if not cfg.training.compile_dropout:
         model.dropout_rng.compile_devices = ()

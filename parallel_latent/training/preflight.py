@@ -1,14 +1,14 @@
 """The plan of a training job, decided once before anything is written: the checks that need no
 process group and build nothing (the world size against TP and the batch sizes, the device, the data
 path, the run directory) and the decisions every rank then carries out (the checkpoint to resume,
-read whole, and the damaged ones passed over; the global batch it keeps; a pretrained decoder's
-files read whole and its config checked, which the ranks build it from; the notices to say).
+read whole, and the damaged ones passed over; the global batch it keeps; the notices to say; a
+pretrained decoder's config, added by :mod:`.decoder_plan`).
 
 ``train --nproc N`` makes the plan in its own process before it launches a rank and hands it to the
 ranks (:data:`PLAN_ENV`); under another launcher (torchrun, deepspeed, SLURM), or when torchrun
 restarts the ranks, rank 0 makes it the same way and the other ranks take it from rank 0
 (:mod:`.startup`). This module imports neither transformers nor DeepSpeed (seconds of start-up the
-launcher does not need): transformers is imported only to plan a pretrained decoder.
+launcher does not need): a pretrained decoder is planned by :mod:`.decoder_plan`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from parallel_latent.checkpoint import (
     saved_client_state,
     saved_run_config,
 )
-from parallel_latent.checkpoint.layout import INFO_FILE, STAGING_PREFIX, read_info
+from parallel_latent.checkpoint.layout import STAGING_PREFIX
 from parallel_latent.config import Config, ConfigError
 from parallel_latent.data import check_source
 from parallel_latent.errors import BadInput, require_writable
@@ -50,7 +50,6 @@ __all__ = [
     "planned_resume",
     "preflight",
     "require_room_for_a_checkpoint",
-    "require_same_decoder",
     "require_same_model",
     "require_same_vocabulary",
     "resolve_device",
@@ -170,41 +169,16 @@ def preflight(
     # one line now, before any rank starts (the ranks check the tokenizer's vocabulary).
     notices: list[str] = []
     with _notices_kept(notices):
-        decoder_config = _planned_decoder(cfg)
         resume_path, passed_over = checkpoint_to_resume(cfg)
         require_same_model(cfg, resume_path, ignore=TOKENIZER_KEYS)
-        require_same_decoder(cfg, resume_path, decoder_config)
         global_batch = _saved_global_batch(resume_path)
         if global_batch is not None:
             keep_global_batch(cfg, world_size, global_batch, str(resume_path))
         require_room_for_a_checkpoint(cfg, resume_path, source)
     return JobPlan(
         str(run_dir.resolve()), device, None if resume_path is None else str(resume_path),
-        tuple((str(path), damage) for path, damage in passed_over), global_batch, tuple(notices), decoder_config,
+        tuple((str(path), damage) for path, damage in passed_over), global_batch, tuple(notices),
     )  # fmt: skip
-
-
-def _planned_decoder(cfg: Config) -> dict | None:
-    """A pretrained decoder's config, its files read whole (transformers imported for it alone)."""
-    if not cfg.feature_model.pretrained:
-        return None
-    from parallel_latent.feature_model.features import planned_decoder
-
-    return planned_decoder(cfg)
-
-
-def require_same_decoder(cfg: Config, path: Path | None, decoder_config: dict | None) -> None:
-    """CheckpointError (one line) when the pretrained decoder ``cfg`` names (``decoder_config``, as
-    planned) is now another decoder than the one the checkpoint at ``path`` was trained over
-    (another family, head count or parameter shape): found from both configs, not by the engine's
-    load of the weights."""
-    if path is None or decoder_config is None:
-        return
-    from parallel_latent.feature_model.from_record import loaded_decoder_difference
-
-    record = read_info(path).get("model_record") or {}
-    if problem := loaded_decoder_difference(cfg.feature_model, record, str(path / INFO_FILE), decoder_config):
-        raise CheckpointError(f"{path}: config mismatch: {problem}")
 
 
 def _saved_global_batch(path: Path | None) -> int | None:

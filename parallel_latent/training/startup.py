@@ -33,6 +33,7 @@ from parallel_latent.launching.worker_logs import WORKER_LOGS_ENV
 from parallel_latent.model import build_model, eval_mode
 from parallel_latent.parallel import ParallelState
 
+from .decoder_plan import with_planned_decoder
 from .engine_setup import EngineBundle, dump_deepspeed_config, initialize_engine
 from .preflight import JobPlan, plan_for_this_run, planned_resume, preflight, require_same_vocabulary, resolve_device
 from .run_lock import HELD_BY_LAUNCHER_ENV, LOCK_FILE, RunDirLocked, RunLock, acquire_run_lock
@@ -225,7 +226,11 @@ def plan_on_every_rank(cfg: Config, source: str, launcher: dict) -> JobPlan | No
 def plan_by_rank_0(cfg: Config, world_size: int, source: str, local_world_size: int | None) -> JobPlan:
     """The job's plan (:func:`preflight`) made by rank 0 alone and taken by every rank, or its
     one-line refusal raised on every rank alike (collective)."""
-    return decided_by_main(preflight, cfg, world_size, source, local_world_size)
+    return decided_by_main(_plan, cfg, world_size, source, local_world_size)
+
+
+def _plan(cfg: Config, world_size: int, source: str, local_world_size: int | None) -> JobPlan:
+    return with_planned_decoder(cfg, preflight(cfg, world_size, source, local_world_size))
 
 
 def start_run(

@@ -80,6 +80,7 @@ def test_the_plan_reads_a_pretrained_decoders_config_once_and_the_model_is_built
     from parallel_latent.config import ConfigError, load_config
     from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
     from parallel_latent.model import build_model
+    from parallel_latent.training.decoder_plan import with_planned_decoder
     from parallel_latent.training.preflight import JobPlan, preflight
     from tests.helpers.decoders import save_tiny_decoder, small_tokenizer
 
@@ -88,7 +89,7 @@ def test_the_plan_reads_a_pretrained_decoders_config_once_and_the_model_is_built
     overrides = [f"feature_model.name_or_path={decoder}", "feature_model.pretrained=true",
                  "tokenizer.name_or_path=feature_model", f"logging.run_dir={run_dir}"]  # fmt: skip
     cfg = load_config(TINY_CONFIG, overrides)
-    plan = JobPlan.from_json(preflight(cfg, 2, "job.yaml").to_json())  # as a rank receives it
+    plan = JobPlan.from_json(with_planned_decoder(cfg, preflight(cfg, 2, "job.yaml")).to_json())  # as a rank gets it
     assert plan.decoder_config["model_type"] == "llama"
     tokenizer = load_tokenizer(cfg.tokenizer)
     cfg = apply_tokenizer_facts(cfg, tokenizer_facts(tokenizer))
@@ -99,7 +100,7 @@ def test_the_plan_reads_a_pretrained_decoders_config_once_and_the_model_is_built
     planned = build_model(cfg, None, plan.decoder_config).feature_model.state_dict()
     assert planned.keys() == read_here.keys()
     assert all(torch.equal(planned[name], read_here[name]) for name in read_here)
-    for refused in (lambda: build_model(cfg), lambda: preflight(cfg, 2, "job.yaml")):
+    for refused in (lambda: build_model(cfg), lambda: with_planned_decoder(cfg, preflight(cfg, 2, "job.yaml"))):
         with pytest.raises(ConfigError) as error:
             refused()
         message = str(error.value)
