@@ -188,6 +188,7 @@ def test_a_failed_prune_says_the_checkpoint_was_written(pool4, tmp_path):
     ], logged[0]
 
 
+@pytest.mark.slow  # a real job, killed
 def test_kill_9_before_publish_keeps_previous_latest(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(

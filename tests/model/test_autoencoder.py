@@ -271,6 +271,7 @@ def train_copy_task(width: int, seed: int, steps: int) -> tuple[LatentAutoencode
     return model, (predictions == ids).double().mean(dim=0)
 
 
+@pytest.mark.slow  # eight training runs of 250 steps
 @pytest.mark.parametrize("width", [D, 48])
 def test_no_two_positions_end_a_short_run_reading_one_latent(width):
     """The failure this start prevents: with an encoder that learns which position each latent reads
