@@ -10,6 +10,11 @@ import torch
 from parallel_latent.cli import GC_THRESHOLD
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU code generator stands in for CUDA's in the tests (tests/helpers/inductor.py), which
+# has no SIMD: without it, the first compile of every process in a fresh environment also builds and
+# runs a test program per SIMD instruction set (9 of its 12 s; the cache that keeps the answer is new
+# in every installation). Inherited by every subprocess and rank.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 torch.set_num_threads(1)
 gc.set_threshold(*GC_THRESHOLD)  # as the command's processes collect (the pools' ranks too)
 
