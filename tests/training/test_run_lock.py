@@ -52,7 +52,7 @@ def test_a_held_lock_refuses_a_second_holder_with_one_line_naming_it(tmp_path, u
 
 
 @pytest.mark.parametrize("before", ["released", "killed"])
-def test_a_holder_between_its_flock_and_its_record_is_named_not_the_job_before_it(tmp_path, before):
+def test_a_holder_between_its_flock_and_its_record_is_named_not_the_job_before_it(tmp_path, before, monkeypatch):
     """A holder writes its record right after taking the flock; a second job refused in between
     reads the record of the job before (released, or killed: its pid gone) and waits for the
     holder's own instead of naming the wrong process."""
@@ -60,7 +60,8 @@ def test_a_holder_between_its_flock_and_its_record_is_named_not_the_job_before_i
     import json
     import subprocess
     import sys
-    import threading
+
+    from parallel_latent import files
 
     command = [sys.executable, "-c", "import os; print(os.getpid())"]
     gone = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -70,15 +71,20 @@ def test_a_holder_between_its_flock_and_its_record_is_named_not_the_job_before_i
     fd = os.open(path, os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the holder, before its record
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": 2, "state": "held"}
-    writer = threading.Timer(0.3, lambda: path.write_text(json.dumps(holder)))
-    writer.start()
+    waits = []
+
+    def holder_writes_its_record(seconds: float) -> None:  # while the second job waits, whatever the clock
+        waits.append(seconds)
+        path.write_text(json.dumps(holder))
+
+    monkeypatch.setattr(files.time, "sleep", holder_writes_its_record)
     try:
         with pytest.raises(RunDirLocked) as refused:
             acquire_run_lock(tmp_path)
     finally:
-        writer.join()
         os.close(fd)
     assert f"pid {os.getpid()}," in str(refused.value), refused.value
+    assert len(waits) == 1  # read once more, then named
 
 
 @pytest.mark.parametrize("use_flock", [True, False], ids=["flock", "lease"])
