@@ -68,8 +68,8 @@ TMP_PREFIX = ".tmp-"
 LOCK_PREFIX = ".lock-"
 MAP_BATCH = 2048
 # One process tokenises with the tokenizer's own threads, which leave its Python share (about a
-# sixth of the work) serial; worker processes (single-threaded each: a fork disables the threads)
-# pay a pool start and a cold tokenizer cache each. Measured on 2 cores, one process is faster;
+# sixth of the work) serial; worker processes (spawned, single-threaded each) pay a process start,
+# their imports and a cold tokenizer cache each. Measured on 2 cores, one process is faster;
 # workers pay off on larger machines, for corpora of at least this many rows per worker.
 ROWS_PER_WORKER = 100_000
 MIN_CPUS_FOR_WORKERS = 8
@@ -288,11 +288,10 @@ def _build(spec: PrepareSpec, tmp: Path, progress: bool) -> dict[str, Any]:
 
 
 def _tokenize(spec: PrepareSpec, pieces: list, dtype: np.dtype, work: Path, progress: bool) -> list:
-    """Each loaded piece tokenised into fixed-length rows (an Arrow file under ``work``)."""
+    """Each loaded piece tokenised into fixed-length rows (Arrow files under ``work``)."""
     import datasets
 
-    tokenizer = spec.tokenizer
-    encoder = RowEncoder(tokenizer, spec.max_length, tokenizer.pad_token_id, dtype)
+    encoder = RowEncoder(spec.tokenizer, spec.max_length, spec.tokenizer.pad_token_id, dtype)
     features = datasets.Features(
         {
             # datasets >= 4 names fixed-length lists List; Sequence is the older name of the same.
@@ -303,44 +302,79 @@ def _tokenize(spec: PrepareSpec, pieces: list, dtype: np.dtype, work: Path, prog
             "truncated": datasets.Value("bool"),
         }
     )
-    if progress:  # the tokenising bars; loading stays quiet
-        datasets.enable_progress_bars()
     tokenized = []
     for index, (dataset, unit) in enumerate(pieces):
-        workers = _workers(spec.num_workers, len(dataset))
-        previous = os.environ.get("TOKENIZERS_PARALLELISM")
-        if workers > 1:
-            # Worker processes instead of the tokenizer's threads (which a fork would disable, with
-            # a warning per worker).
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        job = _MapJob(encoder, unit, features, work / f"tokenized-{index}", f"{spec.fingerprint}-{index}")
         try:
-            tokenized.append(
-                dataset.map(
-                    _tokenize_batch,
-                    batched=True,
-                    batch_size=MAP_BATCH,
-                    num_proc=workers if workers > 1 else None,
-                    remove_columns=dataset.column_names,
-                    fn_kwargs={"encoder": encoder, "unit": unit},
-                    features=features,
-                    cache_file_name=str(work / f"tokenized-{index}.arrow"),
-                    new_fingerprint=f"{spec.fingerprint}-{index}",
-                    load_from_cache_file=False,
-                    desc="tokenizing",
-                )
-            )
+            tokenized.append(_map_piece(dataset, job, _workers(spec.num_workers, len(dataset)), progress))
         except DataError:
             raise
         except ValueError as error:  # text that cannot be decoded reaches Python only here
             if spec.source.kind == "files":
                 raise diagnose(list(spec.source.files), spec.text_field, error) from None
             raise DataError(f"{spec.source.location}: {first_line(error)}") from None
-        finally:
-            if previous is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = previous
     return tokenized
+
+
+@dataclass(frozen=True)
+class _MapJob:
+    """What tokenising one piece (or one shard of it) needs; picklable, for worker processes."""
+
+    encoder: RowEncoder
+    unit: str
+    features: Any
+    stem: Path  # of the Arrow file(s) written
+    fingerprint: str
+
+
+def _map_piece(dataset: Any, job: _MapJob, workers: int, progress: bool) -> Any:
+    """One piece tokenised in this process, or in ``workers`` contiguous shards by spawned worker
+    processes. Spawned, never forked: the caller is often a training rank whose threads (the
+    process group's, the allocator's, the compiler's) may hold a lock at the moment of a fork, and
+    a forked worker then waits on it forever (``datasets.map(num_proc=...)`` forks)."""
+    if workers <= 1:
+        return _map_shard(dataset, job, 0, progress)
+    import concurrent.futures
+    import multiprocessing
+
+    import datasets
+
+    shards = [dataset.shard(workers, rank, contiguous=True) for rank in range(workers)]
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism (inherited)
+    try:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+            futures = [
+                pool.submit(_map_shard, shard, job, rank, progress and rank == 0) for rank, shard in enumerate(shards)
+            ]
+            return datasets.concatenate_datasets([future.result() for future in futures])
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _map_shard(dataset: Any, job: _MapJob, rank: int, progress: bool) -> Any:
+    import datasets
+
+    if progress:  # the tokenising bars (one per piece; shard 0's when in workers); loading stays quiet
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
+    return dataset.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=MAP_BATCH,
+        remove_columns=dataset.column_names,
+        fn_kwargs={"encoder": job.encoder, "unit": job.unit},
+        features=job.features,
+        cache_file_name=f"{job.stem}-{rank:05d}.arrow",
+        new_fingerprint=f"{job.fingerprint}-{rank}",
+        load_from_cache_file=False,
+        desc="tokenizing",
+    )
 
 
 def _write_arrays(spec: PrepareSpec, tokenized: list, dtype: np.dtype, tmp: Path) -> dict[str, Any]:

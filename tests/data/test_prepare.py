@@ -137,7 +137,14 @@ def test_every_format_round_trips_the_text_readers_samples(write, tmp_path):
     assert data.num_truncated == 1 and data.meta["dtype"] == "uint16"
 
 
-def test_paragraphs_and_several_workers(tmp_path):
+def test_paragraphs_and_several_workers(tmp_path, monkeypatch):
+    """Workers are spawned, never forked (a fork of a process whose other threads hold a lock can
+    wait forever: ``os.fork`` raises here); their shards join in the corpus's order."""
+
+    def no_fork():
+        raise AssertionError("a tokenizing worker was forked")
+
+    monkeypatch.setattr(os, "fork", no_fork)
     text = "one\ntwo\n\n\nthree\n  \nfour\nfive\n\n\n\n" + "\n\n".join(f"para {i}\nline" for i in range(300))
     path = tmp_path / "paragraphs.txt"
     path.write_text(text)
