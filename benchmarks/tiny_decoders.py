@@ -19,9 +19,11 @@ TOKENIZER_VOCAB = 512
 END = "<|endoftext|>"
 # Per family: key/value heads and MLP width (0: one per head, the family's default width), and the keys its
 # config sets otherwise than the random build. Llama's grouped-query attention and an MLP width that is not
-# 4x: the Llama-family shapes people load.
+# 4x, and a padding token (SmolLM2's config names one, a special token; here the rarest merge, whose
+# row the padding index zeroes): the Llama-family shapes people load.
 SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
-          "llama": (KV_HEADS, 176, {"rope_theta": 500000.0, "tie_word_embeddings": False})}  # fmt: skip
+          "llama": (KV_HEADS, 176, {"rope_theta": 500000.0, "tie_word_embeddings": False,
+                    "pad_token_id": TOKENIZER_VOCAB - 1})}  # fmt: skip
 
 
 def decoder_config(family: str, vocab_size: int):

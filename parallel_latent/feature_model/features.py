@@ -117,7 +117,9 @@ def decoder_signature(
     config, family = _decoder_config(feature_cfg, 1, recorded, planned)
     keep = held_layers(family.depth(config), feature_cfg.hidden_state, family, HIDDEN_STATE_KEY)
     runnable = _runnable(config, family, keep)
-    runnable.vocab_size = 1
+    # A one-row token table (its rows are compared apart); a padding row past it would not build
+    # (SmolLM2's config names pad token 2).
+    runnable.vocab_size, runnable.pad_token_id = 1, None
     with torch.device("meta"), _transformers_quiet():
         decoder = _decoder_from_config(runnable)
     table = decoder.get_input_embeddings().weight
