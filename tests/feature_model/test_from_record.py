@@ -157,8 +157,15 @@ def test_a_loaded_decoder_of_another_family_is_named(tmp_path):
     from parallel_latent.config import FeatureModelConfig
     from parallel_latent.feature_model.from_record import loaded_decoder_difference
 
-    llama = LlamaConfig(vocab_size=50, num_hidden_layers=6, num_attention_heads=4, hidden_size=32,
-                        intermediate_size=64, max_position_embeddings=64, pad_token_id=2)  # fmt: skip (SmolLM2's pad)
+    llama = LlamaConfig(
+        vocab_size=50,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        hidden_size=32,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=2,
+    )  # fmt: skip (SmolLM2's pad)
     saved = record(
         OUTSIDE_PATH, pretrained=True, shape={"architecture": "llama", **SHAPE, "transformers_config": llama.to_dict()}
     )
