@@ -100,10 +100,20 @@ def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
 
 
 def on_ranks(world: int, task, *args):
-    """Rank 0's ``task(*args)``, run on each of ``world`` spawned ranks; a rank that fails ends them all."""
+    """Rank 0's ``task(*args)``, run on each of ``world`` ranks; a rank that fails ends them all.
+
+    The ranks fork from a fork server that has imported torch and ``task``'s module once (for every
+    call of this process): each would otherwise import them again (3-4 s of CPU a rank), and a fork
+    of this process itself, whose threads may hold a lock, could hang."""
+    import sys
+
     import torch.multiprocessing as mp
 
-    context = mp.get_context("spawn")
+    module = task.__module__
+    if module == "__main__":  # (python -m benchmarks.X): the name the fork server can import
+        module = getattr(sys.modules["__main__"].__spec__, "name", None) or "torch"
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", module])
     results, port = context.Queue(), free_port()
     processes = [context.Process(target=_rank, args=(r, world, port, task, args, results)) for r in range(world)]
     for process in processes:
