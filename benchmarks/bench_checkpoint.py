@@ -2,8 +2,7 @@
 the training loop's stall per training checkpoint written in the background against a synchronous one,
 on configs/gpt2.yaml's autoencoder with random weights (one process, TP=1, CPU; repeats interleaved).
 
-    python -m benchmarks.bench_checkpoint [--repeats 5] [--quick]   # --quick: configs/tiny.yaml, 2 repeats
-"""
+    python -m benchmarks.bench_checkpoint [--repeats 5] [--quick]   # --quick: configs/tiny.yaml, 2 repeats"""
 
 from __future__ import annotations
 

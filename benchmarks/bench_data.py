@@ -2,8 +2,7 @@
 batches from the prepared memmap against an Arrow dataset; time and peak RSS to the first step of
 ``train`` on the bundled corpus and on 1M and 10M prepared lines (goals: + 3 s, + 100 MB).
 
-    python -m benchmarks.bench_data [--quick]         # ~15-25 min on 2 cores; --quick: 5k and 10k lines
-"""
+    python -m benchmarks.bench_data [--quick]         # ~15-25 min on 2 cores; --quick: 5k and 10k lines"""
 
 from __future__ import annotations
 

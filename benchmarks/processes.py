@@ -9,6 +9,7 @@ import os
 import queue
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -100,18 +101,12 @@ def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
 
 
 def on_ranks(world: int, task, *args):
-    """Rank 0's ``task(*args)``, run on each of ``world`` ranks; a rank that fails ends them all.
-
-    The ranks fork from a fork server that has imported torch and ``task``'s module once (for every
-    call of this process): each would otherwise import them again (3-4 s of CPU a rank), and a fork
-    of this process itself, whose threads may hold a lock, could hang."""
-    import sys
-
+    """Rank 0's ``task(*args)`` on each of ``world`` ranks, forked from a server that imported torch and
+    ``task``'s module once (spawned ranks import them: 3-4 s of CPU each; a fork of this process, whose
+    threads may hold a lock, could hang); a rank that fails ends them all."""
     import torch.multiprocessing as mp
 
-    module = task.__module__
-    if module == "__main__":  # (python -m benchmarks.X): the name the fork server can import
-        module = getattr(sys.modules["__main__"].__spec__, "name", None) or "torch"
+    module = sys.modules["__main__"].__spec__.name if task.__module__ == "__main__" else task.__module__
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["torch", module])
     results, port = context.Queue(), free_port()

@@ -1,8 +1,7 @@
-"""Tiny decoders of each family the tests load, saved as the hub ships them: a ``*ForCausalLM`` written
-by ``save_pretrained`` with its own small byte-level BPE tokenizer beside it (trained with the
-``tokenizers`` library on the bundled corpus), so that ``feature_model.name_or_path=DIR
-tokenizer.name_or_path=feature_model`` loads both from the directory, as for a real Pythia or Llama
-(benchmarks/bench_quality.py's ``--tiny-decoder``, and the tests through tests/helpers/decoders.py)."""
+"""Tiny decoders of each family the tests load, saved as the hub ships them: a ``*ForCausalLM``
+(``save_pretrained``) beside its own byte-level BPE learnt from the bundled corpus, so that
+``feature_model.name_or_path=DIR tokenizer.name_or_path=feature_model`` loads both, as for a real
+Pythia or Llama (bench_quality.py's ``--tiny-decoder``; the tests through tests/helpers/decoders.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +18,9 @@ TOKENIZER_VOCAB = 512
 END = "<|endoftext|>"
 # Per family: key/value heads and MLP width (0: one per head, the family's default width), and the keys its
 # config sets otherwise than the random build. Llama's grouped-query attention and an MLP width that is not
-# 4x, and a padding token (SmolLM2's config names one, a special token; here the rarest merge, whose
-# row the padding index zeroes): the Llama-family shapes people load.
-SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
-          "llama": (KV_HEADS, 176, {"rope_theta": 500000.0, "tie_word_embeddings": False,
-                    "pad_token_id": TOKENIZER_VOCAB - 1})}  # fmt: skip
+# 4x, a padding token (SmolLM2 names one; here the rarest merge): the Llama-family shapes people load.
+SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}), "llama": (KV_HEADS, 176, {
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "pad_token_id": TOKENIZER_VOCAB - 1})}  # fmt: skip
 
 
 def decoder_config(family: str, vocab_size: int):
