@@ -1,7 +1,6 @@
-"""Tiny decoders of each family the tests load, saved as the hub ships them: a ``*ForCausalLM``
-(``save_pretrained``) beside its own byte-level BPE learnt from the bundled corpus, so that
-``feature_model.name_or_path=DIR tokenizer.name_or_path=feature_model`` loads both, as for a real
-Pythia or Llama (bench_quality.py's ``--tiny-decoder``; the tests through tests/helpers/decoders.py)."""
+"""Tiny decoders of each family the tests load, saved as the hub ships them (``save_pretrained``, beside
+its own byte-level BPE learnt from the bundled corpus) so that ``feature_model.name_or_path=DIR
+tokenizer.name_or_path=feature_model`` loads both (bench_quality.py's ``--tiny-decoder``, the tests)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,11 @@ FAMILIES = ("gpt2", "gpt_neox", "llama")
 WIDTH, HEADS, KV_HEADS, LAYERS, POSITIONS = 64, 4, 2, 4, 128
 TOKENIZER_VOCAB = 512
 END = "<|endoftext|>"
-# Per family: key/value heads and MLP width (0: one per head, the family's default width), and the keys its
-# config sets otherwise than the random build. Llama's grouped-query attention and an MLP width that is not
-# 4x, a padding token (SmolLM2 names one; here the rarest merge): the Llama-family shapes people load.
-SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}), "llama": (KV_HEADS, 176, {
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "pad_token_id": TOKENIZER_VOCAB - 1})}  # fmt: skip
+# Per family: key/value heads and MLP width (0: the family's default), and the keys its config sets
+# otherwise than the random build (Llama: grouped-query attention, an MLP not 4x wide; its saved config
+# names a padding token, as SmolLM2's does, set once the weights are drawn: a zero row loses a token).
+SHAPES = {"gpt2": (0, 0, {}), "gpt_neox": (0, 3 * WIDTH, {"rotary_pct": 0.5}),
+          "llama": (KV_HEADS, 176, {"rope_theta": 500000.0, "tie_word_embeddings": False})}  # fmt: skip
 
 
 def decoder_config(family: str, vocab_size: int):
@@ -52,9 +51,10 @@ def save_tiny_decoder(directory: Path, family: str, tokenizer: PreTrainedTokeniz
     """A random ``family`` decoder with an LM head, and ``tokenizer``, saved into ``directory``;
     ``changes``: config keys set otherwise (another decoder under the same family)."""
     config = decoder_config(family, len(tokenizer))
-    for key, value in changes.items():
-        setattr(config, key, value)
+    config.update(changes)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    model = AutoModelForCausalLM.from_config(config)
+    model.config.update({"pad_token_id": TOKENIZER_VOCAB - 1} if family == "llama" else {})
+    model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
