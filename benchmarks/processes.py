@@ -38,9 +38,7 @@ def run_checked(command: list[str], env: dict[str, str], what: str) -> subproces
 
 
 def watched_run(command: list[str], env: dict[str, str], watch: Callable[[subprocess.Popen], bool] = lambda _: False):
-    """(peak RSS in MB, exit status, the output's end) of ``command`` run from the repository, its output
-    in a file (a pipe nobody reads while it runs could fill and stop it); ``watch(process)`` is asked
-    after each sample of its memory (True: stop watching)."""
+    """(peak RSS MB, exit status, output's end) of ``command``, output in a file; ``watch(process)``: True stops."""
     with tempfile.TemporaryFile() as output:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
         peak = 0.0
@@ -73,9 +71,8 @@ def peak_extra_bytes(fn) -> int:
 
 
 def free_port() -> int:
-    """A port for a store that a process started later will host, left in TIME_WAIT (about 60 s), which the
-    kernel never hands to ``bind(0)`` or ``connect()`` (a port merely closed could go to a test's gloo
-    listener first), while the store's own bind (``SO_REUSEADDR``, as every TCPStore's) still takes it."""
+    """A port for a store a later process hosts, left in TIME_WAIT (~60 s): never handed to ``bind(0)`` or
+    ``connect()`` (a closed port could go to a gloo listener first); the store's SO_REUSEADDR bind takes it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -100,15 +97,18 @@ def _rank(rank: int, world: int, port: int, task, args: tuple, results) -> None:
         results.put(value)
 
 
-def on_ranks(world: int, task, *args):
-    """Rank 0's ``task(*args)`` on each of ``world`` ranks, forked from a server that imported torch and
-    ``task``'s module once (spawned ranks import them: 3-4 s of CPU each; a fork of this process, whose
-    threads may hold a lock, could hang); a rank that fails ends them all."""
+def preloaded_context(*modules: str):
+    """Processes forked from a server that imported ``modules`` once (spawned ones import them: 3-4 CPU-s)."""
     import torch.multiprocessing as mp
 
+    (context := mp.get_context("forkserver")).set_forkserver_preload(list(modules))
+    return context
+
+
+def on_ranks(world: int, task, *args):
+    """Rank 0's ``task(*args)`` on each of ``world`` ranks; a rank that fails ends them all."""
     module = sys.modules["__main__"].__spec__.name if task.__module__ == "__main__" else task.__module__
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", module])
+    context = preloaded_context("torch", module)  # (python -m benchmarks.X runs as __main__)
     results, port = context.Queue(), free_port()
     processes = [context.Process(target=_rank, args=(r, world, port, task, args, results)) for r in range(world)]
     for process in processes:

@@ -340,20 +340,17 @@ def _map_piece(dataset: Any, job: _MapJob, workers: int, progress: bool) -> Any:
     import datasets
 
     shards = [dataset.shard(workers, rank, contiguous=True) for rank in range(workers)]
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism (inherited)
-    try:
-        spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-            futures = [
-                pool.submit(_map_shard, shard, job, rank, progress and rank == 0) for rank, shard in enumerate(shards)
-            ]
-            return datasets.concatenate_datasets([future.result() for future in futures])
-    finally:
-        if previous is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=spawn, initializer=_one_thread) as pool:
+        futures = [
+            pool.submit(_map_shard, shard, job, rank, progress and rank == 0) for rank, shard in enumerate(shards)
+        ]
+        return datasets.concatenate_datasets([future.result() for future in futures])
+
+
+def _one_thread() -> None:
+    """A worker's tokenizer without threads of its own: the workers are the parallelism."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _map_shard(dataset: Any, job: _MapJob, rank: int, progress: bool) -> Any:

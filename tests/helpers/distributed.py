@@ -18,9 +18,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.processes import free_port
+from benchmarks.processes import free_port, preloaded_context
 from parallel_latent.cli import GC_THRESHOLD
 
 TASK_TIMEOUT_S = float(os.environ.get("PL_TEST_TASK_TIMEOUT", "300"))
@@ -87,12 +86,9 @@ class DistributedPool:
         self._procs = []
 
     def _start(self) -> None:
-        # The ranks fork from a server that imported the package once (torch, transformers, the
-        # model, the trainer; not DeepSpeed, which reads its accelerator from the rank's
-        # environment): spawned, each rank imported them again, 3 s of CPU. The server runs
-        # nothing else, so no thread of it holds a lock when it forks.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["parallel_latent.training.trainer"])
+        # torch, transformers and the package imported once (not DeepSpeed, which reads its
+        # accelerator from the rank's environment).
+        ctx = preloaded_context("parallel_latent.training.trainer")
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
